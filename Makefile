@@ -1,0 +1,51 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Both create .venv and install what they need the first time (a stamp file skips it later).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.kvgrid-installed
+# vLLM 0.28-0.32 pin torch==2.13.0, the CPU build this machine kind carries; installed without its
+# CUDA dependencies so the tests use vLLM's real spec and event classes.
+VLLM_VERSION ?= 0.32.0
+VLLM_PURE_DEPS := pyzmq cbor2 packaging psutil urllib3 regex "transformers<5.20,>=5.16.1" aiohttp requests \
+	openai openai-harmony pillow pybase64 cachetools cloudpickle uvloop py-cpuinfo prometheus_client \
+	"xgrammar==0.2.8" fastapi partial-json-parser llguidance
+export VLLM_TARGET_DEVICE ?= cpu
+
+.PHONY: demo test lint typecheck unit proto install clean
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	@# torch: keep an installed one (e.g. a CUDA build on a GPU machine), else the pinned CPU build
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps vllm==$(VLLM_VERSION)
+	$(PIP) install -q $(VLLM_PURE_DEPS)
+	@touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvgrid demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/buf lint
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test: lint typecheck unit
+
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache
