@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import filecmp
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,9 +24,14 @@ def generate(dest: Path) -> None:
     protos = sorted(str(p.relative_to(PROTO_DIR)) for p in (PROTO_DIR / "kvgrid" / "v1").glob("*.proto"))
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
-            sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_DIR}",
-            f"--python_out={tmp}", f"--grpc_python_out={tmp}",
-            f"--mypy_out={tmp}", f"--mypy_grpc_out={tmp}",
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{PROTO_DIR}",
+            f"--python_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            f"--mypy_out={tmp}",
+            f"--mypy_grpc_out={tmp}",
             f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}",
             f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}",
             *protos,

@@ -41,7 +41,9 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     words = [a for a in argv if not a.startswith("-")]
     _add_group(sub, COMMANDS, words[0] if words else None)
-    bench = sub.add_parser("bench", help="benchmarks that measure a limit in the same run and print the ratio")
+    bench = sub.add_parser(
+        "bench", help="benchmarks that measure a limit in the same run and print the ratio"
+    )
     bench_sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     _add_group(bench_sub, BENCHMARKS, words[1] if len(words) > 1 and words[0] == "bench" else None)
     return parser
