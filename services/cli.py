@@ -57,7 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         parser.print_help()
         return 2
-    return int(run(args) or 0)
+    try:
+        return int(run(args) or 0)
+    except (ValueError, TypeError) as exc:
+        # Bad values reach users as one line naming the value, not a traceback.
+        parser.exit(2, f"kvgrid: error: {exc}\n")
 
 
 if __name__ == "__main__":
