@@ -434,5 +434,7 @@ def test_bench_hashing_command_text_and_bad_args(capsys: pytest.CaptureFixture[s
     assert cli.main(["bench", "hashing", "--tokens", "600", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "600 tokens -> 2 chunks" in out and "MB/s" in out and "ratio" in out
-    with pytest.raises(ValueError, match="--tokens 100 is less than one chunk"):
+    with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "hashing", "--tokens", "100"])
+    assert exit_info.value.code == 2
+    assert "--tokens 100 is less than one chunk" in capsys.readouterr().err
