@@ -263,15 +263,19 @@ class SnapshotIndexRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     POD_UID_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
     pod_uid: _builtins.str
+    tier: _common_pb2.Tier.ValueType
+    """Which tier's entries (unspecified = L1, the agent-owned tier)."""
     def __init__(
         self,
         *,
         pod_uid: _builtins.str = ...,
+        tier: _common_pb2.Tier.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pod_uid", b"pod_uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pod_uid", b"pod_uid", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -313,8 +317,11 @@ class MatchPrefixRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _builtins.int
     NAMESPACE_ID_FIELD_NUMBER: _builtins.int
     CANDIDATE_POD_UIDS_FIELD_NUMBER: _builtins.int
+    MAX_PODS_FIELD_NUMBER: _builtins.int
     namespace_id: _builtins.str
     """Hex namespace id when chunk_keys are sent (ignored with token_ids)."""
+    max_pods: _builtins.int
+    """At most this many pods in the answer, longest match first (0 = every pod that holds a leading chunk)."""
     @_builtins.property
     def token_ids(self) -> _common_pb2.TokenIds: ...
     @_builtins.property
@@ -335,10 +342,11 @@ class MatchPrefixRequest(_message.Message):
         namespace: _common_pb2.KeyNamespace | None = ...,
         namespace_id: _builtins.str = ...,
         candidate_pod_uids: _abc.Iterable[_builtins.str] | None = ...,
+        max_pods: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunk_keys", b"chunk_keys", "namespace", b"namespace", "query", b"query", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_pod_uids", b"candidate_pod_uids", "chunk_keys", b"chunk_keys", "namespace", b"namespace", "namespace_id", b"namespace_id", "query", b"query", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_pod_uids", b"candidate_pod_uids", "chunk_keys", b"chunk_keys", "max_pods", b"max_pods", "namespace", b"namespace", "namespace_id", b"namespace_id", "query", b"query", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_query: _TypeAlias = _typing.Literal["token_ids", "chunk_keys"]  # noqa: Y015
     _WhichOneofArgType_query: _TypeAlias = _typing.Literal["query", b"query"]  # noqa: Y015
@@ -385,18 +393,26 @@ class MatchPrefixResponse(_message.Message):
 
     NUM_QUERY_CHUNKS_FIELD_NUMBER: _builtins.int
     MATCHES_FIELD_NUMBER: _builtins.int
+    PEER_FETCHABLE_CHUNKS_FIELD_NUMBER: _builtins.int
     num_query_chunks: _builtins.int
+    peer_fetchable_chunks: _builtins.int
+    """Leading chunks held in some pod's L1: any pod of the namespace not listed in matches can fetch
+    this many from peers (its PodMatch would be gpu 0, l1 0, peer = this).
+    """
     @_builtins.property
-    def matches(self) -> _containers.RepeatedCompositeFieldContainer[Global___PodMatch]: ...
+    def matches(self) -> _containers.RepeatedCompositeFieldContainer[Global___PodMatch]:
+        """Pods that hold at least one of the leading chunks themselves (GPU or L1), longest match first."""
+
     def __init__(
         self,
         *,
         num_query_chunks: _builtins.int = ...,
         matches: _abc.Iterable[Global___PodMatch] | None = ...,
+        peer_fetchable_chunks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["matches", b"matches", "num_query_chunks", b"num_query_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["matches", b"matches", "num_query_chunks", b"num_query_chunks", "peer_fetchable_chunks", b"peer_fetchable_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -449,10 +465,13 @@ class ScoreRequest(_message.Message):
     MATCH_FIELD_NUMBER: _builtins.int
     RESERVE_FIELD_NUMBER: _builtins.int
     SPECULATIVE_TTL_MS_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
     reserve: _builtins.bool
     """Record a short-lived speculative entry for the chosen pod (the router will send it there)."""
     speculative_ttl_ms: _builtins.int
     """0 = the controller's default."""
+    top_k: _builtins.int
+    """Return only the best this many pods (0 = all eligible pods)."""
     @_builtins.property
     def match(self) -> Global___MatchPrefixRequest: ...
     def __init__(
@@ -461,10 +480,11 @@ class ScoreRequest(_message.Message):
         match: Global___MatchPrefixRequest | None = ...,
         reserve: _builtins.bool = ...,
         speculative_ttl_ms: _builtins.int = ...,
+        top_k: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["match", b"match"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["match", b"match", "reserve", b"reserve", "speculative_ttl_ms", b"speculative_ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["match", b"match", "reserve", b"reserve", "speculative_ttl_ms", b"speculative_ttl_ms", "top_k", b"top_k"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -476,8 +496,17 @@ class PodScore(_message.Message):
 
     MATCH_FIELD_NUMBER: _builtins.int
     ESTIMATED_TTFT_MS_FIELD_NUMBER: _builtins.int
+    L1_TRANSFER_MS_FIELD_NUMBER: _builtins.int
+    PEER_TRANSFER_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_MS_FIELD_NUMBER: _builtins.int
+    QUEUE_MS_FIELD_NUMBER: _builtins.int
     estimated_ttft_ms: _builtins.float
     """Estimated time to first token on this pod."""
+    l1_transfer_ms: _builtins.float
+    """Breakdown of the estimate: L1 -> GPU copy, peer fetch, prefill of the unmatched tail, queueing."""
+    peer_transfer_ms: _builtins.float
+    prefill_ms: _builtins.float
+    queue_ms: _builtins.float
     @_builtins.property
     def match(self) -> Global___PodMatch: ...
     def __init__(
@@ -485,10 +514,14 @@ class PodScore(_message.Message):
         *,
         match: Global___PodMatch | None = ...,
         estimated_ttft_ms: _builtins.float = ...,
+        l1_transfer_ms: _builtins.float = ...,
+        peer_transfer_ms: _builtins.float = ...,
+        prefill_ms: _builtins.float = ...,
+        queue_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["match", b"match"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["estimated_ttft_ms", b"estimated_ttft_ms", "match", b"match"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["estimated_ttft_ms", b"estimated_ttft_ms", "l1_transfer_ms", b"l1_transfer_ms", "match", b"match", "peer_transfer_ms", b"peer_transfer_ms", "prefill_ms", b"prefill_ms", "queue_ms", b"queue_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -652,11 +685,22 @@ class GetStatsResponse(_message.Message):
     EVENTS_INGESTED_FIELD_NUMBER: _builtins.int
     RESYNCS_FIELD_NUMBER: _builtins.int
     INDEX_BACKEND_FIELD_NUMBER: _builtins.int
+    REJECTED_REQUESTS_FIELD_NUMBER: _builtins.int
+    VLLM_EVENTS_INGESTED_FIELD_NUMBER: _builtins.int
+    VLLM_REPLAYS_FIELD_NUMBER: _builtins.int
+    EXPIRED_LEASES_FIELD_NUMBER: _builtins.int
     num_entries: _builtins.int
     num_agents: _builtins.int
     events_ingested: _builtins.int
     resyncs: _builtins.int
     index_backend: _builtins.str
+    rejected_requests: _builtins.int
+    """Requests rejected with INVALID_ARGUMENT / FAILED_PRECONDITION since start."""
+    vllm_events_ingested: _builtins.int
+    """vLLM KV events ingested (blocks stored or removed) and replays requested on sequence gaps."""
+    vllm_replays: _builtins.int
+    expired_leases: _builtins.int
+    """Leases that lapsed (agent entries dropped)."""
     def __init__(
         self,
         *,
@@ -665,10 +709,14 @@ class GetStatsResponse(_message.Message):
         events_ingested: _builtins.int = ...,
         resyncs: _builtins.int = ...,
         index_backend: _builtins.str = ...,
+        rejected_requests: _builtins.int = ...,
+        vllm_events_ingested: _builtins.int = ...,
+        vllm_replays: _builtins.int = ...,
+        expired_leases: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events_ingested", b"events_ingested", "index_backend", b"index_backend", "num_agents", b"num_agents", "num_entries", b"num_entries", "resyncs", b"resyncs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events_ingested", b"events_ingested", "expired_leases", b"expired_leases", "index_backend", b"index_backend", "num_agents", b"num_agents", "num_entries", b"num_entries", "rejected_requests", b"rejected_requests", "resyncs", b"resyncs", "vllm_events_ingested", b"vllm_events_ingested", "vllm_replays", b"vllm_replays"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

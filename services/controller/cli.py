@@ -1,0 +1,55 @@
+"""Run the lookup/controller service (``kvgrid controller``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from kvgrid.common.config import add_config_arguments, config_from_args
+from kvgrid.controller.config import ControllerConfig
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    add_config_arguments(parser, ControllerConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    cfg = config_from_args(ControllerConfig, args)
+    from kvgrid.controller.service import serve
+
+    telemetry = None
+    try:
+        from kvgrid.common.telemetry import setup_telemetry
+
+        telemetry = setup_telemetry("kvgrid-controller", prometheus_port=cfg.prometheus_port or None)
+    except Exception as e:  # metrics are optional; never keep the service from starting
+        logging.getLogger(__name__).warning("telemetry disabled: %s", e)
+    server = serve(cfg)
+    print(f"kvgrid controller listening on {server.address} (index: {cfg.index_backend})", flush=True)
+    done = threading.Event()
+
+    def _stop(signum: int, _frame: object) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    done.wait()
+    server.stop()
+    if telemetry is not None:
+        telemetry.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    from kvgrid.cli import main
+
+    sys.exit(main(["controller", *sys.argv[1:]]))

@@ -1,0 +1,544 @@
+"""ControllerService: registry + ingest + index + scoring behind gRPC (with health and reflection).
+
+:class:`Controller` holds the logic and is usable without gRPC; :class:`ControllerServicer` maps it
+onto the protobuf API and turns errors into status codes (ValueError/TypeError ->
+INVALID_ARGUMENT, stale epoch -> FAILED_PRECONDITION, unknown pod -> NOT_FOUND) with the message
+naming the bad value. Nothing is applied from a request that fails validation.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+import msgspec
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.common.hashing import DEFAULT_TOKENS_PER_CHUNK, chunk_keys
+from kvgrid.common.wire import key_namespace_from_proto, pod_identity_from_proto, pod_identity_to_proto
+from kvgrid.controller.config import ControllerConfig
+from kvgrid.controller.index import ChunkIndex, IndexTier, MemoryIndex, check_keys
+from kvgrid.controller.ingest import Ingestor, events_from_proto, grpc_snapshot
+from kvgrid.controller.matching import PrefixMatch, match_prefix
+from kvgrid.controller.registry import (
+    AgentLoad,
+    AgentRecord,
+    Registry,
+    StaleEpochError,
+    UnknownPodError,
+)
+from kvgrid.controller.scoring import Candidate, ScoreParams, rank
+from kvgrid.controller.vllm_events import VllmEventSubscriber
+
+__all__ = ["Controller", "ControllerServicer", "Query", "make_index", "serve"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
+
+
+def make_index(cfg: ControllerConfig) -> ChunkIndex:
+    if cfg.index_backend == "redis":
+        from kvgrid.controller.index_redis import RedisIndex
+
+        return RedisIndex(cfg.redis_url, prefix=cfg.redis_prefix)
+    return MemoryIndex()
+
+
+class Query(msgspec.Struct, frozen=True):
+    keys: list[bytes]
+    namespace_id: str
+    tokens_per_chunk: int
+    num_tokens: int
+    candidates: frozenset[str]
+    max_pods: int
+
+
+def _is_hex_id(s: str) -> bool:
+    return len(s) == 32 and all(c in "0123456789abcdef" for c in s)
+
+
+class Controller:
+    """The controller's state and operations (thread-safe)."""
+
+    def __init__(self, cfg: ControllerConfig, index: ChunkIndex | None = None) -> None:
+        self.cfg = cfg
+        self.index = index if index is not None else make_index(cfg)
+        self.registry = Registry(cfg.lease_ttl_ms)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()
+        self.ingest = Ingestor(
+            self.index,
+            grpc_snapshot(self._channels, self._channels_lock),
+            snapshot_timeout_s=cfg.snapshot_timeout_ms / 1000,
+            retry_s=cfg.resync_retry_ms / 1000,
+            on_namespaces=self._learn_namespaces,
+        )
+        self.params = ScoreParams.from_config(cfg)
+        self.rejected = 0
+        self._holders: dict[str, AgentRecord] = {}
+        self._holders_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="kvgrid-lease-sweeper", daemon=True)
+        self.vllm = [VllmEventSubscriber(src, self.index, self._holder_of_uid) for src in cfg.vllm_sources]
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._sweeper.start()
+        for s in self.vllm:
+            s.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for s in self.vllm:
+            s.stop()
+        self.ingest.close()
+        with self._channels_lock:
+            for ch in self._channels.values():
+                ch.close()
+        self.index.close()
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self.cfg.sweep_interval_ms / 1000):
+            try:
+                self.sweep()
+            except Exception:  # keep sweeping whatever one round hit (e.g. Redis briefly down)
+                log.exception("lease sweep failed")
+
+    def sweep(self) -> list[AgentRecord]:
+        gone = self.registry.expire()
+        for rec in gone:
+            log.info("lease of %s lapsed: dropping its entries", rec.holder)
+            self._drop(rec)
+        if gone:
+            self._refresh_holders()
+        return gone
+
+    def _drop(self, rec: AgentRecord) -> None:
+        self.ingest.forget(rec.holder)
+        self.index.drop_holder(rec.holder)
+        for s in self.vllm:
+            if s.source.pod_uid == rec.pod.pod_uid:
+                s.rebind()
+
+    def _refresh_holders(self) -> None:
+        with self._holders_lock:
+            self._holders = {r.holder: r for r in self.registry.all()}
+
+    def _holder_of_uid(self, pod_uid: str) -> str | None:
+        rec = self.registry.get(pod_uid)
+        return rec.holder if rec else None
+
+    def _learn_namespaces(self, rec: AgentRecord, namespaces: Sequence[str]) -> None:
+        good = tuple(ns for ns in namespaces if _is_hex_id(ns))
+        if good and set(good) != set(rec.namespaces):
+            rec.namespaces = tuple(dict.fromkeys((*rec.namespaces, *good)))
+
+    # --- registry -----------------------------------------------------------------------------
+    def register(self, req: controller_pb2.RegisterAgentRequest) -> controller_pb2.RegisterAgentResponse:
+        pod = pod_identity_from_proto(req.pod)
+        out = self.registry.register(pod, list(req.namespaces), req.l1_capacity_bytes)
+        if out.replaced is not None:
+            log.info("pod %s: epoch %d replaces %d", pod.pod_uid, pod.epoch, out.replaced.pod.epoch)
+            self._drop(out.replaced)
+        self._refresh_holders()
+        if out.is_new:
+            for s in self.vllm:
+                if s.source.pod_uid == pod.pod_uid:
+                    s.rebind()
+            if pod.agent_address:
+                self.ingest.request_resync(out.record)
+        return controller_pb2.RegisterAgentResponse(
+            lease_ttl_ms=self.cfg.lease_ttl_ms, snapshot_requested=out.is_new and bool(pod.agent_address)
+        )
+
+    def heartbeat(self, req: controller_pb2.HeartbeatRequest) -> controller_pb2.HeartbeatResponse:
+        if not req.pod_uid:
+            raise ValueError("pod_uid='': expected the pod's UID")
+        load = None
+        if req.HasField("load"):
+            ld = req.load
+            if not 0.0 <= ld.gpu_kv_usage <= 1.0:
+                raise ValueError(f"load.gpu_kv_usage={ld.gpu_kv_usage}: expected a fraction in [0, 1]")
+            load = AgentLoad(
+                running_requests=ld.running_requests,
+                waiting_requests=ld.waiting_requests,
+                gpu_kv_usage=ld.gpu_kv_usage,
+                l1_used_bytes=ld.l1_used_bytes,
+                l1_capacity_bytes=ld.l1_capacity_bytes,
+            )
+        try:
+            self.registry.heartbeat(req.pod_uid, req.epoch, load)
+        except UnknownPodError:
+            return controller_pb2.HeartbeatResponse(lease_ttl_ms=self.cfg.lease_ttl_ms, reregister=True)
+        return controller_pb2.HeartbeatResponse(lease_ttl_ms=self.cfg.lease_ttl_ms, reregister=False)
+
+    # --- ingest -------------------------------------------------------------------------------
+    def publish(
+        self, requests: Iterator[controller_pb2.PublishEventsRequest]
+    ) -> Iterator[controller_pb2.PublishEventsResponse]:
+        rec: AgentRecord | None = None
+        first = True
+        for req in requests:
+            if req.HasField("pod"):
+                pod = pod_identity_from_proto(req.pod)
+                if rec is not None and (pod.pod_uid, pod.epoch) != (rec.pod.pod_uid, rec.pod.epoch):
+                    raise ValueError(
+                        f"pod {pod.holder_id!r}: one PublishEvents stream carries one pod incarnation "
+                        f"({rec.holder!r}); open a new stream"
+                    )
+            elif rec is None:
+                raise ValueError("pod: the first PublishEvents message must carry the pod identity")
+            else:
+                pod = rec.pod
+            current = self.registry.current(pod.pod_uid, pod.epoch)  # raises StaleEpochError
+            if current is None:
+                # Unknown pod or newer epoch (e.g. this controller restarted): register implicitly;
+                # the snapshot pull brings the entries and the namespaces.
+                out = self.registry.register(pod, (), 0)
+                if out.replaced is not None:
+                    self._drop(out.replaced)
+                self._refresh_holders()
+                current = out.record
+            elif rec is not None and current is not rec:
+                raise StaleEpochError(f"pod {pod.holder_id!r} was re-registered while this stream was open")
+            rec = current
+            events = events_from_proto(req.events, rec.namespaces, self.cfg.max_event_keys)
+            acked, resync = self.ingest.publish(rec, events, new_stream=first)
+            first = False
+            yield controller_pb2.PublishEventsResponse(acked_sequence=acked, resync_started=resync)
+
+    def snapshot_index(
+        self, req: controller_pb2.SnapshotIndexRequest
+    ) -> controller_pb2.SnapshotIndexResponse:
+        rec = self.registry.get(req.pod_uid)
+        if rec is None:
+            raise UnknownPodError(f"pod_uid={req.pod_uid!r}: no registered agent with this UID")
+        tiers = {
+            common_pb2.TIER_UNSPECIFIED: IndexTier.L1,
+            common_pb2.TIER_L1: IndexTier.L1,
+            common_pb2.TIER_GPU: IndexTier.GPU,
+        }
+        if req.tier not in tiers:
+            raise ValueError(f"tier={req.tier}: expected TIER_L1 or TIER_GPU")
+        keys = sorted(self.index.holder_keys(rec.holder, tiers[req.tier]))
+        return controller_pb2.SnapshotIndexResponse(
+            pod=pod_identity_to_proto(rec.pod),
+            chunk_keys=keys,
+            last_sequence=self.ingest.last_sequence(rec.holder),
+        )
+
+    # --- queries ------------------------------------------------------------------------------
+    def parse_query(self, req: controller_pb2.MatchPrefixRequest) -> Query:
+        which = req.WhichOneof("query")
+        cands = frozenset(req.candidate_pod_uids)
+        if "" in cands:
+            raise ValueError("candidate_pod_uids: contains an empty UID")
+        if which == "token_ids":
+            if not req.HasField("namespace"):
+                raise ValueError("namespace: required with token_ids (the key namespace of the model)")
+            n = len(req.token_ids.ids)
+            if n > self.cfg.max_query_tokens:
+                raise ValueError(
+                    f"token_ids: {n} tokens, more than max_query_tokens={self.cfg.max_query_tokens}"
+                )
+            ns = key_namespace_from_proto(req.namespace)
+            if n // ns.tokens_per_chunk > self.cfg.max_query_chunks:
+                raise ValueError(
+                    f"token_ids: {n // ns.tokens_per_chunk} chunks, more than max_query_chunks="
+                    f"{self.cfg.max_query_chunks}"
+                )
+            keys = chunk_keys(list(req.token_ids.ids), ns)
+            return Query(keys, ns.namespace_id(), ns.tokens_per_chunk, n, cands, req.max_pods)
+        if which == "chunk_keys":
+            keys = list(req.chunk_keys.keys)
+            if len(keys) > self.cfg.max_query_chunks:
+                raise ValueError(
+                    f"chunk_keys: {len(keys)} keys, more than max_query_chunks={self.cfg.max_query_chunks}"
+                )
+            check_keys(keys)
+            if req.HasField("namespace"):
+                ns = key_namespace_from_proto(req.namespace)
+                ns_id, tpc = ns.namespace_id(), ns.tokens_per_chunk
+                if req.namespace_id and req.namespace_id != ns_id:
+                    raise ValueError(f"namespace_id={req.namespace_id!r} does not match namespace ({ns_id})")
+            else:
+                ns_id, tpc = req.namespace_id, DEFAULT_TOKENS_PER_CHUNK
+                if not _is_hex_id(ns_id):
+                    raise ValueError(
+                        f"namespace_id={ns_id!r:.60}: expected the 32-char hex namespace id with chunk_keys"
+                    )
+            return Query(keys, ns_id, tpc, len(keys) * tpc, cands, req.max_pods)
+        raise ValueError("query: expected token_ids or chunk_keys")
+
+    def _eligible(self, slots: dict[int, str], q: Query) -> tuple[int, dict[int, AgentRecord | None]]:
+        holders = self._holders
+        mask = 0
+        recs: dict[int, AgentRecord | None] = {}
+        remote_ok = self.index.backend != "memory"
+        for slot, holder in slots.items():
+            rec = holders.get(holder)
+            if rec is None:
+                # Another controller replica's agent (shared index): no namespace/load known here.
+                if not remote_ok:
+                    continue
+                uid = holder.rpartition("/")[0]
+            else:
+                if rec.namespaces and q.namespace_id not in rec.namespaces:
+                    continue
+                uid = rec.pod.pod_uid
+            if q.candidates and uid not in q.candidates:
+                continue
+            mask |= 1 << slot
+            recs[slot] = rec
+        return mask, recs
+
+    def match(self, q: Query) -> tuple[PrefixMatch, dict[int, AgentRecord | None], dict[int, str]]:
+        view = self.index.lookup(q.keys)
+        mask, recs = self._eligible(view.slots, q)
+        return match_prefix(view, mask), recs, view.slots
+
+    def match_response(self, q: Query) -> controller_pb2.MatchPrefixResponse:
+        m, recs, slots = self.match(q)
+        pods = m.pods[: q.max_pods] if q.max_pods else m.pods
+        resp = controller_pb2.MatchPrefixResponse(
+            num_query_chunks=len(q.keys), peer_fetchable_chunks=m.peer_fetchable
+        )
+        add = resp.matches.add
+        for p in pods:
+            rec = recs[p.slot]
+            if rec is not None:
+                add(
+                    pod_uid=rec.pod.pod_uid,
+                    pod_name=rec.pod.pod_name,
+                    gpu_chunks=p.gpu,
+                    l1_chunks=p.l1,
+                    peer_chunks=p.peer,
+                )
+            else:
+                add(
+                    pod_uid=slots[p.slot].rpartition("/")[0],
+                    gpu_chunks=p.gpu,
+                    l1_chunks=p.l1,
+                    peer_chunks=p.peer,
+                )
+        return resp
+
+    def score(self, req: controller_pb2.ScoreRequest) -> controller_pb2.ScoreResponse:
+        q = self.parse_query(req.match)
+        m, recs, slots = self.match(q)
+        by_uid: dict[str, Candidate] = {}
+        holder_by_uid: dict[str, str] = {}
+        for p in m.pods:
+            rec = recs[p.slot]
+            uid = rec.pod.pod_uid if rec else slots[p.slot].rpartition("/")[0]
+            by_uid[uid] = Candidate(
+                uid, rec.pod.pod_name if rec else "", p.gpu, p.l1, p.peer, rec.load if rec else AgentLoad()
+            )
+            holder_by_uid[uid] = slots[p.slot]
+        for rec in self._holders.values():
+            uid = rec.pod.pod_uid
+            if uid in by_uid or (q.candidates and uid not in q.candidates):
+                continue
+            if rec.namespaces and q.namespace_id not in rec.namespaces:
+                continue
+            by_uid[uid] = Candidate(uid, rec.pod.pod_name, 0, 0, m.peer_fetchable, rec.load)
+            holder_by_uid[uid] = rec.holder
+        for uid in q.candidates - by_uid.keys():
+            by_uid[uid] = Candidate(uid, "", 0, 0, 0, AgentLoad())  # no agent known: recompute only
+        ranked = rank(list(by_uid.values()), self.params, q.num_tokens, q.tokens_per_chunk)
+        if req.top_k:
+            ranked = ranked[: req.top_k]
+        if req.reserve and ranked and q.keys:
+            best = holder_by_uid.get(ranked[0].candidate.pod_uid)
+            if best is not None:
+                ttl = req.speculative_ttl_ms or self.cfg.speculative_ttl_ms
+                self.index.add_speculative(best, q.keys, ttl)
+        resp = controller_pb2.ScoreResponse(num_query_chunks=len(q.keys))
+        for e in ranked:
+            c = e.candidate
+            resp.scores.add(
+                match=controller_pb2.PodMatch(
+                    pod_uid=c.pod_uid,
+                    pod_name=c.pod_name,
+                    gpu_chunks=c.gpu,
+                    l1_chunks=c.l1,
+                    peer_chunks=c.peer,
+                ),
+                estimated_ttft_ms=e.ttft_ms,
+                l1_transfer_ms=e.l1_transfer_ms,
+                peer_transfer_ms=e.peer_transfer_ms,
+                prefill_ms=e.prefill_ms,
+                queue_ms=e.queue_ms,
+            )
+        return resp
+
+    def check_batch(self, n: int) -> None:
+        if n > self.cfg.max_batch:
+            raise ValueError(f"requests: {n} in one batch, more than max_batch={self.cfg.max_batch}")
+
+    def list_agents(self) -> controller_pb2.ListAgentsResponse:
+        resp = controller_pb2.ListAgentsResponse()
+        for rec in sorted(self.registry.all(), key=lambda r: r.pod.pod_uid):
+            ld = rec.load
+            resp.agents.add(
+                pod=pod_identity_to_proto(rec.pod),
+                load=controller_pb2.AgentLoad(
+                    running_requests=ld.running_requests,
+                    waiting_requests=ld.waiting_requests,
+                    gpu_kv_usage=ld.gpu_kv_usage,
+                    l1_used_bytes=ld.l1_used_bytes,
+                    l1_capacity_bytes=ld.l1_capacity_bytes or rec.l1_capacity_bytes,
+                ),
+                lease_remaining_ms=self.registry.lease_remaining_ms(rec),
+                num_chunks=self.index.holder_entries(rec.holder),
+                last_sequence=self.ingest.last_sequence(rec.holder),
+            )
+        return resp
+
+    def stats(self) -> controller_pb2.GetStatsResponse:
+        return controller_pb2.GetStatsResponse(
+            num_entries=self.index.num_entries(),
+            num_agents=len(self.registry.all()),
+            events_ingested=self.ingest.events_applied,
+            resyncs=self.ingest.resyncs,
+            index_backend=self.index.backend,
+            rejected_requests=self.rejected,
+            vllm_events_ingested=sum(s.events for s in self.vllm),
+            vllm_replays=sum(s.replays for s in self.vllm),
+            expired_leases=self.registry.expired_total,
+        )
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _status(ctl: Controller, context: grpc.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, ValueError | TypeError):
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    elif isinstance(exc, StaleEpochError):
+        code = grpc.StatusCode.FAILED_PRECONDITION
+    elif isinstance(exc, UnknownPodError):
+        code = grpc.StatusCode.NOT_FOUND
+    else:
+        log.exception("internal error")
+        context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return
+    ctl.rejected += 1
+    context.abort(code, str(exc))
+
+
+def _unary(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(self: ControllerServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as exc:  # mapped to a status; abort raises
+            _status(self.ctl, context, exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+
+    @_unary
+    def RegisterAgent(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.ctl.register(request)
+
+    @_unary
+    def Heartbeat(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.ctl.heartbeat(request)
+
+    def PublishEvents(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from self.ctl.publish(request_iterator)
+        except Exception as exc:
+            _status(self.ctl, context, exc)
+
+    @_unary
+    def SnapshotIndex(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.ctl.snapshot_index(request)
+
+    @_unary
+    def MatchPrefix(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.ctl.match_response(self.ctl.parse_query(request))
+
+    @_unary
+    def BatchMatchPrefix(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.ctl.check_batch(len(request.requests))
+        qs = []
+        for i, r in enumerate(request.requests):
+            try:
+                qs.append(self.ctl.parse_query(r))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"requests[{i}]: {e}") from None
+        return controller_pb2.BatchMatchPrefixResponse(responses=[self.ctl.match_response(q) for q in qs])
+
+    @_unary
+    def Score(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.ctl.score(request)
+
+    @_unary
+    def BatchScore(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.ctl.check_batch(len(request.requests))
+        for i, r in enumerate(request.requests):
+            try:
+                self.ctl.parse_query(r.match)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"requests[{i}].match: {e}") from None
+        return controller_pb2.BatchScoreResponse(responses=[self.ctl.score(r) for r in request.requests])
+
+    @_unary
+    def ListAgents(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.ctl.list_agents()
+
+    @_unary
+    def GetStats(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.ctl.stats()
+
+
+class Server(msgspec.Struct):
+    """A running controller: ``address`` is host:port actually bound."""
+
+    controller: Controller
+    grpc_server: Any
+    address: str
+
+    def stop(self, grace: float | None = 0.5) -> None:
+        self.grpc_server.stop(grace).wait()
+        self.controller.stop()
+
+
+def serve(cfg: ControllerConfig, index: ChunkIndex | None = None) -> Server:
+    """Start the controller and its gRPC server (health + reflection); returns once listening."""
+    ctl = Controller(cfg, index)
+    opts = [
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.server(ThreadPoolExecutor(max_workers=cfg.grpc_workers), options=opts)
+    controller_pb2_grpc.add_ControllerServiceServicer_to_server(ControllerServicer(ctl), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(cfg.listen)
+    if port == 0:
+        raise ValueError(f"listen={cfg.listen!r}: could not bind")
+    ctl.start()
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    host = cfg.listen.rpartition(":")[0]
+    return Server(controller=ctl, grpc_server=server, address=f"{host}:{port}")
