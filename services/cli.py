@@ -17,6 +17,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("kvgrid.agent.cli", "run the per-GPU agent: L1 chunk cache, store/retrieve/lookup, events"),
     "controller": ("kvgrid.controller.cli", "run the lookup/controller service (gRPC)"),
+    "demo": ("kvgrid.demo", "start a controller and two agents here and run a multi-turn chat workload"),
     "lookup": ("kvgrid.controller.lookup_cli", "ask a controller: match a prefix, score pods, list agents, stats"),
 }
 
