@@ -18,14 +18,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("kvgrid.agent.cli", "run the per-GPU agent: L1 chunk cache, store/retrieve/lookup, events"),
     "controller": ("kvgrid.controller.cli", "run the lookup/controller service (gRPC)"),
     "demo": ("kvgrid.demo", "start a controller and two agents here and run a multi-turn chat workload"),
-    "lookup": ("kvgrid.controller.lookup_cli", "ask a controller: match a prefix, score pods, list agents, stats"),
+    "lookup": ("kvgrid.controller.lookup_cli", "ask a controller: match a prefix, score pods, agents, stats"),
 }
 
 # kvgrid bench <name> -> (module, one-line help).
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "agent": ("kvgrid.agent.bench", "store/retrieve GB/s through the agent (gRPC + IPC) vs the kernel alone"),
     "hashing": ("kvgrid.common.hashing_bench", "chunk keys for a long prompt: µs and MB/s of token bytes"),
-    "lookup": ("kvgrid.controller.bench", "MatchPrefix ops/s and p50/p99 over gRPC, ingest events/s, bytes/entry"),
+    "lookup": ("kvgrid.controller.bench", "MatchPrefix ops/s, p50/p99 over gRPC, ingest rate, bytes/entry"),
     "transfer": ("kvgrid.kernels.bench", "KV transfer kernels: store/retrieve GB/s vs pinned memcpy"),
 }
 

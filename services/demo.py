@@ -33,7 +33,6 @@ from pathlib import Path
 
 import grpc
 import torch
-
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
@@ -376,7 +375,8 @@ def run_demo(s: DemoSettings, *, progress: bool = True, log_dir: Path | None = N
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn(
-                "hit rate {task.fields[hit]:5.1%}  moved {task.fields[gb]:6.2f} GB  Score p50 {task.fields[p50]:.2f} ms"
+                "hit rate {task.fields[hit]:5.1%}  moved {task.fields[gb]:6.2f} GB  "
+                "Score p50 {task.fields[p50]:.2f} ms"
             ),
             TimeElapsedColumn(),
             disable=not progress,
@@ -420,9 +420,11 @@ def print_summary(r: dict[str, object]) -> None:
         ("prompt tokens", f"{r['prompt_tokens']:,}"),
         ("tokens loaded from kvgrid", f"{r['cached_tokens']:,}  (hit rate {r['hit_rate']:.1%})"),
         ("chunks retrieved / stored", f"{r['chunks_retrieved']} / {r['chunks_stored']}"),
-        ("retrieved chunks bit-exact", f"{r['chunks_verified']} of {r['chunks_retrieved']} ({r['chunks_corrupt']} corrupt)"),
+        ("retrieved chunks bit-exact",
+         f"{r['chunks_verified']} of {r['chunks_retrieved']} ({r['chunks_corrupt']} corrupt)"),
         ("bytes moved", f"{r['bytes_moved'] / 1e9:.2f} GB"),
-        ("through the agent", f"retrieve {r['retrieve_gbps']:.2f} GB/s, store {r['store_gbps']:.2f} GB/s (CPU shared memory)"),
+        ("through the agent",
+         f"retrieve {r['retrieve_gbps']:.2f} GB/s, store {r['store_gbps']:.2f} GB/s (CPU shared memory)"),
         ("controller Score latency", f"p50 {r['score_ms_p50']:.2f} ms, p99 {r['score_ms_p99']:.2f} ms"),
         ("agent Lookup latency", f"p50 {r['agent_lookup_ms_p50']:.2f} ms"),
         ("routed to the pod holding the prefix", f"{r['routed_to_holder']} of {r['requests_with_holder']}"),
@@ -475,7 +477,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=d.seed, help="workload random seed (default %(default)s)")
     parser.add_argument("--log-dir", type=Path, help="keep the controller and agent logs here")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print JSON, not a table")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -499,8 +501,8 @@ def run(args: argparse.Namespace) -> int:
     longest = s.system_tokens + s.turns * (s.user_tokens + s.reply_tokens)
     if -(-longest // BLOCK_SIZE[0]) > s.blocks_per_engine:
         raise ValueError(
-            f"the longest prompt ({longest} tokens) needs more than the engine's {s.blocks_per_engine} blocks "
-            f"of {BLOCK_SIZE[0]} tokens; use fewer --turns or shorter messages"
+            f"the longest prompt ({longest} tokens) needs more than the engine's {s.blocks_per_engine} "
+            f"blocks of {BLOCK_SIZE[0]} tokens; use fewer --turns or shorter messages"
         )
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)

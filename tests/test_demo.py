@@ -39,8 +39,8 @@ def test_demo_cli_rejects_bad_values_by_name() -> None:
 
 def test_demo_cli_json_summary() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvgrid.cli", "demo", "--conversations", "2", "--turns", "2", "--system-tokens", "512",
-         "--json"],
+        [sys.executable, "-m", "kvgrid.cli", "demo", "--conversations", "2", "--turns", "2",
+         "--system-tokens", "512", "--json"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
