@@ -96,6 +96,26 @@ class LayerTensor(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LayoutHintsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     LAYER_INDEX_FIELD_NUMBER: _builtins.int
     CUDA_FIELD_NUMBER: _builtins.int
     SHM_FIELD_NUMBER: _builtins.int
@@ -104,6 +124,7 @@ class LayerTensor(_message.Message):
     STORAGE_OFFSET_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     LAYOUT_HINT_FIELD_NUMBER: _builtins.int
+    LAYOUT_HINTS_FIELD_NUMBER: _builtins.int
     layer_index: _builtins.int
     storage_offset: _builtins.int
     """In elements, as torch reports it."""
@@ -119,6 +140,12 @@ class LayerTensor(_message.Message):
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def stride(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def layout_hints(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Layout hints for kvgrid.common.layouts.detect_kv_format (kv_layout, backend, num_kv_heads,
+        block_size, num_blocks); integer hints as decimal text. Overrides layout_hint.
+        """
+
     def __init__(
         self,
         *,
@@ -130,10 +157,11 @@ class LayerTensor(_message.Message):
         storage_offset: _builtins.int = ...,
         dtype: _builtins.str = ...,
         layout_hint: _builtins.str = ...,
+        layout_hints: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cuda", b"cuda", "shm", b"shm", "storage", b"storage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda", b"cuda", "dtype", b"dtype", "layer_index", b"layer_index", "layout_hint", b"layout_hint", "shape", b"shape", "shm", b"shm", "storage", b"storage", "storage_offset", b"storage_offset", "stride", b"stride"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda", b"cuda", "dtype", b"dtype", "layer_index", b"layer_index", "layout_hint", b"layout_hint", "layout_hints", b"layout_hints", "shape", b"shape", "shm", b"shm", "storage", b"storage", "storage_offset", b"storage_offset", "stride", b"stride"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_storage: _TypeAlias = _typing.Literal["cuda", "shm"]  # noqa: Y015
     _WhichOneofArgType_storage: _TypeAlias = _typing.Literal["storage", b"storage"]  # noqa: Y015
@@ -224,8 +252,16 @@ class RegisterKVCachesResponse(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     KERNEL_GROUPS_FIELD_NUMBER: _builtins.int
     BYTES_PER_CHUNK_FIELD_NUMBER: _builtins.int
+    LAYOUT_ID_FIELD_NUMBER: _builtins.int
+    NAMESPACE_ID_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_CHUNK_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     bytes_per_chunk: _builtins.int
+    layout_id: _builtins.str
+    """Identity of the chunk byte layout; chunks are only served to instances with the same one."""
+    namespace_id: _builtins.str
+    """Hex id of the registration's key namespace."""
+    tokens_per_chunk: _builtins.int
     @_builtins.property
     def kernel_groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KernelGroupSummary]: ...
     def __init__(
@@ -234,10 +270,13 @@ class RegisterKVCachesResponse(_message.Message):
         instance_id: _builtins.str = ...,
         kernel_groups: _abc.Iterable[Global___KernelGroupSummary] | None = ...,
         bytes_per_chunk: _builtins.int = ...,
+        layout_id: _builtins.str = ...,
+        namespace_id: _builtins.str = ...,
+        tokens_per_chunk: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_chunk", b"bytes_per_chunk", "instance_id", b"instance_id", "kernel_groups", b"kernel_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_chunk", b"bytes_per_chunk", "instance_id", b"instance_id", "kernel_groups", b"kernel_groups", "layout_id", b"layout_id", "namespace_id", b"namespace_id", "tokens_per_chunk", b"tokens_per_chunk"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -317,16 +356,20 @@ class LookupResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NUM_HIT_CHUNKS_FIELD_NUMBER: _builtins.int
+    MISS_CAUSE_FIELD_NUMBER: _builtins.int
     num_hit_chunks: _builtins.int
     """Leading chunks available (and pinned)."""
+    miss_cause: _builtins.str
+    """Why the walk stopped: "none" (every chunk hit), "not_found", "layout_mismatch"."""
     def __init__(
         self,
         *,
         num_hit_chunks: _builtins.int = ...,
+        miss_cause: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_hit_chunks", b"num_hit_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["miss_cause", b"miss_cause", "num_hit_chunks", b"num_hit_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -375,8 +418,11 @@ class RetrieveResponse(_message.Message):
     HIT_MASK_FIELD_NUMBER: _builtins.int
     NUM_RETRIEVED_CHUNKS_FIELD_NUMBER: _builtins.int
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    MISS_CAUSE_FIELD_NUMBER: _builtins.int
     num_retrieved_chunks: _builtins.int
     bytes_moved: _builtins.int
+    miss_cause: _builtins.str
+    """Why the walk stopped: "none", "not_found", "layout_mismatch"."""
     @_builtins.property
     def hit_mask(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
         """One entry per requested chunk; true for the leading chunks that were written."""
@@ -387,10 +433,11 @@ class RetrieveResponse(_message.Message):
         hit_mask: _abc.Iterable[_builtins.bool] | None = ...,
         num_retrieved_chunks: _builtins.int = ...,
         bytes_moved: _builtins.int = ...,
+        miss_cause: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "hit_mask", b"hit_mask", "num_retrieved_chunks", b"num_retrieved_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "hit_mask", b"hit_mask", "miss_cause", b"miss_cause", "num_retrieved_chunks", b"num_retrieved_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -521,6 +568,7 @@ class SnapshotResponse(_message.Message):
     CHUNK_KEYS_FIELD_NUMBER: _builtins.int
     LAST_SEQUENCE_FIELD_NUMBER: _builtins.int
     NAMESPACES_FIELD_NUMBER: _builtins.int
+    BY_NAMESPACE_FIELD_NUMBER: _builtins.int
     last_sequence: _builtins.int
     """Sequence number of the last event published before the snapshot was taken."""
     @_builtins.property
@@ -531,6 +579,10 @@ class SnapshotResponse(_message.Message):
     def namespaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Hex id of the key namespace of each registered instance."""
 
+    @_builtins.property
+    def by_namespace(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamespaceChunkKeys]:
+        """The same keys grouped by namespace id (chunk_keys above is their concatenation)."""
+
     def __init__(
         self,
         *,
@@ -538,14 +590,38 @@ class SnapshotResponse(_message.Message):
         chunk_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         last_sequence: _builtins.int = ...,
         namespaces: _abc.Iterable[_builtins.str] | None = ...,
+        by_namespace: _abc.Iterable[Global___NamespaceChunkKeys] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pod", b"pod"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_keys", b"chunk_keys", "last_sequence", b"last_sequence", "namespaces", b"namespaces", "pod", b"pod"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["by_namespace", b"by_namespace", "chunk_keys", b"chunk_keys", "last_sequence", b"last_sequence", "namespaces", b"namespaces", "pod", b"pod"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SnapshotResponse: _TypeAlias = SnapshotResponse  # noqa: Y015
+
+@_typing.final
+class NamespaceChunkKeys(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    CHUNK_KEYS_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    @_builtins.property
+    def chunk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        chunk_keys: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_keys", b"chunk_keys", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NamespaceChunkKeys: _TypeAlias = NamespaceChunkKeys  # noqa: Y015
 
 @_typing.final
 class HealthRequest(_message.Message):
@@ -571,9 +647,14 @@ class HealthResponse(_message.Message):
     L1_USED_BYTES_FIELD_NUMBER: _builtins.int
     NUM_CHUNKS_FIELD_NUMBER: _builtins.int
     INSTANCE_IDS_FIELD_NUMBER: _builtins.int
+    NUM_PINNED_CHUNKS_FIELD_NUMBER: _builtins.int
+    NUM_EVICTIONS_FIELD_NUMBER: _builtins.int
     l1_capacity_bytes: _builtins.int
     l1_used_bytes: _builtins.int
     num_chunks: _builtins.int
+    num_pinned_chunks: _builtins.int
+    """Chunk pins held by lookups that were not yet retrieved or released."""
+    num_evictions: _builtins.int
     @_builtins.property
     def pod(self) -> _common_pb2.PodIdentity: ...
     @_builtins.property
@@ -586,10 +667,12 @@ class HealthResponse(_message.Message):
         l1_used_bytes: _builtins.int = ...,
         num_chunks: _builtins.int = ...,
         instance_ids: _abc.Iterable[_builtins.str] | None = ...,
+        num_pinned_chunks: _builtins.int = ...,
+        num_evictions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pod", b"pod"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_ids", b"instance_ids", "l1_capacity_bytes", b"l1_capacity_bytes", "l1_used_bytes", b"l1_used_bytes", "num_chunks", b"num_chunks", "pod", b"pod"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_ids", b"instance_ids", "l1_capacity_bytes", b"l1_capacity_bytes", "l1_used_bytes", b"l1_used_bytes", "num_chunks", b"num_chunks", "num_evictions", b"num_evictions", "num_pinned_chunks", b"num_pinned_chunks", "pod", b"pod"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,181 @@
+"""The L1 cache memory: one pool allocated once, a page allocator over it, and chunk objects.
+
+The pool is a single uint8 tensor (pinned host memory when CUDA is available, so the transfer
+kernels can DMA into it; plain pageable memory otherwise). Chunks are views into it: no torch
+allocation happens per chunk, so the agent's memory use is fixed at start and cannot grow under
+load. The allocator hands out runs of contiguous, ``align_bytes``-aligned pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Chunk", "L1Pool", "PageAllocator", "allocate_pool_tensor"]
+
+log = logging.getLogger(__name__)
+
+
+def allocate_pool_tensor(nbytes: int, *, pin: bool | None = None) -> tuple[torch.Tensor, bool]:
+    """A uint8 tensor of ``nbytes`` and whether it is page-locked.
+
+    ``pin=None`` pins exactly when CUDA is available. Large ``pin_memory=True`` allocations can fail
+    on some drivers, so a failure falls back to plain memory registered with ``cudaHostRegister``,
+    and then to plain memory (slower DMA, but the agent still serves).
+    """
+    if nbytes <= 0:
+        raise ValueError(f"L1 size {nbytes} bytes: expected > 0")
+    want_pin = torch.cuda.is_available() if pin is None else pin
+    if not want_pin:
+        # Touch every page now: the memory is committed at start (no page faults mid-transfer,
+        # and no out-of-memory kill later under load).
+        return torch.zeros(nbytes, dtype=torch.uint8), False
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
+    except RuntimeError as e:
+        log.warning("pinned allocation of %d bytes failed (%s); trying cudaHostRegister", nbytes, e)
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        if int(rc) == 0:
+            return t, True
+        log.warning("cudaHostRegister returned %s; L1 stays pageable", rc)
+    except (RuntimeError, AttributeError) as e:
+        log.warning("cudaHostRegister unavailable (%s); L1 stays pageable", e)
+    return t, False
+
+
+class PageAllocator:
+    """Runs of contiguous pages out of ``num_pages``; first an exact-size free run, else the
+    smallest larger run is split. Frees coalesce with both neighbours.
+
+    Agents usually see one chunk size, so after warm-up every request hits the exact-size bucket:
+    O(1) allocate and free without fragmentation. Mixed sizes (several registered layouts) cost
+    O(number of distinct free-run sizes). Not thread-safe; :class:`L1Pool` locks.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages={num_pages}: expected > 0")
+        self.num_pages = num_pages
+        self.free_pages = 0
+        self._by_start: dict[int, int] = {}  # start -> length
+        self._by_end: dict[int, int] = {}  # end (exclusive) -> start
+        self._by_size: dict[int, set[int]] = {}  # length -> starts
+        self._insert(0, num_pages)
+
+    def _insert(self, start: int, length: int) -> None:
+        self._by_start[start] = length
+        self._by_end[start + length] = start
+        self._by_size.setdefault(length, set()).add(start)
+        self.free_pages += length
+
+    def _remove(self, start: int) -> int:
+        length = self._by_start.pop(start)
+        del self._by_end[start + length]
+        bucket = self._by_size[length]
+        bucket.discard(start)
+        if not bucket:
+            del self._by_size[length]
+        self.free_pages -= length
+        return length
+
+    def allocate(self, pages: int) -> int | None:
+        """Start page of a fresh run of ``pages`` pages, or None if no free run is large enough."""
+        if pages <= 0:
+            raise ValueError(f"pages={pages}: expected > 0")
+        bucket = self._by_size.get(pages)
+        if bucket:
+            start = next(iter(bucket))
+            self._remove(start)
+            return start
+        larger = [s for s in self._by_size if s > pages]
+        if not larger:
+            return None
+        start = next(iter(self._by_size[min(larger)]))
+        length = self._remove(start)
+        self._insert(start + pages, length - pages)
+        return start
+
+    def free(self, start: int, pages: int) -> None:
+        if pages <= 0 or start < 0 or start + pages > self.num_pages:
+            raise ValueError(f"free({start}, {pages}): outside [0, {self.num_pages})")
+        if start in self._by_start or (start + pages) in self._by_end:
+            raise ValueError(f"free({start}, {pages}): run overlaps a free run (double free?)")
+        prev_start = self._by_end.get(start)
+        if prev_start is not None:
+            pages += start - prev_start
+            self._remove(prev_start)
+            start = prev_start
+        if (start + pages) in self._by_start:
+            pages += self._remove(start + pages)
+        self._insert(start, pages)
+
+    def largest_free_run(self) -> int:
+        return max(self._by_size, default=0)
+
+
+@dataclass(eq=False)
+class Chunk:
+    """One cached chunk: a run of pages in the pool holding every kernel group's bytes.
+
+    ``refcount`` counts users that need the bytes to stay (a transfer reading them, a lookup pin);
+    a chunk with ``refcount > 0`` is never evicted. ``committed`` is False while a store is still
+    writing it (invisible to lookups).
+    """
+
+    key: bytes
+    namespace_id: str
+    layout_id: str
+    start_page: int
+    num_pages: int
+    nbytes: int
+    buffer: torch.Tensor = field(repr=False)
+    refcount: int = 0
+    committed: bool = False
+
+
+class L1Pool:
+    """The pool tensor plus its page allocator. ``page_bytes`` is the alignment of every chunk."""
+
+    def __init__(self, capacity_bytes: int, *, page_bytes: int = 64 * 1024, pin: bool | None = None) -> None:
+        if page_bytes <= 0 or page_bytes & (page_bytes - 1):
+            raise ValueError(f"page_bytes={page_bytes}: expected a power of two")
+        num_pages = capacity_bytes // page_bytes
+        if num_pages <= 0:
+            raise ValueError(
+                f"L1 capacity {capacity_bytes} bytes is smaller than one page ({page_bytes} bytes)"
+            )
+        self.page_bytes = page_bytes
+        self.capacity_bytes = num_pages * page_bytes
+        # Over-allocate one page so the first page starts on a page boundary.
+        raw, self.pinned = allocate_pool_tensor(self.capacity_bytes + page_bytes, pin=pin)
+        skew = (-raw.data_ptr()) % page_bytes
+        self.tensor = raw[skew : skew + self.capacity_bytes]
+        self._raw = raw
+        self.allocator = PageAllocator(num_pages)
+        self.lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.allocator.num_pages - self.allocator.free_pages) * self.page_bytes
+
+    def pages_for(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.page_bytes))
+
+    def allocate(self, nbytes: int) -> tuple[int, int, torch.Tensor] | None:
+        """(start_page, num_pages, view of ``nbytes``) or None when no run is free."""
+        pages = self.pages_for(nbytes)
+        with self.lock:
+            start = self.allocator.allocate(pages)
+        if start is None:
+            return None
+        off = start * self.page_bytes
+        return start, pages, self.tensor[off : off + nbytes]
+
+    def free(self, start_page: int, num_pages: int) -> None:
+        with self.lock:
+            self.allocator.free(start_page, num_pages)

@@ -1,0 +1,31 @@
+"""Results of the agent's operations, shared by the core (in-process) and the engine-side client."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["LookupResult", "RetrieveResult", "StoreResult"]
+
+
+class LookupResult(msgspec.Struct, frozen=True):
+    num_hit_chunks: int
+    """Leading chunks held (and pinned, when a request id was given)."""
+    miss_cause: str = "none"
+    """Why the walk stopped: none, not_found or layout_mismatch."""
+
+
+class StoreResult(msgspec.Struct, frozen=True):
+    num_stored_chunks: int
+    """Leading chunks now held in L1 (already present ones included)."""
+    num_already_present: int
+    bytes_moved: int
+    partial_reason: str = ""
+    """Why fewer chunks than asked are held (empty when all are)."""
+
+
+class RetrieveResult(msgspec.Struct, frozen=True):
+    hit_mask: list[bool]
+    """One entry per requested chunk; True for the leading chunks written."""
+    num_retrieved_chunks: int
+    bytes_moved: int
+    miss_cause: str = "none"
