@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -410,7 +411,7 @@ def run_demo(s: DemoSettings, *, progress: bool = True, log_dir: Path | None = N
             shutil.rmtree(work, ignore_errors=True)
 
 
-def print_summary(r: dict[str, object]) -> None:
+def print_summary(r: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -428,7 +429,7 @@ def print_summary(r: dict[str, object]) -> None:
         ("controller Score latency", f"p50 {r['score_ms_p50']:.2f} ms, p99 {r['score_ms_p99']:.2f} ms"),
         ("agent Lookup latency", f"p50 {r['agent_lookup_ms_p50']:.2f} ms"),
         ("routed to the pod holding the prefix", f"{r['routed_to_holder']} of {r['requests_with_holder']}"),
-        ("requests per pod", ", ".join(f"{k}: {v}" for k, v in dict(r["requests_per_pod"]).items())),  # type: ignore[call-overload]
+        ("requests per pod", ", ".join(f"{k}: {v}" for k, v in r["requests_per_pod"].items())),
         ("controller index", f"{r['controller_entries']} entries, {r['controller_agents']} agents"),
         ("wall time", f"{r['wall_s']:.1f} s"),
     ]  # fmt: skip
