@@ -1,0 +1,632 @@
+"""The transfer plan: store (gather paged KV blocks into chunk buffers) and retrieve (scatter them
+back) for every layer of every kernel group, on CPU with torch indexing and on CUDA with one Triton
+launch per kernel group and piece.
+
+CUDA modes (``TransferPlan(mode=...)``):
+
+``staged`` (default for pinned host chunks)
+    The kernel gathers into a GPU staging slot, a DMA (``cudaMemcpyAsync``) moves the slot to the
+    chunk buffer; pieces (whole layers, at most ``pipeline_bytes``) alternate between
+    ``staging_slots`` slots so the next gather (or the previous scatter) runs while the DMA engine
+    moves bytes. A store starts with a ``lead_bytes`` piece so the first DMA starts early; a
+    retrieve ends with one so little scatter work is left after the last DMA. The SMs are busy
+    only for the short device-to-device part (on a high-priority stream), so the engine's kernels
+    barely notice a transfer.
+``direct``
+    The kernel reads/writes the chunk buffers in place: GPU chunk buffers, or pinned host memory
+    through unified addressing ("zero-copy"; SMs drive PCIe for the whole transfer).
+``torch``
+    ``index_select``/``index_copy_`` per layer (the correctness reference; the baseline in
+    ``kvgrid bench transfer``).
+
+All CUDA work runs on the plan's own streams, never on the caller's current stream: the plan's
+streams first wait for ``wait_event`` (or an event recorded on the caller's current stream), and
+the returned :class:`TransferHandle` carries an event that completes with the transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from . import torch_copy
+from .pages import ChunkLayout, KernelGroupPages, page_view
+
+Mode = Literal["auto", "staged", "direct", "torch"]
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+
+# Measured on an H200 (docs/benchmarks.md): each extra DMA costs ~4 us, the gather ~0.7 us/MiB, so
+# the pipeline starts with a small lead piece (store; the small piece is last on retrieve) and moves
+# the rest in pieces as large as possible.
+DEFAULT_PIPELINE_BYTES = 32 << 20
+DEFAULT_LEAD_BYTES = 2 << 20
+DEFAULT_STAGING_SLOTS = 2
+
+
+class TransferHandle:
+    """A transfer in flight. ``event`` is None when the transfer already finished (CPU path)."""
+
+    def __init__(self, event: torch.cuda.Event | None = None, keepalive: tuple[Any, ...] = ()) -> None:
+        self.event = event
+        self._keepalive: tuple[Any, ...] | None = keepalive
+
+    def done(self) -> bool:
+        finished = self.event is None or bool(self.event.query())
+        if finished:
+            self._keepalive = None
+        return finished
+
+    def wait(self) -> None:
+        """Block the calling thread until the transfer finished."""
+        if self.event is not None:
+            self.event.synchronize()
+        self._keepalive = None
+
+    def wait_stream(self, stream: torch.cuda.Stream) -> None:
+        """Make ``stream`` (e.g. the engine's) wait for the transfer without blocking the host."""
+        if self.event is not None:
+            stream.wait_event(self.event)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    chunk: int
+    group: int
+    layer_start: int
+    layer_end: int
+    offset: int  # bytes from the chunk buffer start
+    nbytes: int
+
+
+class _GroupTables:
+    """Per-group int64 tables on the device, in words of one size, relative to an anchor."""
+
+    def __init__(self, group: KernelGroupPages, anchor: torch.Tensor) -> None:
+        word = anchor.element_size()
+        base = anchor.data_ptr()
+        rows = [
+            [(v.data_ptr() - base) // word for v in group.layers],
+            [v.stride(0) // word for v in group.layers],
+            [v.stride(1) // word for v in group.layers],
+        ]
+        t = torch.tensor(rows, dtype=torch.int64).to(anchor.device)
+        self.layer_off, self.plane_stride, self.block_stride = t[0], t[1], t[2]
+        self._slices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tables of layers ``start:end`` (cached: pieces repeat from call to call)."""
+        key = (start, end)
+        if key not in self._slices:
+            self._slices[key] = (
+                self.layer_off[start:end],
+                self.plane_stride[start:end],
+                self.block_stride[start:end],
+            )
+        return self._slices[key]
+
+
+def format_page_view(tensor: torch.Tensor, kv_format: Any) -> torch.Tensor:
+    """Page view (see :func:`page_view`) of a layer tensor in a ``kvgrid.common.layouts.KVFormat``.
+
+    Whole blocks are one page when they are dense (FlashInfer, unified NHD/HND, MLA, opaque pages);
+    FlashAttention's separate K/V planes become 2 planes; head-major blocks become one plane per head.
+    """
+    from kvgrid.common.layouts import block_view
+
+    view = block_view(tensor, kv_format)  # [NB, kv_size, X, Y, Z], X..Z in physical order
+    errors = []
+    for plane_dim in (None, 1, 2):
+        try:
+            return page_view(view, 0, plane_dim)
+        except ValueError as e:
+            errors.append(str(e))
+    raise ValueError(f"layer tensor in format {kv_format} has no dense pages: {errors[-1]}")
+
+
+class TransferPlan:
+    """Moves chunks between paged KV memory and chunk buffers for a fixed set of kernel groups.
+
+    Chunk buffers are 1-D ``uint8`` tensors of at least :attr:`bytes_per_chunk` bytes (views into the
+    L1 pool); their byte layout is :class:`ChunkLayout` (``plan.layout``). ``block_ids_per_info[g]``
+    lists, for kernel group ``g`` (the order of ``manager.kernel_groups`` / engine group infos),
+    ``num_chunks * blocks_per_chunk[g]`` block ids: chunk 0's blocks first, in token order. Block ids
+    may come in any order. A negative id means "no block": retrieve leaves nothing written for it,
+    store leaves that page of the chunk unspecified.
+
+    Not thread-safe for concurrent calls on one plan (the agent serialises per plan); the transfers
+    themselves overlap with everything else.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KernelGroupPages],
+        tokens_per_chunk: int = 256,
+        *,
+        mode: Mode = "auto",
+        pipeline_bytes: int = DEFAULT_PIPELINE_BYTES,
+        lead_bytes: int = DEFAULT_LEAD_BYTES,
+        staging_slots: int = DEFAULT_STAGING_SLOTS,
+        copy_streams: int = 1,
+    ) -> None:
+        if not groups:
+            raise ValueError("TransferPlan needs at least one kernel group, got none")
+        devices = {g.device for g in groups}
+        if len(devices) != 1:
+            raise ValueError(f"all kernel groups must be on one device, got {sorted(map(str, devices))}")
+        if mode not in ("auto", "staged", "direct", "torch"):
+            raise ValueError(f"mode={mode!r}: expected 'auto', 'staged', 'direct' or 'torch'")
+        if pipeline_bytes <= 0 or lead_bytes <= 0 or staging_slots < 1 or copy_streams < 1:
+            raise ValueError(
+                f"pipeline_bytes={pipeline_bytes}, lead_bytes={lead_bytes}, staging_slots={staging_slots}, "
+                f"copy_streams={copy_streams}: expected positive values"
+            )
+        self.groups = tuple(groups)
+        self.device = devices.pop()
+        self.tokens_per_chunk = tokens_per_chunk
+        self.layout = ChunkLayout.of(self.groups, tokens_per_chunk)
+        self.mode: Mode = mode
+        self.pipeline_bytes = pipeline_bytes
+        self.lead_bytes = lead_bytes
+        self.staging_slots = staging_slots
+        self._lock = threading.Lock()
+        self._layers_per_piece = [
+            max(1, pipeline_bytes // self.layout.layer_bytes(i)) for i in range(len(self.groups))
+        ]
+        self._slot_bytes = _round_up(
+            max(
+                n * self.layout.layer_bytes(i)
+                for i, n in enumerate(
+                    min(n, g.num_layers) for n, g in zip(self._layers_per_piece, self.groups, strict=True)
+                )
+            ),
+            512,
+        )
+        self._cuda = self.device.type == "cuda"
+        if self._cuda:
+            with torch.cuda.device(self.device):
+                # high priority: the short gather/scatter kernels jump ahead of the engine's queue
+                self._kernel_stream = torch.cuda.Stream(self.device, priority=-1)
+                self._copy_streams = [torch.cuda.Stream(self.device) for _ in range(copy_streams)]
+            self._anchors: dict[int, torch.Tensor] = {}
+            self._tables: dict[int, list[_GroupTables]] = {}
+            self._page_align = [
+                _align(
+                    g.page_bytes,
+                    *(v.data_ptr() for v in g.layers),
+                    *(v.stride(0) for v in g.layers),
+                    *(v.stride(1) for v in g.layers),
+                )
+                for g in self.groups
+            ]
+            self._staging: torch.Tensor | None = None
+            self._slot_free = [torch.cuda.Event() for _ in range(staging_slots)]
+            self._slot_ready = [torch.cuda.Event() for _ in range(staging_slots)]
+            self._next_slot = 0
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_manager(
+        cls,
+        manager: Any,
+        kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+        *,
+        tokens_per_chunk: int | None = None,
+        **kwargs: Any,
+    ) -> TransferPlan:
+        """A plan for every kernel group of a ``kvgrid.common.layer_groups.KVLayerGroupsManager``
+        built over ``kv_caches`` (the same registered layer tensors, a list or a name -> tensor
+        mapping in registration order). ``tokens_per_chunk`` defaults to the manager's."""
+        tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
+        groups = []
+        for i, info in enumerate(manager.kernel_groups):
+            if info.kv_format is None:
+                raise ValueError(f"kernel group {i} has no kv_format: expected a manager built from tensors")
+            views = tuple(format_page_view(tensors[layer], info.kv_format) for layer in info.layer_indices)
+            group = KernelGroupPages(
+                views,
+                tokens_per_block=int(info.tokens_per_block),
+                slots_per_block=int(info.slots_per_block),
+                name=f"kernel group {i} (engine group {info.engine_group_idx})",
+            )
+            if group.bytes_per_block != info.shape.bytes_per_block:
+                raise ValueError(
+                    f"kernel group {i}: pages hold {group.bytes_per_block} bytes per block but the "
+                    f"manager expects {info.shape.bytes_per_block}"
+                )
+            groups.append(group)
+        if tokens_per_chunk is None:
+            tokens_per_chunk = int(getattr(manager, "tokens_per_chunk", 256))
+        return cls(groups, tokens_per_chunk, **kwargs)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        return self.layout.bytes_per_chunk
+
+    @property
+    def blocks_per_chunk(self) -> tuple[int, ...]:
+        return self.layout.blocks_per_chunk
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    # ------------------------------------------------------------------ public API
+
+    def store(
+        self, chunk_buffers: Sequence[torch.Tensor] | torch.Tensor, block_ids_per_info: Sequence[BlockIds]
+    ) -> None:
+        """Gather the blocks into the chunk buffers and wait for it."""
+        self.store_async(chunk_buffers, block_ids_per_info).wait()
+
+    def retrieve(
+        self,
+        chunk_buffers: Sequence[torch.Tensor] | torch.Tensor,
+        block_ids_per_info: Sequence[BlockIds],
+        skip_first_n_tokens: int = 0,
+    ) -> None:
+        """Scatter the chunk buffers into the blocks and wait for it."""
+        self.retrieve_async(chunk_buffers, block_ids_per_info, skip_first_n_tokens=skip_first_n_tokens).wait()
+
+    def store_async(
+        self,
+        chunk_buffers: Sequence[torch.Tensor] | torch.Tensor,
+        block_ids_per_info: Sequence[BlockIds],
+        *,
+        wait_event: torch.cuda.Event | None = None,
+    ) -> TransferHandle:
+        """Start a store; the KV blocks are read after ``wait_event`` (default: after the work
+        queued so far on the caller's current stream)."""
+        chunks = self._chunks(chunk_buffers)
+        ids = self._block_ids(block_ids_per_info, len(chunks), retrieve=False)
+        return self._run(chunks, ids, to_chunk=True, wait_event=wait_event)
+
+    def retrieve_async(
+        self,
+        chunk_buffers: Sequence[torch.Tensor] | torch.Tensor,
+        block_ids_per_info: Sequence[BlockIds],
+        *,
+        skip_first_n_tokens: int = 0,
+        wait_event: torch.cuda.Event | None = None,
+    ) -> TransferHandle:
+        """Start a retrieve. Blocks wholly inside the first ``skip_first_n_tokens`` tokens (per group:
+        ``skip // tokens_per_block`` blocks) are not written: the engine already has them. A block
+        only partly covered is written whole (its leading tokens get the same values again)."""
+        if skip_first_n_tokens < 0:
+            raise ValueError(f"skip_first_n_tokens={skip_first_n_tokens}: expected >= 0")
+        chunks = self._chunks(chunk_buffers)
+        ids = self._block_ids(block_ids_per_info, len(chunks), retrieve=True)
+        if skip_first_n_tokens:
+            for g, group in enumerate(self.groups):
+                skip = min(skip_first_n_tokens // group.tokens_per_block, ids[g].size)
+                ids[g] = ids[g].copy()
+                ids[g][:skip] = -1
+        return self._run(chunks, ids, to_chunk=False, wait_event=wait_event)
+
+    # ------------------------------------------------------------------ validation
+
+    def _chunks(self, chunk_buffers: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+        if isinstance(chunk_buffers, torch.Tensor):
+            if chunk_buffers.dim() != 2:
+                raise ValueError(
+                    f"chunk_buffers tensor of shape {tuple(chunk_buffers.shape)}: expected "
+                    "[num_chunks, bytes] or a list of 1-D tensors"
+                )
+            chunk_buffers = list(chunk_buffers.unbind(0))
+        if len(chunk_buffers) == 0:
+            raise ValueError("chunk_buffers is empty: expected at least one chunk buffer")
+        need = self.bytes_per_chunk
+        out = []
+        device = chunk_buffers[0].device
+        for i, buf in enumerate(chunk_buffers):
+            if not isinstance(buf, torch.Tensor):
+                raise TypeError(f"chunk_buffers[{i}] is {type(buf).__name__}: expected a torch.Tensor")
+            if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+                raise ValueError(
+                    f"chunk_buffers[{i}]: expected a contiguous 1-D uint8 tensor, got dtype {buf.dtype}, "
+                    f"shape {tuple(buf.shape)}"
+                )
+            if buf.numel() < need:
+                raise ValueError(f"chunk_buffers[{i}] has {buf.numel()} bytes: expected at least {need}")
+            if buf.device != device:
+                raise ValueError(f"chunk_buffers[{i}] is on {buf.device}: expected {device} like chunk 0")
+            out.append(buf[:need])
+        if device.type == "cuda" and device != self.device:
+            raise ValueError(
+                f"chunk buffers on {device}: expected host memory or the plan's device {self.device}"
+            )
+        return out
+
+    def _block_ids(
+        self, block_ids_per_info: Sequence[BlockIds], num_chunks: int, *, retrieve: bool
+    ) -> list[np.ndarray]:
+        if len(block_ids_per_info) != len(self.groups):
+            raise ValueError(
+                f"block_ids_per_info has {len(block_ids_per_info)} lists: expected one per kernel group "
+                f"({len(self.groups)})"
+            )
+        out = []
+        for g, (raw, group) in enumerate(zip(block_ids_per_info, self.groups, strict=True)):
+            ids = raw.detach().cpu().numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+            if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+                raise ValueError(
+                    f"block_ids_per_info[{g}]: expected a flat list of ints, got {ids.dtype} {ids.shape}"
+                )
+            ids = ids.astype(np.int64, copy=False)
+            want = num_chunks * self.layout.blocks_per_chunk[g]
+            if ids.size != want:
+                raise ValueError(
+                    f"block_ids_per_info[{g}] has {ids.size} block ids: expected {want} "
+                    f"({num_chunks} chunks x {self.layout.blocks_per_chunk[g]} blocks of {group.name!r})"
+                )
+            if ids.size and (ids.max() >= group.num_blocks or ids.min() < -1):
+                bad = ids[(ids >= group.num_blocks) | (ids < -1)][0]
+                raise ValueError(
+                    f"block_ids_per_info[{g}] holds block id {bad}: "
+                    f"expected -1 (none) or 0..{group.num_blocks - 1}"
+                )
+            if retrieve:
+                valid = ids[ids >= 0]
+                if np.unique(valid).size != valid.size:
+                    raise ValueError(
+                        f"block_ids_per_info[{g}] repeats a block id: a retrieve writes each block once"
+                    )
+            out.append(ids)
+        return out
+
+    # ------------------------------------------------------------------ execution
+
+    def _sections(self, chunks: list[torch.Tensor], g: int) -> list[torch.Tensor]:
+        off, n = self.layout.group_offsets[g], self.layout.group_bytes[g]
+        return [c[off : off + n] for c in chunks]
+
+    def _split(self, ids: list[np.ndarray], g: int, num_chunks: int) -> list[np.ndarray]:
+        return list(ids[g].reshape(num_chunks, self.layout.blocks_per_chunk[g]))
+
+    def _resolve_mode(self, chunks: list[torch.Tensor]) -> str:
+        if not self._cuda or self.mode == "torch":
+            return "torch"
+        on_device = chunks[0].device.type == "cuda"
+        if self.mode == "direct" or (self.mode == "auto" and on_device):
+            if not on_device and not all(c.is_pinned() for c in chunks):
+                raise ValueError("mode 'direct' needs chunk buffers in pinned host memory or on the GPU")
+            return "direct"
+        return "direct" if on_device else "staged"
+
+    def _run(
+        self,
+        chunks: list[torch.Tensor],
+        ids: list[np.ndarray],
+        *,
+        to_chunk: bool,
+        wait_event: torch.cuda.Event | None,
+    ) -> TransferHandle:
+        mode = self._resolve_mode(chunks)
+        if not self._cuda:
+            fn = torch_copy.gather_group if to_chunk else torch_copy.scatter_group
+            for g, group in enumerate(self.groups):
+                fn(group, self._sections(chunks, g), self._split(ids, g, len(chunks)), self.tokens_per_chunk)
+            return TransferHandle()
+        with self._lock, torch.cuda.device(self.device):
+            start = wait_event
+            if start is None:
+                start = torch.cuda.Event()
+                start.record(torch.cuda.current_stream(self.device))
+            ks = self._kernel_stream
+            ks.wait_event(start)
+            for cs in self._copy_streams:
+                cs.wait_event(start)
+            done = torch.cuda.Event(enable_timing=True)  # lets callers time transfers
+            keep: tuple[Any, ...] = (chunks,)
+            if mode == "torch":
+                fn = torch_copy.gather_group if to_chunk else torch_copy.scatter_group
+                with torch.cuda.stream(ks):
+                    for g, group in enumerate(self.groups):
+                        fn(
+                            group,
+                            self._sections(chunks, g),
+                            self._split(ids, g, len(chunks)),
+                            self.tokens_per_chunk,
+                        )
+                done.record(ks)
+            elif mode == "direct":
+                keep += self._run_direct(chunks, ids, to_chunk)
+                done.record(ks)
+            else:
+                keep += self._run_staged(chunks, ids, to_chunk, done)
+            return TransferHandle(done, keep)
+
+    def _word_tables(self, word: int) -> tuple[torch.Tensor, list[_GroupTables]]:
+        if word not in self._anchors:
+            from .triton_copy import WORD_DTYPES
+
+            anchor = torch.empty(16, dtype=WORD_DTYPES[word], device=self.device)
+            self._anchors[word] = anchor
+            self._tables[word] = [_GroupTables(g, anchor) for g in self.groups]
+            # the tables came from pageable memory on the current stream: done before other streams read
+            torch.cuda.current_stream(self.device).synchronize()
+        return self._anchors[word], self._tables[word]
+
+    def _upload(self, values: list[np.ndarray]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One pinned host->device copy (on the kernel stream) of several int64 arrays."""
+        flat = np.concatenate(values) if values else np.zeros(0, np.int64)
+        host = torch.from_numpy(flat).pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        parts, off = [], 0
+        for v in values:
+            parts.append(dev[off : off + v.size])
+            off += v.size
+        return parts, host
+
+    def _run_direct(
+        self, chunks: list[torch.Tensor], ids: list[np.ndarray], to_chunk: bool
+    ) -> tuple[Any, ...]:
+        from .triton_copy import alignment, launch, word_bytes_for
+
+        ks = self._kernel_stream
+        plans = []
+        for g in range(len(self.groups)):
+            off = self.layout.group_offsets[g]
+            align = alignment(self._page_align[g], *(c.data_ptr() + off for c in chunks))
+            plans.append(align)
+        with torch.cuda.stream(ks):
+            values: list[np.ndarray] = []
+            for g, align in enumerate(plans):
+                anchor, _ = self._word_tables(word_bytes_for(align))
+                word = anchor.element_size()
+                base = anchor.data_ptr()
+                off = self.layout.group_offsets[g]
+                values.append(np.array([(c.data_ptr() + off - base) // word for c in chunks], np.int64))
+                values.append(ids[g])
+            parts, host = self._upload(values)
+            for g, align in enumerate(plans):
+                anchor, tables = self._word_tables(word_bytes_for(align))
+                group, t = self.groups[g], tables[g]
+                launch(
+                    anchor=anchor,
+                    layer_off=t.layer_off,
+                    plane_stride=t.plane_stride,
+                    block_stride=t.block_stride,
+                    chunk_off=parts[2 * g],
+                    block_ids=parts[2 * g + 1],
+                    num_chunks=len(chunks),
+                    num_layers=group.num_layers,
+                    planes=group.planes,
+                    bpc=self.layout.blocks_per_chunk[g],
+                    page_bytes=group.page_bytes,
+                    align=align,
+                    to_chunk=to_chunk,
+                )
+        return (host, parts)
+
+    def _pieces(self, ids: list[np.ndarray], num_chunks: int, to_chunk: bool) -> list[_Piece]:
+        """Whole-layer pieces of every (chunk, group) section that has a block to move, at most
+        ``pipeline_bytes`` each; the first piece of a store (last of a retrieve) is cut to
+        ``lead_bytes`` so the DMA engine starts early (or finishes with little left to scatter)."""
+        spans: list[tuple[int, int, int, int]] = []  # (chunk, group, first layer, end layer)
+        for c in range(num_chunks):
+            for g, group in enumerate(self.groups):
+                bpc = self.layout.blocks_per_chunk[g]
+                if not (ids[g][c * bpc : (c + 1) * bpc] >= 0).any():
+                    continue  # nothing to move for this chunk and group
+                step = self._layers_per_piece[g]
+                spans.extend(
+                    (c, g, l0, min(l0 + step, group.num_layers)) for l0 in range(0, group.num_layers, step)
+                )
+        if spans:
+            k = 0 if to_chunk else len(spans) - 1
+            c, g, l0, l1 = spans[k]
+            lead = min(l1 - l0, max(1, self.lead_bytes // self.layout.layer_bytes(g)))
+            if lead < l1 - l0:
+                split = [(c, g, l0, l0 + lead), (c, g, l0 + lead, l1)]
+                if not to_chunk:
+                    split = [(c, g, l0, l1 - lead), (c, g, l1 - lead, l1)]
+                spans[k : k + 1] = split
+        pieces = []
+        for c, g, l0, l1 in spans:
+            lb = self.layout.layer_bytes(g)
+            pieces.append(_Piece(c, g, l0, l1, self.layout.group_offsets[g] + l0 * lb, (l1 - l0) * lb))
+        return pieces
+
+    def _run_staged(
+        self, chunks: list[torch.Tensor], ids: list[np.ndarray], to_chunk: bool, done: torch.cuda.Event
+    ) -> tuple[Any, ...]:
+        from .triton_copy import launch, word_bytes_for
+
+        ks = self._kernel_stream
+        if self._staging is None:
+            self._staging = torch.empty(
+                self.staging_slots * self._slot_bytes, dtype=torch.uint8, device=self.device
+            )
+        staging = self._staging
+        pieces = self._pieces(ids, len(chunks), to_chunk)
+        words = [word_bytes_for(a) for a in self._page_align]
+        # Per piece: staging slot offset (in the group's words), then its block ids.
+        slot_of = []
+        values: list[np.ndarray] = []
+        for k, piece in enumerate(pieces):
+            slot = (self._next_slot + k) % self.staging_slots
+            slot_of.append(slot)
+            anchor, _ = self._word_tables(words[piece.group])
+            word = anchor.element_size()
+            bpc = self.layout.blocks_per_chunk[piece.group]
+            slot_addr = staging.data_ptr() + slot * self._slot_bytes
+            values.append(np.array([(slot_addr - anchor.data_ptr()) // word], np.int64))
+            values.append(ids[piece.group][piece.chunk * bpc : (piece.chunk + 1) * bpc])
+        self._next_slot = (self._next_slot + len(pieces)) % self.staging_slots
+        copy_streams = self._copy_streams
+        last_copy = copy_streams[(len(pieces) - 1) % len(copy_streams)]
+        with torch.cuda.stream(ks):  # kernels launch on the current stream
+            parts, host = self._upload(values)
+            for k, piece in enumerate(pieces):
+                slot = slot_of[k]
+                cs = copy_streams[k % len(copy_streams)]
+                g = piece.group
+                group = self.groups[g]
+                anchor, tables = self._word_tables(words[g])
+                t = tables[g]
+                slot_view = staging[slot * self._slot_bytes : slot * self._slot_bytes + piece.nbytes]
+                chunk_view = chunks[piece.chunk][piece.offset : piece.offset + piece.nbytes]
+                layer_off, plane_stride, block_stride = t.slice(piece.layer_start, piece.layer_end)
+                kernel_args: dict[str, Any] = dict(
+                    anchor=anchor,
+                    layer_off=layer_off,
+                    plane_stride=plane_stride,
+                    block_stride=block_stride,
+                    chunk_off=parts[2 * k],
+                    block_ids=parts[2 * k + 1],
+                    num_chunks=1,
+                    num_layers=piece.layer_end - piece.layer_start,
+                    planes=group.planes,
+                    bpc=self.layout.blocks_per_chunk[g],
+                    page_bytes=group.page_bytes,
+                    align=self._page_align[g],
+                    to_chunk=to_chunk,
+                )
+                if to_chunk:
+                    ks.wait_event(self._slot_free[slot])  # the slot's previous DMA is done
+                    launch(**kernel_args)
+                    self._slot_ready[slot].record(ks)
+                    cs.wait_event(self._slot_ready[slot])
+                    with torch.cuda.stream(cs):
+                        chunk_view.copy_(slot_view, non_blocking=True)
+                    self._slot_free[slot].record(cs)
+                else:
+                    cs.wait_event(self._slot_free[slot])  # the slot's previous scatter is done
+                    with torch.cuda.stream(cs):
+                        slot_view.copy_(chunk_view, non_blocking=True)
+                    self._slot_ready[slot].record(cs)
+                    ks.wait_event(self._slot_ready[slot])
+                    launch(**kernel_args)
+                    self._slot_free[slot].record(ks)
+        if not to_chunk or not pieces:
+            done.record(ks)
+        elif len(copy_streams) == 1:
+            done.record(last_copy)  # the last DMA ends the store
+        else:
+            for cs in copy_streams:  # every DMA is done once each copy stream is
+                ev = torch.cuda.Event()
+                ev.record(cs)
+                ks.wait_event(ev)
+            done.record(ks)
+        return (host, parts)
+
+
+def _align(*values: int) -> int:
+    from math import gcd
+
+    a = 16
+    for v in values:
+        a = gcd(a, int(v))
+    return a
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
