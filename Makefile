@@ -11,7 +11,7 @@ STAMP := $(VENV)/.kvgrid-installed
 VLLM_VERSION ?= 0.32.0
 VLLM_PURE_DEPS := pyzmq cbor2 packaging psutil urllib3 regex "transformers<5.20,>=5.16.1" aiohttp requests \
 	openai openai-harmony pillow pybase64 cachetools cloudpickle uvloop py-cpuinfo prometheus_client \
-	"xgrammar==0.2.8" fastapi partial-json-parser "llguidance>=1.7,<1.8"
+	"xgrammar==0.2.8" fastapi partial-json-parser "llguidance>=1.7,<1.8" einops
 export VLLM_TARGET_DEVICE ?= cpu
 
 .PHONY: demo test lint typecheck unit proto install clean

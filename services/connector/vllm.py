@@ -14,13 +14,16 @@ Registration turns vLLM's ``KVCacheConfig`` plus the registered KV tensors into 
 Layer indices are positions in :func:`ordered_layer_names` (layer names sorted by the integers in
 them, e.g. ``model.layers.3.self_attn.attn`` -> 3); the connector registers tensors in that order,
 so both sides index layers alike.
+
+The connector class itself, :class:`KVGridConnector`, lives in ``vllm_connector.py`` and is
+re-exported here, so vLLM loads it with ``kv_connector_module_path: kvgrid.connector.vllm``.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from kvgrid.common.groups import EXCLUDED_ENGINE_GROUP, EngineGroupInfo
@@ -38,7 +41,11 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+if TYPE_CHECKING:
+    from kvgrid.connector.vllm_connector import KVGridConnector
+
 __all__ = [
+    "KVGridConnector",
     "apply_kv_cache_group_edits",
     "create_engine_group_infos_from_vllm",
     "layer_sort_key",
@@ -421,3 +428,13 @@ def create_engine_group_infos_from_vllm(
             )
         )
     return infos
+
+
+def __getattr__(name: str) -> Any:
+    # The connector class lives in vllm_connector (which imports this module's helpers); loading it
+    # on first access keeps `kv_connector_module_path: kvgrid.connector.vllm` free of import cycles.
+    if name == "KVGridConnector":
+        from kvgrid.connector.vllm_connector import KVGridConnector
+
+        return KVGridConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -245,7 +245,7 @@ engine pod's initContainers, so it is up (startupProbe) before the engine starts
 
 {{/* The vLLM --kv-transfer-config JSON that loads KVGridConnector. */}}
 {{- define "kvgrid.kvTransferConfig" -}}
-{{- $extra := merge (dict "agent_uds_path" (include "kvgrid.socketPath" .)) (deepCopy .Values.examples.vllm.connectorExtraConfig) }}
+{{- $extra := merge (dict "agent_socket" (include "kvgrid.socketPath" .)) (deepCopy .Values.examples.vllm.connectorExtraConfig) }}
 {{- dict "kv_connector" "KVGridConnector" "kv_connector_module_path" "kvgrid.connector.vllm" "kv_role" .Values.examples.vllm.kvRole "kv_connector_extra_config" $extra | toJson }}
 {{- end }}
 
