@@ -88,6 +88,7 @@ class Totals:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     chunks_retrieved: int = 0
+    chunks_from_peers: int = 0
     chunks_stored: int = 0
     chunks_verified: int = 0
     chunks_corrupt: int = 0
@@ -258,8 +259,10 @@ def serve_request(
     ids = engine.allocate(len(prompt))
     try:
         t0 = time.perf_counter()
-        hits = engine.client.lookup(engine.instance_id, rid, keys).num_hit_chunks
+        found = engine.client.lookup(engine.instance_id, rid, keys)
+        hits = found.num_hit_chunks
         t.lookup_ms.append((time.perf_counter() - t0) * 1000)
+        t.chunks_from_peers += found.num_peer_chunks
         got = 0
         if hits:
             t0 = time.perf_counter()
@@ -303,6 +306,7 @@ def summary(
         "cached_tokens": t.cached_tokens,
         "hit_rate": t.cached_tokens / t.prompt_tokens if t.prompt_tokens else 0.0,
         "chunks_retrieved": t.chunks_retrieved,
+        "chunks_from_peers": t.chunks_from_peers,
         "chunks_stored": t.chunks_stored,
         "chunks_verified": t.chunks_verified,
         "chunks_corrupt": t.chunks_corrupt,
@@ -350,6 +354,7 @@ def run_demo(s: DemoSettings, *, progress: bool = True, log_dir: Path | None = N
                 "POD_UID": f"demo-pod-{pod}",
                 "POD_NAME": f"vllm-{pod}",
                 "POD_NAMESPACE": "demo",
+                "POD_IP": "127.0.0.1",  # advertised to peers; the agents listen on loopback
             }
             args = [
                 *kvgrid, "agent", "--uds-path", uds, "--tcp-host", "127.0.0.1", "--tcp-port", "0",
@@ -421,6 +426,7 @@ def print_summary(r: dict[str, Any]) -> None:
         ("prompt tokens", f"{r['prompt_tokens']:,}"),
         ("tokens loaded from kvgrid", f"{r['cached_tokens']:,}  (hit rate {r['hit_rate']:.1%})"),
         ("chunks retrieved / stored", f"{r['chunks_retrieved']} / {r['chunks_stored']}"),
+        ("chunks fetched from the other agent", f"{r['chunks_from_peers']} (agent-to-agent peer fetch)"),
         ("retrieved chunks bit-exact",
          f"{r['chunks_verified']} of {r['chunks_retrieved']} ({r['chunks_corrupt']} corrupt)"),
         ("bytes moved", f"{r['bytes_moved'] / 1e9:.2f} GB"),

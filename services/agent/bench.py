@@ -6,6 +6,11 @@ layers, 8 KV heads, head 128, 16-token blocks, bf16, so one 256-token chunk is 3
 ``kvgrid agent``, registers, and times Store and Retrieve RPCs of ``--chunks`` chunks. In the same
 run it times ``TransferPlan`` directly on the same tensors into a buffer like the agent's L1 (pinned
 on CUDA): the reference limit. The ratio is what the agent's RPC path costs on top of the copy.
+
+``--peer`` measures peer fetch instead: a ``kvgrid controller`` and two agents on loopback, the
+chunks stored on agent A, then timed ``Lookup`` calls on agent B that fetch them from A
+(controller query + FetchChunks stream + commit into B's L1), against a plain copy of the same
+bytes between two host buffers in this process (the local-copy limit).
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     parser.add_argument("--chunks", type=int, default=8, help="chunks per store/retrieve call (default 8)")
     parser.add_argument("--iters", type=int, default=5, help="timed calls per figure (default 5; median)")
+    parser.add_argument(
+        "--peer",
+        action="store_true",
+        help="measure peer fetch (agent B pulling chunks from agent A over TCP) vs a local copy",
+    )
+    parser.add_argument(
+        "--peer-part-size", default="1MiB", help="--peer: FetchChunks part size on agent A (default 1MiB)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -91,6 +104,14 @@ def run(args: argparse.Namespace) -> int:
     chunk_bytes = manager.bytes_per_chunk()
     total = chunk_bytes * args.chunks
     ids = [list(range(num_blocks))]
+
+    if args.peer:
+        try:
+            return _run_peer(args, tensors, paths, hints, chunk_bytes, ids, tmp)
+        finally:
+            for p in tmp.iterdir():
+                p.unlink()
+            tmp.rmdir()
 
     # Kernel alone: the same plan the agent builds, into an L1-like buffer.
     plan = TransferPlan.from_manager(manager, tensors, tokens_per_chunk=args.tokens_per_chunk)
@@ -183,4 +204,148 @@ def run(args: argparse.Namespace) -> int:
         assert isinstance(d, dict)
         print(f"{direction:10}{d['agent_gbps']:>12.2f}{d['kernel_gbps']:>13.2f}{d['ratio']:>8.3f}")
     print(f"empty RPC round trip over the Unix socket: {result['rpc_roundtrip_ms']} ms")
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _run_peer(
+    args: argparse.Namespace,
+    tensors: list[torch.Tensor],
+    paths: list[str] | None,
+    hints: dict[str, str],
+    chunk_bytes: int,
+    ids: list[list[int]],
+    tmp: Path,
+) -> int:
+    """Peer fetch GB/s: Lookup on agent B fetching ``--chunks`` chunks that agent A holds."""
+    import grpc
+    from kvgrid.agent.client import AgentClient
+    from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+    from kvgrid.common.hashing import KeyNamespace, chunk_keys
+
+    if paths is None:
+        print("kvgrid bench agent: --peer runs with --device cpu (KV in shared memory)", file=sys.stderr)
+        return 2
+    total = chunk_bytes * args.chunks
+    # The local-copy limit: the same bytes between two host buffers.
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copy_s = []
+    for i in range(args.iters + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if i:
+            copy_s.append(time.perf_counter() - t0)
+
+    kvgrid = [sys.executable, "-m", "kvgrid.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
+    env["OTEL_SDK_DISABLED"] = "true"
+    ctrl = f"127.0.0.1:{_free_port()}"
+    # The controller's log goes nowhere: agents stopping at the end close their event streams.
+    procs = [
+        subprocess.Popen(
+            [*kvgrid, "controller", "--listen", ctrl, "--log-level", "ERROR"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=env,
+        )
+    ]  # fmt: skip
+    clients: list[AgentClient] = []
+    fetch_s: list[float] = []
+    lookup_rtt: list[float] = []
+    ns = KeyNamespace(model="bench", tokens_per_chunk=args.tokens_per_chunk)
+    try:
+        for name in ("a", "b"):
+            uds = tmp / f"agent-{name}.sock"
+            procs.append(
+                subprocess.Popen(
+                    [*kvgrid, "agent", "--uds-path", str(uds), "--tcp-host", "127.0.0.1", "--tcp-port", "0",
+                     "--l1-size", str(total * 3 + (64 << 20)), "--shm-allowed-dirs", str(tmp),
+                     "--controller-address", ctrl, "--event-flush-interval-ms", "5",
+                     "--peer-fetch-max-chunks", str(args.chunks), "--peer-fetch-timeout-ms", "600000",
+                     "--peer-fetch-part-size", args.peer_part_size, "--log-level", "warning"],
+                    stdout=subprocess.PIPE, text=True,
+                    env={**env, "POD_UID": f"bench-{name}", "POD_IP": "127.0.0.1"},
+                )
+            )  # fmt: skip
+            out = procs[-1].stdout
+            assert out is not None
+            if not out.readline().startswith("{"):
+                print(f"kvgrid bench agent: agent {name} did not start", file=sys.stderr)
+                return 1
+            c = AgentClient(str(uds), timeout_s=600)
+            c.register_kv_caches(
+                "bench", tensors, namespace=ns, shm_paths=paths, layout_hints=[hints] * len(tensors)
+            )
+            clients.append(c)
+        a, b = clients
+        with grpc.insecure_channel(ctrl) as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            for i in range(args.iters + 1):
+                keys = chunk_keys(
+                    [(i * 100_003 + j) % 32_000 for j in range(args.chunks * args.tokens_per_chunk)], ns
+                )
+                if a.store("bench", keys, ids).num_stored_chunks != args.chunks:
+                    print("kvgrid bench agent: store on agent A fell short", file=sys.stderr)
+                    return 1
+                query = controller_pb2.MatchPrefixRequest(
+                    chunk_keys=common_pb2.ChunkKeys(keys=keys),
+                    namespace_id=ns.namespace_id(),
+                    candidate_pod_uids=["bench-a"],
+                )
+                deadline = time.monotonic() + 30
+                while not any(m.l1_chunks == args.chunks for m in stub.MatchPrefix(query, timeout=5).matches):
+                    if time.monotonic() > deadline:
+                        print(
+                            "kvgrid bench agent: controller did not index agent A's chunks", file=sys.stderr
+                        )
+                        return 1
+                    time.sleep(0.005)
+                t0 = time.perf_counter()
+                got = b.lookup("bench", "", keys)
+                dt = time.perf_counter() - t0
+                if got.num_peer_chunks != args.chunks:
+                    print(f"kvgrid bench agent: peer fetch fell short: {got}", file=sys.stderr)
+                    return 1
+                t0 = time.perf_counter()
+                b.lookup("bench", "", keys)  # everything local now: the Lookup's own cost
+                rtt = time.perf_counter() - t0
+                if i:
+                    fetch_s.append(dt)
+                    lookup_rtt.append(rtt)
+    finally:
+        for c in clients:
+            c.close()
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(30)
+
+    peer = _median_gbps(total, fetch_s)
+    local = _median_gbps(total, copy_s)
+    result = {
+        "mode": "peer",
+        "chunk_bytes": chunk_bytes,
+        "chunks": args.chunks,
+        "part_size": args.peer_part_size,
+        "peer_fetch_gbps": round(peer, 3),
+        "local_copy_gbps": round(local, 3),
+        "ratio": round(peer / local, 3),
+        "peer_lookup_ms": round(statistics.median(fetch_s) * 1e3, 2),
+        "local_lookup_ms": round(statistics.median(lookup_rtt) * 1e3, 3),
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"peer fetch over loopback TCP: {args.chunks} chunks x {chunk_bytes / 2**20:.1f} MiB, "
+        f"parts of {args.peer_part_size}"
+    )
+    print(f"  Lookup on agent B fetching from agent A: {peer:.2f} GB/s ({result['peer_lookup_ms']} ms)")
+    print(f"  local copy of the same bytes (limit):    {local:.2f} GB/s   ratio {result['ratio']:.3f}")
+    print(f"  the same Lookup once the chunks are local: {result['local_lookup_ms']} ms")
     return 0

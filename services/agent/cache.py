@@ -37,6 +37,8 @@ class MissCause(enum.StrEnum):
     NONE = "none"
     NOT_FOUND = "not_found"
     LAYOUT_MISMATCH = "layout_mismatch"
+    PEER_FAILED = "peer_failed"
+    """A peer fetch of the next chunks failed (Lookup only; the hits are still valid)."""
 
 
 class CacheListener(Protocol):
@@ -141,6 +143,12 @@ class ChunkCache:
         with self._lock:
             return key in self._chunks
 
+    def layout_of(self, key: bytes) -> str | None:
+        """layout_id of the chunk held under ``key``, None if it is not held."""
+        with self._lock:
+            chunk = self._chunks.get(key)
+            return None if chunk is None else chunk.layout_id
+
     def prefix_length(self, keys: Sequence[bytes], layout_id: str) -> tuple[int, MissCause]:
         """Leading chunks held (no refs taken, no LRU touch)."""
         with self._lock:
@@ -211,10 +219,12 @@ class ChunkCache:
                 res.entries.append((i, new, True))
         return res
 
-    def commit(self, res: StoreReservation) -> tuple[int, int]:
+    def commit(self, res: StoreReservation, upto: int | None = None) -> tuple[int, int]:
         """Make reserved chunks visible. Returns (leading chunks held, chunks already present).
 
-        A key that another store committed meanwhile keeps the first copy; ours is freed.
+        A key that another store committed meanwhile keeps the first copy; ours is freed. With
+        ``upto``, only entries of chunk index < ``upto`` are committed and the rest are aborted
+        (a peer fetch that ended early: chunks it did not fill completely are never visible).
         """
         if res.done:
             raise AssertionError("reservation committed or aborted twice")
@@ -225,6 +235,10 @@ class ChunkCache:
         with self._lock:
             for i, chunk, new in res.entries:
                 chunk.refcount -= 1
+                if upto is not None and i >= upto:
+                    if new:
+                        self.pool.free(chunk.start_page, chunk.num_pages)
+                    continue
                 held.add(i)
                 if not new:
                     present += 1

@@ -45,6 +45,14 @@ def run(args: argparse.Namespace) -> int:
         "kvgrid-agent", prometheus_port=cfg.prometheus_port or None, otlp_endpoint=cfg.otlp_endpoint or None
     )
     server = AgentServer(cfg, meter=telemetry.meter, tracer=telemetry.tracer)
+    # Handlers go in before the "serving" line: a SIGTERM right after it must stop cleanly.
+    done = threading.Event()
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
         server.start()
     except ValueError as e:
@@ -66,13 +74,6 @@ def run(args: argparse.Namespace) -> int:
         ),
         flush=True,
     )
-    done = threading.Event()
-
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        done.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
     done.wait()
     server.stop()
     telemetry.shutdown()

@@ -7,7 +7,7 @@ Results come back as the msgspec structs of :mod:`kvgrid.agent.results`; gRPC er
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 import torch
@@ -46,8 +46,16 @@ class AgentClient:
             ],
         )
         self._calls: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+        self._streams: dict[str, grpc.UnaryStreamMultiCallable] = {}
         for m in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods:
             resp_cls = getattr(agent_pb2, m.output_type.name)
+            if m.server_streaming:
+                self._streams[m.name] = self.channel.unary_stream(
+                    SERVICE + m.name,
+                    request_serializer=lambda msg: msg.SerializeToString(),
+                    response_deserializer=resp_cls.FromString,
+                )
+                continue
             self._calls[m.name] = self.channel.unary_unary(
                 SERVICE + m.name,
                 request_serializer=lambda msg: msg.SerializeToString(),
@@ -103,7 +111,11 @@ class AgentClient:
             ),
         )
         assert isinstance(resp, agent_pb2.LookupResponse)
-        return LookupResult(num_hit_chunks=resp.num_hit_chunks, miss_cause=resp.miss_cause or "none")
+        return LookupResult(
+            num_hit_chunks=resp.num_hit_chunks,
+            miss_cause=resp.miss_cause or "none",
+            num_peer_chunks=resp.num_peer_chunks,
+        )
 
     def retrieve(
         self,
@@ -168,6 +180,28 @@ class AgentClient:
 
     def health(self) -> agent_pb2.HealthResponse:
         return self._call("Health", agent_pb2.HealthRequest())  # type: ignore[return-value]
+
+    def fetch_chunks(
+        self,
+        chunk_keys: Sequence[bytes],
+        layout_id: str,
+        *,
+        namespace_id: str = "",
+        max_part_bytes: int = 0,
+        timeout_s: float | None = None,
+    ) -> Iterator[agent_pb2.FetchChunksResponse]:
+        """The peer-fetch stream (usually agent to agent over TCP): parts of the leading chunks held
+        in layout ``layout_id``. A chunk held in another layout is FAILED_PRECONDITION."""
+        req = agent_pb2.FetchChunksRequest(
+            chunk_keys=chunk_keys,
+            layout_id=layout_id,
+            namespace_id=namespace_id,
+            max_part_bytes=max_part_bytes,
+        )
+        stream: Iterator[agent_pb2.FetchChunksResponse] = self._streams["FetchChunks"](
+            req, timeout=timeout_s or self.timeout_s
+        )
+        return stream
 
     def close(self) -> None:
         self.channel.close()

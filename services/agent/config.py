@@ -114,6 +114,41 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     reconnect_max_backoff_ms: Annotated[
         int, _d("Longest wait between reconnect attempts (ms)"), msgspec.Meta(gt=0)
     ] = 10_000
+    peer_fetch: Annotated[
+        str,
+        _d(
+            "Fetch missing leading chunks from other agents' L1 during Lookup (asks the controller who "
+            "holds them): auto (on when --controller-address is set), on, or off"
+        ),
+    ] = "auto"
+    peer_fetch_max_chunks: Annotated[
+        int, _d("Most chunks one Lookup fetches from a peer (and one FetchChunks serves)"), msgspec.Meta(gt=0)
+    ] = 64
+    peer_fetch_timeout_ms: Annotated[
+        int,
+        _d(
+            "Deadline of one Lookup's peer fetch, controller query included (ms); chunks complete by then "
+            "are kept, the rest is a miss"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 2000
+    peer_fetch_part_size: Annotated[
+        ByteSize,
+        _d(
+            "Largest piece of a chunk per FetchChunks message (capped by --max-message-bytes); about 1MiB "
+            "streams fastest through gRPC"
+        ),
+    ] = 1024 * 1024
+    peer_fetch_max_peers: Annotated[
+        int,
+        _d("Peers one Lookup tries, best first, when a peer fails before sending anything"),
+        msgspec.Meta(gt=0),
+    ] = 2
+    peer_directory_ttl_ms: Annotated[
+        int,
+        _d("How long the controller's agent list (pod -> peer address) is reused before asking again (ms)"),
+        msgspec.Meta(gt=0),
+    ] = 5000
     prometheus_port: Annotated[
         int, _d("Port of the Prometheus /metrics endpoint; 0 disables it"), msgspec.Meta(ge=0)
     ] = 0
@@ -138,11 +173,24 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"l1_size={self.l1_size}: expected at least one page ({ps} bytes)")
         if not self.uds_path and self.tcp_port < 0:
             raise ValueError("uds_path is empty and tcp_port=-1: expected at least one listener")
+        if self.peer_fetch not in ("auto", "on", "off"):
+            raise ValueError(f"peer_fetch={self.peer_fetch!r}: expected auto, on or off")
+        if self.peer_fetch == "on" and not self.controller_address:
+            raise ValueError(
+                "peer_fetch='on' but controller_address is empty: peer fetch asks the controller who "
+                "holds a chunk; set controller_address or peer_fetch=off"
+            )
+        if self.peer_fetch_part_size < 1024:
+            raise ValueError(f"peer_fetch_part_size={self.peer_fetch_part_size}: expected >= 1024 bytes")
         if self.reconnect_max_backoff_ms < self.reconnect_initial_backoff_ms:
             raise ValueError(
                 f"reconnect_max_backoff_ms={self.reconnect_max_backoff_ms} < reconnect_initial_backoff_ms="
                 f"{self.reconnect_initial_backoff_ms}: expected max >= initial"
             )
+
+    @property
+    def peer_fetch_enabled(self) -> bool:
+        return self.peer_fetch == "on" or (self.peer_fetch == "auto" and bool(self.controller_address))
 
     @property
     def pin_memory(self) -> bool | None:

@@ -22,8 +22,9 @@ import torch
 from kvgrid.agent.cache import CacheListener, ChunkCache, MissCause
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.eviction import make_policy
-from kvgrid.agent.l1 import L1Pool
+from kvgrid.agent.l1 import Chunk, L1Pool
 from kvgrid.agent.metrics import AgentMetrics
+from kvgrid.agent.peers import PeerFetcher, PeerMetrics
 from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
 from kvgrid.agent.transfer import ChunkMover, build_mover
 from kvgrid.common.groups import EngineGroupInfo, expand_engine_block_ids
@@ -128,6 +129,10 @@ class AgentCore:
         self.metrics = AgentMetrics(
             meter or metrics.get_meter("kvgrid.agent"), self.cache.stats, lambda: len(self._instances)
         )
+        self.peer_metrics = PeerMetrics(meter or metrics.get_meter("kvgrid.agent"))
+        self.peers: PeerFetcher | None = None
+        if config.peer_fetch_enabled:
+            self.peers = PeerFetcher(self.cache, config, pod.pod_uid, self.peer_metrics, self.tracer)
         self.on_instances_changed: Callable[[], None] | None = None
 
     # ---- registration ----------------------------------------------------------------------
@@ -303,23 +308,56 @@ class AgentCore:
     def lookup(
         self, instance_id: str, request_id: str, keys: Sequence[bytes], pin_ttl_ms: int = 0
     ) -> LookupResult:
+        """Leading chunks available: held here, then (peer fetch on) fetched from the peer holding
+        the next ones. With ``request_id`` they stay pinned until Retrieve/Release or the TTL.
+        A failing peer never fails the lookup: it answers what it has, with cause ``peer_failed``."""
         inst = self.instance(instance_id)
         keys = check_keys(keys)
         ttl = (pin_ttl_ms or self.config.pin_ttl_ms) / 1000.0
+        owner = (instance_id, request_id)
         with self.tracer.start_as_current_span(
             "agent.lookup", attributes={"instance_id": instance_id, "chunks": len(keys)}
         ) as span:
+            # Local hits stay referenced while a peer fetch runs: its reservations may evict, and
+            # must not evict the prefix it extends.
+            held: list[Chunk] = []
             if request_id:
-                n, cause = self.cache.pin((instance_id, request_id), keys, inst.layout_id, ttl)
+                n, cause = self.cache.pin(owner, keys, inst.layout_id, ttl)
             else:
-                n, cause = self.cache.prefix_length(keys, inst.layout_id)
+                held, cause = self.cache.acquire_prefix(keys, inst.layout_id)
+                n = len(held)
+            local = n
+            try:
+                if cause == MissCause.NOT_FOUND and self.peers is not None:
+                    fetched = self.peers.fetch(
+                        keys[n:],
+                        namespace_id=inst.namespace_id,
+                        layout_id=inst.layout_id,
+                        bytes_per_chunk=inst.bytes_per_chunk,
+                    )
+                    if fetched.chunks:
+                        if request_id:
+                            n, cause = self.cache.pin(owner, keys, inst.layout_id, ttl)
+                        else:
+                            n, cause = self.cache.prefix_length(keys, inst.layout_id)
+                    if fetched.error and n < len(keys):
+                        cause = MissCause.PEER_FAILED
+            finally:
+                if held:
+                    self.cache.release(held)
+            peer = max(0, n - local)
             span.set_attribute("hit_chunks", n)
-        self._count_hits(self.metrics.lookup_chunks, len(keys), n, cause)
-        return LookupResult(num_hit_chunks=n, miss_cause=str(cause))
+            span.set_attribute("peer_chunks", peer)
+        self._count_hits(self.metrics.lookup_chunks, len(keys), n, cause, peer)
+        return LookupResult(num_hit_chunks=n, miss_cause=str(cause), num_peer_chunks=peer)
 
-    def _count_hits(self, counter: metrics.Counter, asked: int, hits: int, cause: MissCause) -> None:
-        if hits:
-            counter.add(hits, {"result": "hit"})
+    def _count_hits(
+        self, counter: metrics.Counter, asked: int, hits: int, cause: MissCause, peer: int = 0
+    ) -> None:
+        if hits > peer:
+            counter.add(hits - peer, {"result": "hit"})
+        if peer:
+            counter.add(peer, {"result": "hit_peer"})
         if asked > hits:
             counter.add(asked - hits, {"result": f"miss_{cause}" if cause != MissCause.NONE else "miss"})
 
@@ -436,3 +474,5 @@ class AgentCore:
     def close(self) -> None:
         with self._lock:
             self._instances.clear()
+        if self.peers is not None:
+            self.peers.close()

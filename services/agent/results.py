@@ -11,7 +11,9 @@ class LookupResult(msgspec.Struct, frozen=True):
     num_hit_chunks: int
     """Leading chunks held (and pinned, when a request id was given)."""
     miss_cause: str = "none"
-    """Why the walk stopped: none, not_found or layout_mismatch."""
+    """Why the walk stopped: none, not_found, layout_mismatch or peer_failed."""
+    num_peer_chunks: int = 0
+    """Of the hits, how many this lookup fetched from a peer agent."""
 
 
 class StoreResult(msgspec.Struct, frozen=True):

@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.core import AgentCore, UnknownInstanceError
 from kvgrid.agent.events import EventLog, EventPublisher
+from kvgrid.agent.peers import ChunkSender, LayoutMismatchError
 from kvgrid.agent.tensors import SharedFileCache, open_layer_tensor
 from kvgrid.agent.transfer import parse_layout_hints
 from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2
@@ -99,7 +100,9 @@ class AgentServicer:
 
     def Lookup(self, req: agent_pb2.LookupRequest) -> agent_pb2.LookupResponse:
         r = self.core.lookup(req.instance_id, req.request_id, list(req.chunk_keys), req.pin_ttl_ms)
-        return agent_pb2.LookupResponse(num_hit_chunks=r.num_hit_chunks, miss_cause=r.miss_cause)
+        return agent_pb2.LookupResponse(
+            num_hit_chunks=r.num_hit_chunks, miss_cause=r.miss_cause, num_peer_chunks=r.num_peer_chunks
+        )
 
     def Retrieve(self, req: agent_pb2.RetrieveRequest) -> agent_pb2.RetrieveResponse:
         r = self.core.retrieve(
@@ -148,6 +151,7 @@ class AgentServicer:
 
     def Health(self, req: agent_pb2.HealthRequest) -> agent_pb2.HealthResponse:
         s = self.core.cache.stats()
+        peer = self.core.peer_metrics.stats
         return agent_pb2.HealthResponse(
             pod=pod_identity_to_proto(self.core.pod),
             l1_capacity_bytes=s.capacity_bytes,
@@ -156,6 +160,19 @@ class AgentServicer:
             instance_ids=sorted(i.instance_id for i in self.core.instances()),
             num_pinned_chunks=s.num_pins,
             num_evictions=s.evictions,
+            peer_fetched_chunks=peer.fetched_chunks,
+            peer_fetch_failures=peer.fetch_failures,
+            peer_served_chunks=peer.served_chunks,
+        )
+
+    def FetchChunks(self, req: agent_pb2.FetchChunksRequest) -> ChunkSender:
+        cfg = self.core.config
+        return ChunkSender(
+            self.core.cache,
+            req,
+            part_bytes=min(cfg.peer_fetch_part_size, cfg.max_message_bytes - 1024),
+            max_chunks=cfg.peer_fetch_max_chunks,
+            metrics=self.core.peer_metrics,
         )
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -164,6 +181,12 @@ class AgentServicer:
         for m in methods:
             req_cls = _message_class(m.input_type.name)
             fn = getattr(self, m.name)
+            if m.server_streaming:
+                handlers[m.name] = grpc.unary_stream_rpc_method_handler(
+                    self._wrap_stream(m.name, req_cls, fn),
+                    response_serializer=lambda msg: msg.SerializeToString(),
+                )
+                continue
             handlers[m.name] = grpc.unary_unary_rpc_method_handler(
                 self._wrap(m.name, req_cls, fn), response_serializer=lambda msg: msg.SerializeToString()
             )
@@ -194,6 +217,39 @@ class AgentServicer:
                     counter.add(1, {"method": name, "code": code.name})
             context.abort(code, detail)
             raise AssertionError("unreachable")  # abort raises
+
+        return handler
+
+    def _wrap_stream(
+        self, name: str, req_cls: type[Message], fn: Callable[[Any], ChunkSender]
+    ) -> Callable[[bytes, grpc.ServicerContext], Iterator[Message]]:
+        """Server-streaming: errors before the first message map like unary calls; the sender's
+        references are dropped when the stream ends, fails or the client goes away."""
+        counter = self.core.metrics.requests
+
+        def handler(raw: bytes, context: grpc.ServicerContext) -> Iterator[Message]:
+            code, detail = grpc.StatusCode.OK, ""
+            sender = None
+            try:
+                req = req_cls.FromString(raw)
+            except DecodeError as e:
+                code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"malformed {req_cls.__name__} message: {e}"
+            else:
+                try:
+                    sender = fn(req)
+                except LayoutMismatchError as e:
+                    code, detail = grpc.StatusCode.FAILED_PRECONDITION, f"{name}: {e}"
+                except (ValueError, TypeError) as e:
+                    code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e}"
+                except Exception as e:
+                    log.exception("%s failed", name)
+                    code, detail = grpc.StatusCode.INTERNAL, f"{name} failed: {type(e).__name__}: {e}"
+            counter.add(1, {"method": name, "code": code.name})
+            if sender is None:
+                context.abort(code, detail)
+                raise AssertionError("unreachable")  # abort raises
+            context.add_callback(sender.close)
+            return iter(sender)
 
         return handler
 

@@ -357,19 +357,25 @@ class LookupResponse(_message.Message):
 
     NUM_HIT_CHUNKS_FIELD_NUMBER: _builtins.int
     MISS_CAUSE_FIELD_NUMBER: _builtins.int
+    NUM_PEER_CHUNKS_FIELD_NUMBER: _builtins.int
     num_hit_chunks: _builtins.int
     """Leading chunks available (and pinned)."""
     miss_cause: _builtins.str
-    """Why the walk stopped: "none" (every chunk hit), "not_found", "layout_mismatch"."""
+    """Why the walk stopped: "none" (every chunk hit), "not_found", "layout_mismatch", or "peer_failed"
+    (a peer fetch of the next chunks failed; the hits are what was held locally or fetched before).
+    """
+    num_peer_chunks: _builtins.int
+    """Of num_hit_chunks, how many this Lookup fetched from a peer agent into local L1."""
     def __init__(
         self,
         *,
         num_hit_chunks: _builtins.int = ...,
         miss_cause: _builtins.str = ...,
+        num_peer_chunks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["miss_cause", b"miss_cause", "num_hit_chunks", b"num_hit_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["miss_cause", b"miss_cause", "num_hit_chunks", b"num_hit_chunks", "num_peer_chunks", b"num_peer_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -649,12 +655,21 @@ class HealthResponse(_message.Message):
     INSTANCE_IDS_FIELD_NUMBER: _builtins.int
     NUM_PINNED_CHUNKS_FIELD_NUMBER: _builtins.int
     NUM_EVICTIONS_FIELD_NUMBER: _builtins.int
+    PEER_FETCHED_CHUNKS_FIELD_NUMBER: _builtins.int
+    PEER_FETCH_FAILURES_FIELD_NUMBER: _builtins.int
+    PEER_SERVED_CHUNKS_FIELD_NUMBER: _builtins.int
     l1_capacity_bytes: _builtins.int
     l1_used_bytes: _builtins.int
     num_chunks: _builtins.int
     num_pinned_chunks: _builtins.int
     """Chunk pins held by lookups that were not yet retrieved or released."""
     num_evictions: _builtins.int
+    peer_fetched_chunks: _builtins.int
+    """Peer fetch since start: chunks this agent fetched from peers, peer fetches that failed, and
+    chunks it served to peers.
+    """
+    peer_fetch_failures: _builtins.int
+    peer_served_chunks: _builtins.int
     @_builtins.property
     def pod(self) -> _common_pb2.PodIdentity: ...
     @_builtins.property
@@ -669,11 +684,89 @@ class HealthResponse(_message.Message):
         instance_ids: _abc.Iterable[_builtins.str] | None = ...,
         num_pinned_chunks: _builtins.int = ...,
         num_evictions: _builtins.int = ...,
+        peer_fetched_chunks: _builtins.int = ...,
+        peer_fetch_failures: _builtins.int = ...,
+        peer_served_chunks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pod", b"pod"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_ids", b"instance_ids", "l1_capacity_bytes", b"l1_capacity_bytes", "l1_used_bytes", b"l1_used_bytes", "num_chunks", b"num_chunks", "num_evictions", b"num_evictions", "num_pinned_chunks", b"num_pinned_chunks", "pod", b"pod"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_ids", b"instance_ids", "l1_capacity_bytes", b"l1_capacity_bytes", "l1_used_bytes", b"l1_used_bytes", "num_chunks", b"num_chunks", "num_evictions", b"num_evictions", "num_pinned_chunks", b"num_pinned_chunks", "peer_fetch_failures", b"peer_fetch_failures", "peer_fetched_chunks", b"peer_fetched_chunks", "peer_served_chunks", b"peer_served_chunks", "pod", b"pod"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HealthResponse: _TypeAlias = HealthResponse  # noqa: Y015
+
+@_typing.final
+class FetchChunksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_KEYS_FIELD_NUMBER: _builtins.int
+    LAYOUT_ID_FIELD_NUMBER: _builtins.int
+    NAMESPACE_ID_FIELD_NUMBER: _builtins.int
+    MAX_PART_BYTES_FIELD_NUMBER: _builtins.int
+    REQUESTER_POD_UID_FIELD_NUMBER: _builtins.int
+    layout_id: _builtins.str
+    """The caller's chunk byte layout (RegisterKVCachesResponse.layout_id). Chunks are only sent in
+    this layout: a first chunk held in another one is FAILED_PRECONDITION naming both ids.
+    """
+    namespace_id: _builtins.str
+    """Hex key-namespace id of the keys; when set, chunks of another namespace count as missing."""
+    max_part_bytes: _builtins.int
+    """Largest data part per message (0 = the serving agent's default); capped by its message limit."""
+    requester_pod_uid: _builtins.str
+    """Pod UID of the fetching agent (logs)."""
+    @_builtins.property
+    def chunk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        chunk_keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        layout_id: _builtins.str = ...,
+        namespace_id: _builtins.str = ...,
+        max_part_bytes: _builtins.int = ...,
+        requester_pod_uid: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_keys", b"chunk_keys", "layout_id", b"layout_id", "max_part_bytes", b"max_part_bytes", "namespace_id", b"namespace_id", "requester_pod_uid", b"requester_pod_uid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchChunksRequest: _TypeAlias = FetchChunksRequest  # noqa: Y015
+
+@_typing.final
+class FetchChunksResponse(_message.Message):
+    """One part of one chunk. Parts arrive in order: chunk 0 from offset 0 to chunk_bytes, then chunk 1, ..."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_INDEX_FIELD_NUMBER: _builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    NUM_CHUNKS_FIELD_NUMBER: _builtins.int
+    chunk_index: _builtins.int
+    """Index into FetchChunksRequest.chunk_keys."""
+    chunk_bytes: _builtins.int
+    """Size of the whole chunk."""
+    offset: _builtins.int
+    """Where data starts within the chunk."""
+    data: _builtins.bytes
+    num_chunks: _builtins.int
+    """First message only: how many leading chunks the stream carries (all were pinned when it began)."""
+    def __init__(
+        self,
+        *,
+        chunk_index: _builtins.int = ...,
+        chunk_bytes: _builtins.int = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+        num_chunks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "chunk_index", b"chunk_index", "data", b"data", "num_chunks", b"num_chunks", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchChunksResponse: _TypeAlias = FetchChunksResponse  # noqa: Y015

@@ -75,6 +75,11 @@ class AgentServiceStub:
                 request_serializer=kvgrid_dot_v1_dot_agent__pb2.HealthRequest.SerializeToString,
                 response_deserializer=kvgrid_dot_v1_dot_agent__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.FetchChunks = channel.unary_stream(
+                '/kvgrid.v1.AgentService/FetchChunks',
+                request_serializer=kvgrid_dot_v1_dot_agent__pb2.FetchChunksRequest.SerializeToString,
+                response_deserializer=kvgrid_dot_v1_dot_agent__pb2.FetchChunksResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -136,6 +141,14 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchChunks(self, request, context):
+        """Peer fetch (served on TCP): stream the bytes of the leading chunks of chunk_keys this agent holds
+        in the caller's chunk layout, in order, each split into parts; stops at the first miss.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +191,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=kvgrid_dot_v1_dot_agent__pb2.HealthRequest.FromString,
                     response_serializer=kvgrid_dot_v1_dot_agent__pb2.HealthResponse.SerializeToString,
+            ),
+            'FetchChunks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchChunks,
+                    request_deserializer=kvgrid_dot_v1_dot_agent__pb2.FetchChunksRequest.FromString,
+                    response_serializer=kvgrid_dot_v1_dot_agent__pb2.FetchChunksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +415,33 @@ class AgentService:
             '/kvgrid.v1.AgentService/Health',
             kvgrid_dot_v1_dot_agent__pb2.HealthRequest.SerializeToString,
             kvgrid_dot_v1_dot_agent__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvgrid.v1.AgentService/FetchChunks',
+            kvgrid_dot_v1_dot_agent__pb2.FetchChunksRequest.SerializeToString,
+            kvgrid_dot_v1_dot_agent__pb2.FetchChunksResponse.FromString,
             options,
             channel_credentials,
             insecure,

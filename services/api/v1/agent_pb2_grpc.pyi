@@ -48,6 +48,10 @@ class AgentServiceStub:
     """Every chunk key held in L1, with the agent's identity and last event sequence."""
     Health: _grpc.UnaryUnaryMultiCallable[_agent_pb2.HealthRequest, _agent_pb2.HealthResponse]
     """Capacity, usage and registered instances."""
+    FetchChunks: _grpc.UnaryStreamMultiCallable[_agent_pb2.FetchChunksRequest, _agent_pb2.FetchChunksResponse]
+    """Peer fetch (served on TCP): stream the bytes of the leading chunks of chunk_keys this agent holds
+    in the caller's chunk layout, in order, each split into parts; stops at the first miss.
+    """
 
 @_typing.type_check_only
 class AgentServiceAsyncStub(AgentServiceStub):
@@ -69,6 +73,10 @@ class AgentServiceAsyncStub(AgentServiceStub):
     """Every chunk key held in L1, with the agent's identity and last event sequence."""
     Health: _aio.UnaryUnaryMultiCallable[_agent_pb2.HealthRequest, _agent_pb2.HealthResponse]  # type: ignore[assignment]
     """Capacity, usage and registered instances."""
+    FetchChunks: _aio.UnaryStreamMultiCallable[_agent_pb2.FetchChunksRequest, _agent_pb2.FetchChunksResponse]  # type: ignore[assignment]
+    """Peer fetch (served on TCP): stream the bytes of the leading chunks of chunk_keys this agent holds
+    in the caller's chunk layout, in order, each split into parts; stops at the first miss.
+    """
 
 class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
     """The per-GPU sidecar. Served on a Unix socket for the engine and on TCP for peers and the controller."""
@@ -135,5 +143,15 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_agent_pb2.HealthResponse, _abc.Awaitable[_agent_pb2.HealthResponse]]:
         """Capacity, usage and registered instances."""
+
+    @_abc_1.abstractmethod
+    def FetchChunks(
+        self,
+        request: _agent_pb2.FetchChunksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_agent_pb2.FetchChunksResponse], _abc.AsyncIterator[_agent_pb2.FetchChunksResponse]]:
+        """Peer fetch (served on TCP): stream the bytes of the leading chunks of chunk_keys this agent holds
+        in the caller's chunk layout, in order, each split into parts; stops at the first miss.
+        """
 
 def add_AgentServiceServicer_to_server(servicer: AgentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
