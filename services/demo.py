@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -66,6 +67,8 @@ NAMESPACE = KeyNamespace(
     model="kvgrid-demo-hybrid-8l", tokens_per_chunk=TOKENS_PER_CHUNK, kv_identity="bf16-fi"
 )
 VOCAB = 128_000
+# Most a pod takes of the requests so far, relative to its fair share (see serve_request).
+LOAD_BOUND = 1.25
 
 
 @dataclass(frozen=True)
@@ -237,9 +240,13 @@ def serve_request(
         timeout=10,
     )
     t.score_ms.append((time.perf_counter() - t0) * 1000)
-    # Like a router: take the lowest estimated TTFT; among pods within 2% of it, the one that has
-    # served the fewest requests (the demo runs one request at a time, so reported load is flat).
+    # Like a router: lowest estimated TTFT first, under a bounded load (no pod takes more than
+    # LOAD_BOUND times its fair share of the requests so far: "consistent hashing with bounded
+    # loads"); among pods within 2% of the best TTFT, the one that has served the fewest. The demo
+    # runs one request at a time, so the load the agents report is flat and the router counts.
     scored = [sc for sc in resp.scores if sc.match.pod_uid in engines]
+    cap = math.ceil(LOAD_BOUND * (t.requests + 1) / len(engines))
+    scored = [sc for sc in scored if t.per_pod.get(sc.match.pod_uid, 0) < cap] or scored
     best = None
     if scored:
         cutoff = scored[0].estimated_ttft_ms * 1.02

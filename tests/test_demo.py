@@ -21,7 +21,8 @@ def test_demo_routes_to_prefix_holders_and_loads_bit_exact_chunks() -> None:
     # Every turn after a conversation's first reuses at least its system prompt's chunks.
     assert r["chunks_retrieved"] > 0 and r["hit_rate"] > 0.5
     assert r["chunks_verified"] == r["chunks_retrieved"] and r["chunks_corrupt"] == 0
-    assert r["requests_with_holder"] > 0 and r["routed_to_holder"] == r["requests_with_holder"]
+    # Score sends a request to the pod holding its prefix unless that pod is over its load bound.
+    assert r["requests_with_holder"] > 0 and r["routed_to_holder"] >= 0.75 * r["requests_with_holder"]
     assert set(r["requests_per_pod"]) == {"demo-pod-0", "demo-pod-1"}  # type: ignore[arg-type]
     assert r["bytes_moved"] > 0 and r["retrieve_gbps"] > 0 and r["store_gbps"] > 0
 
