@@ -76,7 +76,11 @@ VARIANTS_CUDA: dict[str, dict[str, Any]] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the KV cache lives: cuda (pinned L1, Triton kernels) or cpu (torch reference); "
+        "default cuda when a GPU is visible",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     parser.add_argument(

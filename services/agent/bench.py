@@ -34,7 +34,11 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the KV cache lives: cuda (pinned L1, Triton kernels) or cpu (torch reference); "
+        "default cuda when a GPU is visible",
     )
     parser.add_argument("--layers", type=int, default=32, help="KV layers (default 32)")
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer (default 8)")

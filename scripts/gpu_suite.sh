@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU half of the test suite and the GPU benchmarks, on a machine with an NVIDIA GPU and a CUDA
+# torch + Triton already installed (CI has no GPU; run this by hand and record the results in
+# docs/benchmarks.md).
+#
+#   scripts/gpu_suite.sh [OUTDIR]
+#
+# Missing pure-Python dependencies can be pre-downloaded as wheels into .whl/ (see docs/kernels.md);
+# they are installed into a private folder, never over the machine's torch. The package is put on
+# the path through a link tree with the import layout (kvgrid -> services, kvgrid.kernels -> kernels),
+# so nothing is built or installed into the system.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+out="${1:-$root/build/gpu-suite}"
+mkdir -p "$out"
+site="$(mktemp -d)"
+if compgen -G "$root/.whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$root"/.whl/*.whl
+fi
+mkdir -p "$site/kvgrid"
+ln -s "$root"/services/* "$site/kvgrid/"
+ln -s "$root/kernels" "$site/kvgrid/kernels"
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+cd "$root"
+python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())'
+python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_kernels.py tests/test_agent_gpu.py \
+    2>&1 | tee "$out/pytest-gpu.log"
+python3 -m kvgrid.cli bench transfer --device cuda --out "$out/bench-transfer.json"
+for n in 1 32; do
+    python3 -m kvgrid.cli bench agent --device cuda --chunks "$n" --iters 10
+done 2>&1 | tee "$out/bench-agent.txt"
