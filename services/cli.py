@@ -2,8 +2,8 @@
 
 Each subcommand lives in the module that owns the work; this file only maps names to modules so
 ``kvgrid --help`` stays fast (modules, and torch, are imported only for the command that runs).
-A module listed here exposes ``add_arguments(parser)`` and ``run(args) -> int``; its docstring's
-first line is the help text. Only commands that exist are listed.
+A module listed here exposes ``add_arguments(parser)`` and ``run(args) -> int``; the help text is
+the second item of its entry below. Only commands that exist are listed.
 """
 
 from __future__ import annotations

@@ -398,9 +398,13 @@ def test_async_store_does_not_block_the_callers_stream() -> None:
     ids = random_ids(plan, 2, np.random.default_rng(0))
     chunks = chunk_buffers(plan, 2, "cuda", False, poison=0)
     torch.cuda.synchronize()
+    # Hold the transfer back (~1 s of GPU sleep queued on the plan's own stream): if the store queued
+    # any of its work on the caller's stream, syncing that stream would wait for the transfer too.
+    with torch.cuda.stream(plan._kernel_stream):
+        torch.cuda._sleep(2_000_000_000)
     handle = plan.store_async(chunks, ids)
-    # the caller's stream only recorded an event; it is free right away
-    assert torch.cuda.current_stream().query() or True
+    torch.cuda.current_stream().synchronize()
+    assert not handle.done()
     handle.wait_stream(torch.cuda.current_stream())
     handle.wait()
     assert handle.done()

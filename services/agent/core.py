@@ -28,7 +28,7 @@ from kvgrid.agent.peers import PeerFetcher, PeerMetrics
 from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
 from kvgrid.agent.transfer import ChunkMover, build_mover
 from kvgrid.common.groups import EngineGroupInfo, expand_engine_block_ids
-from kvgrid.common.hashing import CHUNK_KEY_BYTES, KeyNamespace
+from kvgrid.common.hashing import KeyNamespace, check_chunk_keys
 from kvgrid.common.identity import PodIdentity
 from opentelemetry import metrics, trace
 
@@ -92,13 +92,6 @@ class EngineInstance:
         if self.pid_start_time is None:
             return True  # not tracked (pid not visible from the agent)
         return process_start_time(self.engine_pid) == self.pid_start_time
-
-
-def check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    for i, k in enumerate(keys):
-        if len(k) != CHUNK_KEY_BYTES:
-            raise ValueError(f"chunk_keys[{i}] has {len(k)} bytes; expected {CHUNK_KEY_BYTES}")
-    return list(keys)
 
 
 class AgentCore:
@@ -183,8 +176,10 @@ class AgentCore:
             with self._lock:
                 old = self._instances.get(instance_id)
                 self._instances[instance_id] = inst
+                if old is not None:
+                    # Under the lock: a lookup that sees the new registration pins only after this.
+                    self.cache.unpin_instance(instance_id)
             if old is not None:
-                self.cache.unpin_instance(instance_id)
                 log.info("instance %s re-registered; dropped the old registration's pins", instance_id)
             log.info(
                 "registered instance %s: %d layers, %d kernel groups, %d bytes per %d-token chunk, pid %d",
@@ -201,9 +196,9 @@ class AgentCore:
     def unregister(self, instance_id: str) -> int:
         with self._lock:
             inst = self._instances.pop(instance_id, None)
-        if inst is None:
-            raise UnknownInstanceError(f"instance_id={instance_id!r} is not registered")
-        released = self.cache.unpin_instance(instance_id)
+            if inst is None:
+                raise UnknownInstanceError(f"instance_id={instance_id!r} is not registered")
+            released = self.cache.unpin_instance(instance_id)
         self._changed()
         return released
 
@@ -230,14 +225,16 @@ class AgentCore:
 
     def reap(self) -> list[str]:
         """Drop registrations (and pins) of engines whose process is gone; expire old pins."""
-        gone = [i.instance_id for i in self.instances() if not i.alive()]
-        for iid in gone:
+        gone: list[str] = []
+        for iid in [i.instance_id for i in self.instances() if not i.alive()]:
             with self._lock:
                 inst = self._instances.get(iid)
                 if inst is None or inst.alive():
                     continue
                 del self._instances[iid]
-            n = self.cache.unpin_instance(iid)
+                # Under the lock: a re-registration under the same id must not lose its new pins.
+                n = self.cache.unpin_instance(iid)
+            gone.append(iid)
             log.warning(
                 "engine pid %d of instance %s exited; dropped its registration and %d pins",
                 inst.engine_pid,
@@ -312,7 +309,7 @@ class AgentCore:
         the next ones. With ``request_id`` they stay pinned until Retrieve/Release or the TTL.
         A failing peer never fails the lookup: it answers what it has, with cause ``peer_failed``."""
         inst = self.instance(instance_id)
-        keys = check_keys(keys)
+        keys = check_chunk_keys(keys)
         ttl = (pin_ttl_ms or self.config.pin_ttl_ms) / 1000.0
         owner = (instance_id, request_id)
         with self.tracer.start_as_current_span(
@@ -375,20 +372,19 @@ class AgentCore:
     ) -> RetrieveResult:
         """Scatter the leading held chunks into the engine's blocks (prefix semantics)."""
         inst = self.instance(instance_id)
-        keys = check_keys(keys)
+        keys = check_chunk_keys(keys)
         with self.tracer.start_as_current_span(
             "agent.retrieve", attributes={"instance_id": instance_id, "chunks": len(keys)}
         ) as span:
-            # Validate the ids of every requested chunk up front: a bad request fails the same way
+            # Ids of every requested chunk, checked up front: a bad request fails the same way
             # whether or not its chunks happen to be cached.
-            self._ids_per_chunk(inst, block_ids, range(len(keys)), skip_first_n_tokens)
+            ids = self._ids_per_chunk(inst, block_ids, range(len(keys)), skip_first_n_tokens)
             chunks, cause = self.cache.acquire_prefix(keys, inst.layout_id)
             try:
                 n = len(chunks)
-                ids = self._ids_per_chunk(inst, block_ids, range(n), skip_first_n_tokens)
                 t0 = time.perf_counter()
                 if n:
-                    inst.mover.retrieve([c.buffer for c in chunks], ids)
+                    inst.mover.retrieve([c.buffer for c in chunks], [per_chunk[:n] for per_chunk in ids])
                 dt = time.perf_counter() - t0
             finally:
                 self.cache.release(chunks)
@@ -417,7 +413,7 @@ class AgentCore:
         ids must cover every chunk of every group (else ValueError and nothing is stored), and a
         failed copy commits nothing. Under memory pressure a prefix is kept (see partial_reason)."""
         inst = self.instance(instance_id)
-        keys = check_keys(keys)
+        keys = check_chunk_keys(keys)
         if skip_first_n_chunks > len(keys):
             raise ValueError(
                 f"skip_first_n_chunks={skip_first_n_chunks}: expected <= {len(keys)} (chunk_keys)"

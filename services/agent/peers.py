@@ -27,7 +27,7 @@ from kvgrid.agent.cache import ChunkCache, MissCause
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import Chunk
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
-from kvgrid.common.hashing import CHUNK_KEY_BYTES
+from kvgrid.common.hashing import check_chunk_keys
 from opentelemetry import metrics, trace
 
 __all__ = [
@@ -132,13 +132,6 @@ class PeerMetrics:
         )
 
 
-def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    for i, k in enumerate(keys):
-        if len(k) != CHUNK_KEY_BYTES:
-            raise ValueError(f"chunk_keys[{i}] has {len(k)} bytes; expected {CHUNK_KEY_BYTES}")
-    return list(keys)
-
-
 # ---- serving ---------------------------------------------------------------------------------
 
 
@@ -158,7 +151,7 @@ class ChunkSender:
     ) -> None:
         if not req.layout_id:
             raise ValueError("layout_id is empty: expected the caller's RegisterKVCachesResponse.layout_id")
-        keys = _check_keys(req.chunk_keys)[:max_chunks]
+        keys = check_chunk_keys(req.chunk_keys)[:max_chunks]
         if req.max_part_bytes:
             part_bytes = min(part_bytes, int(req.max_part_bytes))
         self.part_bytes = max(1, part_bytes)

@@ -192,31 +192,41 @@ class AgentServicer:
             )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
+    def _call(self, name: str, req_cls: type[Message], fn: Callable[[Any], Any], raw: bytes) -> Any:
+        """Parse ``raw`` and call ``fn``; failures become :class:`_RpcFailure` with the status to send.
+        Every call, failed or not, is counted by method and status code."""
+        code, detail = grpc.StatusCode.OK, ""
+        try:
+            req = req_cls.FromString(raw)
+        except DecodeError as e:
+            code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"malformed {req_cls.__name__} message: {e}"
+            raise _RpcFailure(code, detail) from None
+        else:
+            try:
+                return fn(req)
+            except UnknownInstanceError as e:  # its text already names the call's instance id
+                code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+            except LayoutMismatchError as e:
+                code, detail = grpc.StatusCode.FAILED_PRECONDITION, f"{name}: {e}"
+            except (ValueError, TypeError) as e:
+                code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e}"
+            except Exception as e:
+                log.exception("%s failed", name)
+                code, detail = grpc.StatusCode.INTERNAL, f"{name} failed: {type(e).__name__}: {e}"
+            raise _RpcFailure(code, detail)
+        finally:
+            self.core.metrics.requests.add(1, {"method": name, "code": code.name})
+
     def _wrap(
         self, name: str, req_cls: type[Message], fn: Callable[[Any], Message]
     ) -> Callable[[bytes, grpc.ServicerContext], Message]:
-        counter = self.core.metrics.requests
-
         def handler(raw: bytes, context: grpc.ServicerContext) -> Message:
-            code, detail = grpc.StatusCode.OK, ""
             try:
-                req = req_cls.FromString(raw)
-            except DecodeError as e:
-                code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"malformed {req_cls.__name__} message: {e}"
-            else:
-                try:
-                    return fn(req)
-                except UnknownInstanceError as e:
-                    code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(e)
-                except (ValueError, TypeError) as e:
-                    code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e}"
-                except Exception as e:
-                    log.exception("%s failed", name)
-                    code, detail = grpc.StatusCode.INTERNAL, f"{name} failed: {type(e).__name__}: {e}"
-                finally:
-                    counter.add(1, {"method": name, "code": code.name})
-            context.abort(code, detail)
-            raise AssertionError("unreachable")  # abort raises
+                result: Message = self._call(name, req_cls, fn, raw)
+            except _RpcFailure as f:
+                context.abort(f.code, f.detail)
+                raise AssertionError("unreachable") from None  # abort raises
+            return result
 
         return handler
 
@@ -225,33 +235,27 @@ class AgentServicer:
     ) -> Callable[[bytes, grpc.ServicerContext], Iterator[Message]]:
         """Server-streaming: errors before the first message map like unary calls; the sender's
         references are dropped when the stream ends, fails or the client goes away."""
-        counter = self.core.metrics.requests
 
         def handler(raw: bytes, context: grpc.ServicerContext) -> Iterator[Message]:
-            code, detail = grpc.StatusCode.OK, ""
-            sender = None
             try:
-                req = req_cls.FromString(raw)
-            except DecodeError as e:
-                code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"malformed {req_cls.__name__} message: {e}"
-            else:
-                try:
-                    sender = fn(req)
-                except LayoutMismatchError as e:
-                    code, detail = grpc.StatusCode.FAILED_PRECONDITION, f"{name}: {e}"
-                except (ValueError, TypeError) as e:
-                    code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e}"
-                except Exception as e:
-                    log.exception("%s failed", name)
-                    code, detail = grpc.StatusCode.INTERNAL, f"{name} failed: {type(e).__name__}: {e}"
-            counter.add(1, {"method": name, "code": code.name})
-            if sender is None:
-                context.abort(code, detail)
-                raise AssertionError("unreachable")  # abort raises
-            context.add_callback(sender.close)
+                sender: ChunkSender = self._call(name, req_cls, fn, raw)
+            except _RpcFailure as f:
+                context.abort(f.code, f.detail)
+                raise AssertionError("unreachable") from None  # abort raises
+            if not context.add_callback(sender.close):
+                # The RPC already ended (client gone): the generator below would never run, so
+                # its finally could not drop the references.
+                sender.close()
+                return iter(())
             return iter(sender)
 
         return handler
+
+
+class _RpcFailure(Exception):
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(detail)
+        self.code, self.detail = code, detail
 
 
 def _message_class(name: str) -> type[Message]:

@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_TOKENS_PER_CHUNK",
     "NAMESPACE_DOMAIN_TAG",
     "KeyNamespace",
+    "check_chunk_keys",
     "chunk_keys",
     "num_full_chunks",
 ]
@@ -216,3 +217,11 @@ def chunk_keys(
         key = h.digest()
         keys.append(key)
     return keys
+
+
+def check_chunk_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """``keys`` as a list, after checking each is :data:`CHUNK_KEY_BYTES` long (keys from the wire)."""
+    for i, k in enumerate(keys):
+        if len(k) != CHUNK_KEY_BYTES:
+            raise ValueError(f"chunk_keys[{i}] has {len(k)} bytes; expected {CHUNK_KEY_BYTES}")
+    return list(keys)
