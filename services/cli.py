@@ -52,6 +52,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="benchmarks that measure a limit in the same run and print the ratio"
     )
+    bench.set_defaults(_help=bench.print_help)
     bench_sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     _add_group(bench_sub, BENCHMARKS, words[1] if len(words) > 1 and words[0] == "bench" else None)
     return parser
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run = getattr(args, "_run", None)
     if run is None:
-        parser.print_help()
+        getattr(args, "_help", parser.print_help)()  # `kvgrid bench` alone lists the benchmarks
         return 2
     try:
         return int(run(args) or 0)
