@@ -59,3 +59,11 @@ def test_bench_agent_reports_both_figures_and_the_ratio() -> None:
         assert d["agent_gbps"] > 0 and d["kernel_gbps"] > 0
         assert d["ratio"] == pytest.approx(d["agent_gbps"] / d["kernel_gbps"], rel=0.05)
     assert res["rpc_roundtrip_ms"] > 0
+
+
+def test_pins_must_outlive_a_peer_fetch() -> None:
+    from kvgrid.agent.config import AgentConfig
+
+    with pytest.raises(ValueError, match="pin_ttl_ms=1000 <= peer_fetch_timeout_ms=2000"):
+        AgentConfig(pin_ttl_ms=1000, peer_fetch_timeout_ms=2000, controller_address="c:1")
+    assert AgentConfig(pin_ttl_ms=1000, peer_fetch_timeout_ms=2000, peer_fetch="off").pin_ttl_ms == 1000

@@ -180,6 +180,13 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
                 "peer_fetch='on' but controller_address is empty: peer fetch asks the controller who "
                 "holds a chunk; set controller_address or peer_fetch=off"
             )
+        if self.peer_fetch != "off" and self.pin_ttl_ms <= self.peer_fetch_timeout_ms:
+            # Lookup pins its local hits before fetching the rest from a peer; a pin that lapses
+            # mid-fetch lets eviction take them back.
+            raise ValueError(
+                f"pin_ttl_ms={self.pin_ttl_ms} <= peer_fetch_timeout_ms={self.peer_fetch_timeout_ms}: "
+                "expected pins to outlive a peer fetch"
+            )
         if self.peer_fetch_part_size < 1024:
             raise ValueError(f"peer_fetch_part_size={self.peer_fetch_part_size}: expected >= 1024 bytes")
         if self.reconnect_max_backoff_ms < self.reconnect_initial_backoff_ms:
