@@ -5,7 +5,18 @@ conversations, each pinned to one of ``--pods`` pods, each a system prompt follo
 Every pod holds the system prompts it serves (L1, and GPU for the most recent ones) and its
 conversations (L1, the latest turns also in GPU). Queries are ``--query-chunks``-chunk prefixes of
 random conversations, answered by the real gRPC server on loopback from a separate client process
-(pre-serialized requests, so the client costs little CPU).
+(requests serialized once up front and sent as bytes, answers received as bytes, so the client
+costs little CPU: its CPU per call is measured and printed, as is the server's CPU per query).
+
+MatchPrefix is measured unary, batched in the readable form (a PodMatch per listed pod) and batched
+in the compact form (``BatchMatchPrefixRequest.compact``: pod table + packed arrays); the goal is
+judged on the compact form. What a client pays to parse each form is measured in-process. Each
+measurement cycles through ~16k distinct pre-built queries (``QUERIES_PER_RUN``), so it touches most
+of the index, as a fleet's traffic would; the in-process figure repeats one batch (hot caches).
+
+The bench's pods never heartbeat, so the controller runs with a one-hour lease, and the index is
+checked to be intact after the last measurement (a lapsed lease would empty it and make every
+later measurement meaningless).
 
 Reference limits measured in the same run: the same request bytes echoed by a bare gRPC handler
 (transport limit), a plain ``dict`` insert of the same keys (ingest limit) and the 16-byte key
@@ -21,6 +32,7 @@ import multiprocessing as mp
 import os
 import platform
 import random
+import resource
 import statistics
 import threading
 import time
@@ -43,6 +55,7 @@ GOALS = {"match_ops_s": 30_000.0, "match_p99_ms": 3.0, "ingest_events_s": 500_00
 NS_ID = "00" * 16
 METHOD = "/kvgrid.v1.ControllerService/BatchMatchPrefix"
 ECHO = "/bench.Echo/Echo"
+QUERIES_PER_RUN = 16_384
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,10 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn-chunks", type=int, default=8, help="chunks added per conversation turn")
     parser.add_argument("--turns", type=int, default=6, help="turns per conversation")
     parser.add_argument("--query-chunks", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=32, help="queries per BatchMatchPrefix call")
-    parser.add_argument("--concurrency", type=int, default=4, help="client calls in flight")
+    parser.add_argument("--batch", type=int, default=64, help="queries per BatchMatchPrefix call")
+    parser.add_argument("--concurrency", type=int, default=1, help="client calls in flight")
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of each gRPC measurement")
     parser.add_argument("--max-pods", type=int, default=0, help="MatchPrefixRequest.max_pods (0 = every pod)")
+    parser.add_argument(
+        "--sweep",
+        default="32,48",
+        help="batch sizes also measured in the compact form (throughput vs latency; '' = none)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -181,25 +199,38 @@ def _client(addr: str, method: str, payloads: list[bytes], seconds: float, concu
             lat.extend(mine)
             calls += len(mine)
 
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as ex:
         list(ex.map(worker, range(concurrency)))
-    q.put({"calls": calls, "seconds": time.perf_counter() - t0, "lat": sorted(lat)})
+    wall = time.perf_counter() - t0
+    q.put({"calls": calls, "seconds": wall, "cpu": time.process_time() - cpu0, "lat": sorted(lat)})
     ch.close()
 
 
+def _cpu_self() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _drive(addr: str, method: str, payloads: list[bytes], seconds: float, concurrency: int) -> dict[str, Any]:
+    """Load ``addr`` from a separate client process; the server's CPU is this process's CPU meanwhile."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_client, args=(addr, method, payloads, seconds, concurrency, q))
+    cpu0 = _cpu_self()
     p.start()
     r = q.get(timeout=seconds + 120)
+    server_cpu = _cpu_self() - cpu0
     p.join(10)
     lat = r["lat"]
     return {
         "calls_s": r["calls"] / r["seconds"],
         "p50_ms": 1000 * lat[len(lat) // 2],
         "p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+        # per call; the server's includes the 20 warm-up calls (counted in)
+        "server_cpu_ms": 1000 * server_cpu / (r["calls"] + 20),
+        "client_cpu_ms": 1000 * r["cpu"] / max(1, r["calls"]),
     }
 
 
@@ -214,14 +245,58 @@ def _echo_server() -> tuple[grpc.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-def _payloads(w: Workload, batch: int, n: int, max_pods: int = 0) -> list[bytes]:
+def _requests(
+    w: Workload, batch: int, n: int, max_pods: int = 0
+) -> list[controller_pb2.BatchMatchPrefixRequest]:
     out = []
     for _ in range(n):
         req = controller_pb2.BatchMatchPrefixRequest()
         for q in w.queries(batch):
             req.requests.add(chunk_keys=common_pb2.ChunkKeys(keys=q), namespace_id=NS_ID, max_pods=max_pods)
-        out.append(req.SerializeToString())
+        out.append(req)
     return out
+
+
+def _calls_for(batch: int) -> int:
+    """Distinct pre-built calls per measurement: ~16k distinct queries whatever the batch size, so
+    every measurement touches a similar share of the index (cache misses are most of a lookup)."""
+    return max(32, QUERIES_PER_RUN // batch)
+
+
+def _serialized(reqs: list[controller_pb2.BatchMatchPrefixRequest], compact: bool) -> list[bytes]:
+    out = []
+    for r in reqs:
+        r.compact = compact
+        out.append(r.SerializeToString())
+    return out
+
+
+def _parse_us(raw: bytes, queries: int, reps: int = 50) -> float:
+    """Microseconds per query a client spends parsing ``raw`` (a BatchMatchPrefixResponse)."""
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        controller_pb2.BatchMatchPrefixResponse.FromString(raw)
+    return 1e6 * (time.perf_counter() - t0) / (reps * queries)
+
+
+def _same_answers(
+    readable: controller_pb2.BatchMatchPrefixResponse, compact: controller_pb2.BatchMatchPrefixResponse
+) -> bool:
+    """The compact form decodes to exactly the readable form."""
+    if len(readable.responses) != len(compact.compact):
+        return False
+    for r, c in zip(readable.responses, compact.compact, strict=True):
+        got = [
+            (compact.pods[i].pod_uid, compact.pods[i].pod_name, g, lo, p)
+            for i, g, lo, p in zip(c.pod_index, c.gpu_chunks, c.l1_chunks, c.peer_chunks, strict=True)
+        ]
+        want = [(m.pod_uid, m.pod_name, m.gpu_chunks, m.l1_chunks, m.peer_chunks) for m in r.matches]
+        if got != want or (r.num_query_chunks, r.peer_fetchable_chunks) != (
+            c.num_query_chunks,
+            c.peer_fetchable_chunks,
+        ):
+            return False
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -262,47 +337,97 @@ def run(args: argparse.Namespace) -> int:
     )
 
     # 3. MatchPrefix over gRPC: the controller in this process, clients in another
-    cfg = ControllerConfig(listen="127.0.0.1:0", max_batch=max(4096, args.batch), grpc_workers=16)
+    cfg = ControllerConfig(
+        listen="127.0.0.1:0", max_batch=max(4096, args.batch), grpc_workers=16, lease_ttl_ms=3_600_000
+    )
     srv = serve(cfg, index=mem_index)
     for p in evs:
         srv.controller.registry.register(_holder(p).pod, [NS_ID])
     srv.controller._refresh_holders()
     echo, echo_addr = _echo_server()
     try:
-        one = _payloads(w, 1, 512, args.max_pods)
-        batched = _payloads(w, args.batch, 256, args.max_pods)
-        # sanity: the answers are real
-        resp = controller_pb2.BatchMatchPrefixResponse.FromString(
-            grpc.insecure_channel(srv.address).unary_unary(METHOD)(batched[0])
-        )
+        one = _serialized(_requests(w, 1, 512, args.max_pods), compact=False)
+        reqs = _requests(w, args.batch, _calls_for(args.batch), args.max_pods)
+        readable = _serialized(reqs, compact=False)
+        compact = _serialized(reqs, compact=True)
+        # sanity: the answers are real, and both forms say the same
+        with grpc.insecure_channel(
+            srv.address
+        ) as ch:  # closed: no client threads left in the server's process
+            call = ch.unary_unary(METHOD)
+            raw_r, raw_c = call(readable[0]), call(compact[0])
+        resp = controller_pb2.BatchMatchPrefixResponse.FromString(raw_r)
+        resp_c = controller_pb2.BatchMatchPrefixResponse.FromString(raw_c)
+        if not _same_answers(resp, resp_c):
+            raise AssertionError("compact and readable BatchMatchPrefix answers differ")
         hits = sum(1 for r in resp.responses if r.matches)
         pods_listed = statistics.mean(len(r.matches) for r in resp.responses)
-        t0 = time.perf_counter()
-        reqs = controller_pb2.BatchMatchPrefixRequest.FromString(batched[0]).requests
-        for _ in range(5):
-            for r in reqs:
-                srv.controller.match_response(srv.controller.parse_query(r))
-        inproc = 5 * len(reqs) / (time.perf_counter() - t0)
+        parse_r, parse_c = _parse_us(raw_r, args.batch), _parse_us(raw_c, args.batch)
+        ctl = srv.controller
+        qs = [ctl.parse_query(r) for r in reqs[0].requests]
+        inproc = {}
+        for form in ("readable", "compact"):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                ctl.batch_match_response(qs, compact=form == "compact").SerializeToString()
+            inproc[form] = 20 * len(qs) / (time.perf_counter() - t0)
         unary = _drive(srv.address, METHOD, one, args.seconds, args.concurrency)
-        batch = _drive(srv.address, METHOD, batched, args.seconds, args.concurrency)
-        echo_b = _drive(echo_addr, ECHO, batched, args.seconds, args.concurrency)
+        batch = _drive(srv.address, METHOD, readable, args.seconds, args.concurrency)
+        fast = _drive(srv.address, METHOD, compact, args.seconds, args.concurrency)
+        echo_b = _drive(echo_addr, ECHO, compact, args.seconds, args.concurrency)
+        sweep = {}
+        for size in [int(x) for x in args.sweep.split(",") if x.strip()]:
+            d = _drive(
+                srv.address,
+                METHOD,
+                _serialized(_requests(w, size, _calls_for(size), args.max_pods), compact=True),
+                args.seconds,
+                args.concurrency,
+            )
+            sweep[size] = {
+                "ops_s": d["calls_s"] * size,
+                "p50_ms": d["p50_ms"],
+                "p99_ms": d["p99_ms"],
+                "server_cpu_us_per_query": 1000 * d["server_cpu_ms"] / size,
+            }
+        if mem_index.num_entries() != entries:
+            raise AssertionError(
+                f"index changed during the run: {mem_index.num_entries()} != {entries} entries"
+            )
     finally:
         echo.stop(0)
         srv.stop(0)
-    match_ops = batch["calls_s"] * args.batch
-    echo_ops = echo_b["calls_s"] * args.batch
+    nb = args.batch
+    match_ops = fast["calls_s"] * nb
+    echo_ops = echo_b["calls_s"] * nb
     say(f"answers: {hits}/{len(resp.responses)} queries hit; {pods_listed:.1f} pods listed per answer")
-    say(f"MatchPrefix in-process (no gRPC): {inproc:,.0f} queries/s")
     say(
-        f"MatchPrefix unary over gRPC: {unary['calls_s']:,.0f} queries/s, p50 {unary['p50_ms']:.2f} ms, "
-        f"p99 {unary['p99_ms']:.2f} ms"
+        f"answer bytes per query: readable {len(raw_r) / nb:,.0f}, compact {len(raw_c) / nb:,.0f}; "
+        f"client parse {parse_r:.1f} / {parse_c:.1f} us per query"
     )
     say(
-        f"BatchMatchPrefix x{args.batch} over gRPC: {match_ops:,.0f} queries/s, "
-        f"call p50 {batch['p50_ms']:.2f} ms, p99 {batch['p99_ms']:.2f} ms "
-        f"(echo of the same bytes: {echo_ops:,.0f} queries/s, "
-        f"p99 {echo_b['p99_ms']:.2f} ms)"
+        f"BatchMatchPrefix x{nb} in-process (no gRPC, incl. serialization): readable "
+        f"{inproc['readable']:,.0f} queries/s, compact {inproc['compact']:,.0f} queries/s"
     )
+    for label, d, per in (
+        ("MatchPrefix unary", unary, 1),
+        ("readable batch", batch, nb),
+        ("compact batch", fast, nb),
+    ):
+        say(
+            f"{label} over gRPC: {d['calls_s'] * per:,.0f} queries/s, call p50 {d['p50_ms']:.2f} ms, "
+            f"p99 {d['p99_ms']:.2f} ms; server CPU {1000 * d['server_cpu_ms'] / per:.1f} us/query, "
+            f"client CPU {1000 * d['client_cpu_ms'] / per:.1f} us/query"
+        )
+    say(
+        f"echo of the compact request bytes: {echo_ops:,.0f} queries/s, p99 {echo_b['p99_ms']:.2f} ms; "
+        f"server CPU {1000 * echo_b['server_cpu_ms'] / nb:.1f} us/query"
+    )
+    for size, d in sweep.items():
+        say(
+            f"  compact x{size}: {d['ops_s']:,.0f} queries/s, call p50 {d['p50_ms']:.2f} ms, "
+            f"p99 {d['p99_ms']:.2f} ms; server CPU {d['server_cpu_us_per_query']:.1f} us/query"
+        )
     result = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
@@ -310,27 +435,46 @@ def run(args: argparse.Namespace) -> int:
         "chunks": chunks,
         "entries": entries,
         "query_chunks": args.query_chunks,
-        "batch": args.batch,
+        "batch": nb,
+        "concurrency": args.concurrency,
         "max_pods": args.max_pods,
+        "pods_listed_per_answer": pods_listed,
         "ingest_events_s": ingest,
         "dict_insert_limit_s": dict_rate,
         "bytes_per_entry": bpe,
+        "answer_bytes_per_query": {"readable": len(raw_r) / nb, "compact": len(raw_c) / nb},
+        "client_parse_us_per_query": {"readable": parse_r, "compact": parse_c},
         "match_inprocess_ops_s": inproc,
         "match_unary_ops_s": unary["calls_s"],
         "match_unary_p50_ms": unary["p50_ms"],
         "match_unary_p99_ms": unary["p99_ms"],
+        "match_readable_ops_s": batch["calls_s"] * nb,
+        "match_readable_p50_ms": batch["p50_ms"],
+        "match_readable_p99_ms": batch["p99_ms"],
         "match_ops_s": match_ops,
-        "match_p50_ms": batch["p50_ms"],
-        "match_p99_ms": batch["p99_ms"],
+        "match_p50_ms": fast["p50_ms"],
+        "match_p99_ms": fast["p99_ms"],
+        "server_cpu_us_per_query": {
+            "unary": 1000 * unary["server_cpu_ms"],
+            "readable": 1000 * batch["server_cpu_ms"] / nb,
+            "compact": 1000 * fast["server_cpu_ms"] / nb,
+        },
+        "client_cpu_us_per_query": {
+            "unary": 1000 * unary["client_cpu_ms"],
+            "readable": 1000 * batch["client_cpu_ms"] / nb,
+            "compact": 1000 * fast["client_cpu_ms"] / nb,
+        },
         "echo_ops_s": echo_ops,
         "echo_p99_ms": echo_b["p99_ms"],
+        "echo_server_cpu_us_per_query": 1000 * echo_b["server_cpu_ms"] / nb,
+        "compact_batch_sweep": sweep,
         "ratio_match_vs_echo": match_ops / echo_ops,
         "ratio_ingest_vs_dict": ingest / dict_rate,
         "ratio_key_bytes_vs_entry": 16 / bpe,
         "goals": GOALS,
         "goal_ratios": {
             "match_ops_s": match_ops / GOALS["match_ops_s"],
-            "match_p99_ms": GOALS["match_p99_ms"] / batch["p99_ms"],
+            "match_p99_ms": GOALS["match_p99_ms"] / fast["p99_ms"],
             "ingest_events_s": ingest / GOALS["ingest_events_s"],
             "bytes_per_entry": GOALS["bytes_per_entry"] / bpe,
         },

@@ -33,15 +33,16 @@ def run(args: argparse.Namespace) -> int:
         telemetry = setup_telemetry("kvgrid-controller", prometheus_port=cfg.prometheus_port or None)
     except Exception as e:  # metrics are optional; never keep the service from starting
         logging.getLogger(__name__).warning("telemetry disabled: %s", e)
-    server = serve(cfg)
-    print(f"kvgrid controller listening on {server.address} (index: {cfg.index_backend})", flush=True)
     done = threading.Event()
 
     def _stop(signum: int, _frame: object) -> None:
         done.set()
 
+    # Handlers before the "listening" line: a supervisor may stop us as soon as it sees it.
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    server = serve(cfg, telemetry=telemetry)
+    print(f"kvgrid controller listening on {server.address} (index: {cfg.index_backend})", flush=True)
     done.wait()
     server.stop()
     if telemetry is not None:

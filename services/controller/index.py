@@ -20,17 +20,25 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from itertools import chain, repeat
+from typing import Any
 
 import msgspec
+import numpy as np
 from kvgrid.common.hashing import CHUNK_KEY_BYTES
 
 __all__ = [
+    "BatchView",
     "ChunkIndex",
     "IndexTier",
     "MemoryIndex",
     "PrefixView",
+    "batch_view_from_prefix_views",
     "check_keys",
 ]
+
+
+_TO_BYTES: Any = int.to_bytes  # mapped over (value, length, byteorder) triples at C speed
 
 
 class IndexTier(enum.IntEnum):
@@ -54,8 +62,50 @@ class PrefixView(msgspec.Struct, frozen=True):
     slots: dict[int, str]
 
 
+class BatchView(msgspec.Struct, frozen=True):
+    """What the index knows about the chunks of a batch of queries, as machine words.
+
+    ``words[j, b]`` (uint64, shape ``[n, B, 2 * nwords]``, ``n`` = longest query): the L1 holder
+    bitmask of chunk ``j`` of query ``b`` in words ``[0, nwords)`` (little-endian: slot ``s`` is bit
+    ``s % 64`` of word ``s // 64``), then its GPU holder bitmask (speculative entries folded in).
+    Chunks past a query's end, or that nobody holds, are all zeros (a prefix cannot continue past
+    them, so rows after the first zero row are irrelevant and may be zero too).
+    ``holders``: slot -> holder id for every slot that may be set. ``slots_version``: a number that
+    changes whenever the slot table does, or None when the backend cannot promise that (callers
+    then must not cache anything derived from ``holders``).
+    """
+
+    words: np.ndarray
+    holders: dict[int, str]
+    slots_version: int | None = None
+
+    @property
+    def nwords(self) -> int:
+        return int(self.words.shape[2]) // 2
+
+
+def batch_view_from_prefix_views(views: Sequence[PrefixView]) -> BatchView:
+    """Pack per-query :class:`PrefixView` masks into a :class:`BatchView` (any backend)."""
+    holders: dict[int, str] = {}
+    for v in views:
+        holders.update(v.slots)
+    nwords = max(1, -(-(max(holders, default=0) + 1) // 64))
+    nb = 8 * nwords
+    n = max((len(v.l1) for v in views), default=0)
+    words = np.zeros((len(views), n, 2 * nwords), dtype=np.uint64)
+    for b, v in enumerate(views):
+        if v.l1:
+            raw = b"".join(
+                m.to_bytes(nb, "little") + g.to_bytes(nb, "little") for m, g in zip(v.l1, v.gpu, strict=True)
+            )
+            words[b, : len(v.l1)] = np.frombuffer(raw, dtype="<u8").reshape(len(v.l1), 2 * nwords)
+    return BatchView(words=np.ascontiguousarray(words.transpose(1, 0, 2)), holders=holders)
+
+
 def check_keys(keys: Sequence[bytes], what: str = "chunk_keys") -> None:
     """Raise ValueError unless every key is CHUNK_KEY_BYTES bytes long."""
+    if set(map(type, keys)) == {bytes} and set(map(len, keys)) == {CHUNK_KEY_BYTES}:
+        return  # the common case, checked at C speed
     for i, k in enumerate(keys):
         if not isinstance(k, bytes) or len(k) != CHUNK_KEY_BYTES:
             got = f"{len(k)} bytes" if isinstance(k, bytes) else type(k).__name__
@@ -86,6 +136,13 @@ class ChunkIndex(ABC):
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> PrefixView:
         """Holder masks of the leading chunks of ``keys`` (see :class:`PrefixView`)."""
+
+    def lookup_batch(self, queries: Sequence[Sequence[bytes]]) -> BatchView:
+        """Holder masks of the chunks of every query as machine words (see :class:`BatchView`).
+
+        The default packs :meth:`lookup` per query; backends override it with something faster.
+        """
+        return batch_view_from_prefix_views([self.lookup(q) for q in queries])
 
     @abstractmethod
     def add_speculative(self, holder: str, keys: Sequence[bytes], ttl_ms: int) -> None:
@@ -122,6 +179,7 @@ class _Slots:
         self.by_holder: dict[str, int] = {}
         self.by_slot: dict[int, str] = {}
         self._free: list[int] = []
+        self.version = 0  # bumped on every change of the table (callers cache per version)
 
     def get_or_assign(self, holder: str) -> int:
         slot = self.by_holder.get(holder)
@@ -133,6 +191,7 @@ class _Slots:
                 slot = len(self.by_holder)
             self.by_holder[holder] = slot
             self.by_slot[slot] = holder
+            self.version += 1
         return slot
 
     def release(self, holder: str) -> int | None:
@@ -140,6 +199,7 @@ class _Slots:
         if slot is not None:
             del self.by_slot[slot]
             self._free.append(slot)
+            self.version += 1
         return slot
 
 
@@ -318,6 +378,46 @@ class MemoryIndex(ChunkIndex):
                 slots[s] = by_slot[s]
                 union ^= b
         return PrefixView(l1=l1, gpu=gpu, slots=slots)
+
+    def lookup_batch(self, queries: Sequence[Sequence[bytes]]) -> BatchView:
+        # One dict get per key at C speed (map over the whole batch), one int.to_bytes per key, one
+        # frombuffer per batch: the packed ints go straight to words. Short queries are padded with
+        # a key that is never stored; rows past a query's first unheld chunk are not truncated
+        # (matching stops at the first all-zero row anyway).
+        lens = list(map(len, queries))
+        n = max(lens, default=0)
+        if lens.count(n) == len(lens):
+            keys = list(chain.from_iterable(queries))
+        else:
+            keys = list(chain.from_iterable(chain(q, repeat(b"", n - len(q))) for q in queries))
+        with self._lock:
+            width = self.width  # under the lock: _grow re-packs every value
+            vals = list(map(self._map.get, keys, repeat(0)))
+            if self._spec:
+                self._fold_speculative(keys, vals, time.monotonic())
+            holders = dict(self._slots.by_slot)
+            version = self._slots.version
+        w = width if width % 64 == 0 else 64  # narrow (test-only) widths are re-packed to 64
+        if w != width:
+            low = (1 << width) - 1
+            vals = [(v & low) | ((v >> width) << 64) for v in vals]
+        nb = 2 * w // 8
+        raw = b"".join(map(_TO_BYTES, vals, repeat(nb), repeat("little")))
+        words = np.frombuffer(raw, dtype="<u8").reshape(len(lens), n, nb // 8)
+        return BatchView(
+            words=np.ascontiguousarray(words.transpose(1, 0, 2)), holders=holders, slots_version=version
+        )
+
+    def _fold_speculative(self, keys: Sequence[bytes], vals: list[int], now: float) -> None:
+        """Add live speculative holders to the GPU half of ``vals`` (caller holds the lock)."""
+        w = self.width
+        for i, d in enumerate(map(self._spec.get, keys)):
+            if d:
+                g = 0
+                for s, t in d.items():
+                    if t > now:
+                        g |= 1 << s
+                vals[i] |= g << w
 
     def holder_keys(self, holder: str, tier: IndexTier) -> set[bytes]:
         with self._lock:

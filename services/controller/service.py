@@ -11,21 +11,25 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import msgspec
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
-from kvgrid.common.hashing import DEFAULT_TOKENS_PER_CHUNK, chunk_keys
+from kvgrid.common.hashing import CHUNK_KEY_BYTES, DEFAULT_TOKENS_PER_CHUNK, chunk_keys
 from kvgrid.common.wire import key_namespace_from_proto, pod_identity_from_proto, pod_identity_to_proto
+from kvgrid.controller.compact import compact_response, pod_ref_bytes
 from kvgrid.controller.config import ControllerConfig
-from kvgrid.controller.index import ChunkIndex, IndexTier, MemoryIndex, check_keys
+from kvgrid.controller.index import BatchView, ChunkIndex, IndexTier, MemoryIndex, check_keys
 from kvgrid.controller.ingest import Ingestor, events_from_proto, grpc_snapshot
-from kvgrid.controller.matching import PrefixMatch, match_prefix
+from kvgrid.controller.matching import BatchMatch, match_batch
+from kvgrid.controller.metrics import ControllerMetrics, StatsSource
 from kvgrid.controller.registry import (
     AgentLoad,
     AgentRecord,
@@ -35,6 +39,9 @@ from kvgrid.controller.registry import (
 )
 from kvgrid.controller.scoring import Candidate, ScoreParams, rank
 from kvgrid.controller.vllm_events import VllmEventSubscriber
+
+if TYPE_CHECKING:
+    from kvgrid.common.telemetry import Telemetry
 
 __all__ = ["Controller", "ControllerServicer", "Query", "make_index", "serve"]
 
@@ -60,14 +67,73 @@ class Query(msgspec.Struct, frozen=True):
     max_pods: int
 
 
+_NO_CANDIDATES: frozenset[str] = frozenset()
+_KEY_LEN = {CHUNK_KEY_BYTES}
+
+
 def _is_hex_id(s: str) -> bool:
-    return len(s) == 32 and all(c in "0123456789abcdef" for c in s)
+    return len(s) == 32 and not s.strip("0123456789abcdef")
+
+
+class SlotTable:
+    """Per index slot: who answers for it (pod UID, name, record, holder) and, per namespace, whether
+    it is eligible. Derived from the registry and the index's slot table only, so it is built once
+    per (slot table version, registry version) and shared by every query until either changes.
+    """
+
+    def __init__(
+        self, holders: dict[int, str], nslots: int, records: dict[str, AgentRecord], remote_ok: bool
+    ) -> None:
+        self.uids: list[str | None] = [None] * nslots  # None: not answerable
+        self.names: list[str] = [""] * nslots
+        self.records: list[AgentRecord | None] = [None] * nslots
+        self.holders: list[str] = [""] * nslots
+        for slot, holder in holders.items():
+            if slot >= nslots:
+                continue
+            rec = records.get(holder)
+            if rec is None:
+                # Another controller replica's agent (shared index): no namespace/load known here.
+                if not remote_ok:
+                    continue
+                self.uids[slot] = holder.rpartition("/")[0]
+            else:
+                self.uids[slot] = rec.pod.pod_uid
+                self.names[slot] = rec.pod.pod_name
+                self.records[slot] = rec
+            self.holders[slot] = holder
+        self._by_namespace: dict[str, np.ndarray] = {}
+        # Wire bytes of each slot's PodRef (compact answers' pod table); unanswerable slots are never listed.
+        self.pod_refs: list[bytes] = [
+            pod_ref_bytes(u, n) if u is not None else b"" for u, n in zip(self.uids, self.names, strict=True)
+        ]
+
+    def eligible(self, namespace_id: str) -> np.ndarray:
+        """bool per slot: answerable and serving ``namespace_id`` (agents that named none serve all)."""
+        row = self._by_namespace.get(namespace_id)
+        if row is None:
+            row = np.array(
+                [
+                    uid is not None and (rec is None or not rec.namespaces or namespace_id in rec.namespaces)
+                    for uid, rec in zip(self.uids, self.records, strict=True)
+                ],
+                dtype=bool,
+            )
+            if len(self._by_namespace) < 4096:  # bounded: namespace ids come from requests
+                self._by_namespace[namespace_id] = row
+        return row
+
+    def candidates(self, uids: frozenset[str]) -> np.ndarray:
+        """bool per slot: its pod UID is one of ``uids``."""
+        return np.array([u is not None and u in uids for u in self.uids], dtype=bool)
 
 
 class Controller:
     """The controller's state and operations (thread-safe)."""
 
-    def __init__(self, cfg: ControllerConfig, index: ChunkIndex | None = None) -> None:
+    def __init__(
+        self, cfg: ControllerConfig, index: ChunkIndex | None = None, telemetry: Telemetry | None = None
+    ) -> None:
         self.cfg = cfg
         self.index = index if index is not None else make_index(cfg)
         self.registry = Registry(cfg.lease_ttl_ms)
@@ -84,9 +150,28 @@ class Controller:
         self.rejected = 0
         self._holders: dict[str, AgentRecord] = {}
         self._holders_lock = threading.Lock()
+        # Bumped after every change of _holders or of a record's namespaces (SlotTable cache key).
+        self._holders_version = 0
+        self._slot_table: tuple[tuple[int, int, int], SlotTable] | None = None
+        self._valid_ns_ids: set[str] = set()  # namespace ids already checked (hex, 32 chars)
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="kvgrid-lease-sweeper", daemon=True)
         self.vllm = [VllmEventSubscriber(src, self.index, self._holder_of_uid) for src in cfg.vllm_sources]
+        self.metrics: ControllerMetrics | None = None
+        if telemetry is not None:
+            self.metrics = ControllerMetrics(
+                telemetry.meter,
+                StatsSource(
+                    entries=self.index.num_entries,
+                    chunks=self.index.num_chunks,
+                    agents=lambda: len(self.registry.all()),
+                    events_ingested=lambda: self.ingest.events_applied,
+                    resyncs=lambda: self.ingest.resyncs,
+                    rejected=lambda: self.rejected,
+                    vllm_events=lambda: sum(s.events for s in self.vllm),
+                    expired_leases=lambda: self.registry.expired_total,
+                ),
+            )
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -130,6 +215,7 @@ class Controller:
     def _refresh_holders(self) -> None:
         with self._holders_lock:
             self._holders = {r.holder: r for r in self.registry.all()}
+            self._holders_version += 1
 
     def _holder_of_uid(self, pod_uid: str) -> str | None:
         rec = self.registry.get(pod_uid)
@@ -139,6 +225,8 @@ class Controller:
         good = tuple(ns for ns in namespaces if _is_hex_id(ns))
         if good and set(good) != set(rec.namespaces):
             rec.namespaces = tuple(dict.fromkeys((*rec.namespaces, *good)))
+            with self._holders_lock:
+                self._holders_version += 1
 
     # --- registry -----------------------------------------------------------------------------
     def register(self, req: controller_pb2.RegisterAgentRequest) -> controller_pb2.RegisterAgentResponse:
@@ -237,7 +325,7 @@ class Controller:
     # --- queries ------------------------------------------------------------------------------
     def parse_query(self, req: controller_pb2.MatchPrefixRequest) -> Query:
         which = req.WhichOneof("query")
-        cands = frozenset(req.candidate_pod_uids)
+        cands = frozenset(req.candidate_pod_uids) if req.candidate_pod_uids else _NO_CANDIDATES
         if "" in cands:
             raise ValueError("candidate_pod_uids: contains an empty UID")
         if which == "token_ids":
@@ -262,7 +350,8 @@ class Controller:
                 raise ValueError(
                     f"chunk_keys: {len(keys)} keys, more than max_query_chunks={self.cfg.max_query_chunks}"
                 )
-            check_keys(keys)
+            if set(map(len, keys)) - _KEY_LEN:  # protobuf gives bytes: only lengths can be wrong
+                check_keys(keys)
             if req.HasField("namespace"):
                 ns = key_namespace_from_proto(req.namespace)
                 ns_id, tpc = ns.namespace_id(), ns.tokens_per_chunk
@@ -270,78 +359,75 @@ class Controller:
                     raise ValueError(f"namespace_id={req.namespace_id!r} does not match namespace ({ns_id})")
             else:
                 ns_id, tpc = req.namespace_id, DEFAULT_TOKENS_PER_CHUNK
-                if not _is_hex_id(ns_id):
-                    raise ValueError(
-                        f"namespace_id={ns_id!r:.60}: expected the 32-char hex namespace id with chunk_keys"
-                    )
+                if ns_id not in self._valid_ns_ids:
+                    if not _is_hex_id(ns_id):
+                        raise ValueError(
+                            f"namespace_id={ns_id!r:.60}: "
+                            "expected the 32-char hex namespace id with chunk_keys"
+                        )
+                    if len(self._valid_ns_ids) < 4096:  # bounded: ids come from requests
+                        self._valid_ns_ids.add(ns_id)
             return Query(keys, ns_id, tpc, len(keys) * tpc, cands, req.max_pods)
         raise ValueError("query: expected token_ids or chunk_keys")
 
-    def _eligible(self, slots: dict[int, str], q: Query) -> tuple[int, dict[int, AgentRecord | None]]:
-        holders = self._holders
-        mask = 0
-        recs: dict[int, AgentRecord | None] = {}
+    def slot_table(self, view: BatchView) -> SlotTable:
+        """The :class:`SlotTable` for ``view``'s slots (cached while neither side changes)."""
+        nslots = 64 * view.nwords
+        version = self._holders_version  # read before _holders: a racing change only misses the cache
         remote_ok = self.index.backend != "memory"
-        for slot, holder in slots.items():
-            rec = holders.get(holder)
-            if rec is None:
-                # Another controller replica's agent (shared index): no namespace/load known here.
-                if not remote_ok:
-                    continue
-                uid = holder.rpartition("/")[0]
-            else:
-                if rec.namespaces and q.namespace_id not in rec.namespaces:
-                    continue
-                uid = rec.pod.pod_uid
-            if q.candidates and uid not in q.candidates:
-                continue
-            mask |= 1 << slot
-            recs[slot] = rec
-        return mask, recs
+        if view.slots_version is None:
+            return SlotTable(view.holders, nslots, self._holders, remote_ok)
+        key = (view.slots_version, version, nslots)
+        cached = self._slot_table
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        table = SlotTable(view.holders, nslots, self._holders, remote_ok)
+        self._slot_table = (key, table)
+        return table
 
-    def match(self, q: Query) -> tuple[PrefixMatch, dict[int, AgentRecord | None], dict[int, str]]:
-        view = self.index.lookup(q.keys)
-        mask, recs = self._eligible(view.slots, q)
-        return match_prefix(view, mask), recs, view.slots
+    def match_batch(self, qs: Sequence[Query]) -> tuple[BatchMatch, SlotTable]:
+        """Match every query at once: one index lookup and one set of numpy calls per batch."""
+        view = self.index.lookup_batch([q.keys for q in qs])
+        table = self.slot_table(view)
+        nslots = 64 * view.nwords
+        ns0 = qs[0].namespace_id if qs else ""
+        if all(q.namespace_id == ns0 and not q.candidates for q in qs):
+            eligible = np.broadcast_to(table.eligible(ns0), (len(qs), nslots))
+        else:
+            eligible = np.empty((len(qs), nslots), dtype=bool)
+            for b, q in enumerate(qs):
+                row = table.eligible(q.namespace_id)
+                eligible[b] = row & table.candidates(q.candidates) if q.candidates else row
+        max_pods = [q.max_pods for q in qs]
+        return match_batch(view.words, eligible, max_pods if any(max_pods) else ()), table
 
     def match_response(self, q: Query) -> controller_pb2.MatchPrefixResponse:
-        m, recs, slots = self.match(q)
-        pods = m.pods[: q.max_pods] if q.max_pods else m.pods
-        resp = controller_pb2.MatchPrefixResponse(
-            num_query_chunks=len(q.keys), peer_fetchable_chunks=m.peer_fetchable
-        )
-        add = resp.matches.add
-        for p in pods:
-            rec = recs[p.slot]
-            if rec is not None:
-                add(
-                    pod_uid=rec.pod.pod_uid,
-                    pod_name=rec.pod.pod_name,
-                    gpu_chunks=p.gpu,
-                    l1_chunks=p.l1,
-                    peer_chunks=p.peer,
-                )
-            else:
-                add(
-                    pod_uid=slots[p.slot].rpartition("/")[0],
-                    gpu_chunks=p.gpu,
-                    l1_chunks=p.l1,
-                    peer_chunks=p.peer,
-                )
-        return resp
+        m, table = self.match_batch([q])
+        return _readable(m, table, [len(q.keys)])[0]
+
+    def batch_match_response(
+        self, qs: Sequence[Query], compact: bool = False
+    ) -> controller_pb2.BatchMatchPrefixResponse:
+        m, table = self.match_batch(qs)
+        num_chunks = [len(q.keys) for q in qs]
+        if compact:
+            return compact_response(m, num_chunks, table.pod_refs)
+        return controller_pb2.BatchMatchPrefixResponse(responses=_readable(m, table, num_chunks))
 
     def score(self, req: controller_pb2.ScoreRequest) -> controller_pb2.ScoreResponse:
         q = self.parse_query(req.match)
-        m, recs, slots = self.match(q)
+        bm, table = self.match_batch([q])
+        m = bm.query(0)
         by_uid: dict[str, Candidate] = {}
         holder_by_uid: dict[str, str] = {}
         for p in m.pods:
-            rec = recs[p.slot]
-            uid = rec.pod.pod_uid if rec else slots[p.slot].rpartition("/")[0]
+            rec = table.records[p.slot]
+            uid = table.uids[p.slot]
+            assert uid is not None  # only eligible (answerable) slots are listed
             by_uid[uid] = Candidate(
-                uid, rec.pod.pod_name if rec else "", p.gpu, p.l1, p.peer, rec.load if rec else AgentLoad()
+                uid, table.names[p.slot], p.gpu, p.l1, p.peer, rec.load if rec else AgentLoad()
             )
-            holder_by_uid[uid] = slots[p.slot]
+            holder_by_uid[uid] = table.holders[p.slot]
         for rec in self._holders.values():
             uid = rec.pod.pod_uid
             if uid in by_uid or (q.candidates and uid not in q.candidates):
@@ -416,6 +502,25 @@ class Controller:
         )
 
 
+def _readable(
+    m: BatchMatch, table: SlotTable, num_chunks: Sequence[int]
+) -> list[controller_pb2.MatchPrefixResponse]:
+    """Every query of ``m`` as the readable MatchPrefixResponse (one PodMatch per listed pod)."""
+    uids, names = table.uids, table.names
+    slots = m.pods[m.pod_index].tolist()
+    gpu, l1, peer = m.gpu.tolist(), m.l1.tolist(), m.peer.tolist()
+    offsets, fetchable = m.offsets.tolist(), m.peer_fetchable.tolist()
+    out = []
+    for b, nc in enumerate(num_chunks):
+        resp = controller_pb2.MatchPrefixResponse(num_query_chunks=nc, peer_fetchable_chunks=fetchable[b])
+        add = resp.matches.add
+        for i in range(offsets[b], offsets[b + 1]):
+            s = slots[i]
+            add(pod_uid=uids[s], pod_name=names[s], gpu_chunks=gpu[i], l1_chunks=l1[i], peer_chunks=peer[i])
+        out.append(resp)
+    return out
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -460,6 +565,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     def PublishEvents(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         try:
             yield from self.ctl.publish(request_iterator)
+        except grpc.RpcError as exc:
+            # The agent went away (stopped, killed, network): a normal end of the stream; it
+            # resyncs when it comes back.
+            log.info("event stream ended by the agent: %s", exc.code() if hasattr(exc, "code") else exc)
         except Exception as exc:
             _status(self.ctl, context, exc)
 
@@ -467,34 +576,51 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     def SnapshotIndex(self, request: Any, context: grpc.ServicerContext) -> Any:
         return self.ctl.snapshot_index(request)
 
+    def _timed(self, rpc: str, queries: int, t0: float) -> None:
+        if self.ctl.metrics is not None:
+            self.ctl.metrics.match_call(rpc, queries, time.perf_counter() - t0)
+
     @_unary
     def MatchPrefix(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self.ctl.match_response(self.ctl.parse_query(request))
+        t0 = time.perf_counter()
+        resp = self.ctl.match_response(self.ctl.parse_query(request))
+        self._timed("MatchPrefix", 1, t0)
+        return resp
 
     @_unary
     def BatchMatchPrefix(self, request: Any, context: grpc.ServicerContext) -> Any:
+        t0 = time.perf_counter()
         self.ctl.check_batch(len(request.requests))
         qs = []
+        parse = self.ctl.parse_query
         for i, r in enumerate(request.requests):
             try:
-                qs.append(self.ctl.parse_query(r))
+                qs.append(parse(r))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"requests[{i}]: {e}") from None
-        return controller_pb2.BatchMatchPrefixResponse(responses=[self.ctl.match_response(q) for q in qs])
+        resp = self.ctl.batch_match_response(qs, compact=request.compact)
+        self._timed("BatchMatchPrefix", len(qs), t0)
+        return resp
 
     @_unary
     def Score(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self.ctl.score(request)
+        t0 = time.perf_counter()
+        resp = self.ctl.score(request)
+        self._timed("Score", 1, t0)
+        return resp
 
     @_unary
     def BatchScore(self, request: Any, context: grpc.ServicerContext) -> Any:
+        t0 = time.perf_counter()
         self.ctl.check_batch(len(request.requests))
         for i, r in enumerate(request.requests):
             try:
                 self.ctl.parse_query(r.match)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"requests[{i}].match: {e}") from None
-        return controller_pb2.BatchScoreResponse(responses=[self.ctl.score(r) for r in request.requests])
+        resp = controller_pb2.BatchScoreResponse(responses=[self.ctl.score(r) for r in request.requests])
+        self._timed("BatchScore", len(request.requests), t0)
+        return resp
 
     @_unary
     def ListAgents(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -517,9 +643,15 @@ class Server(msgspec.Struct):
         self.controller.stop()
 
 
-def serve(cfg: ControllerConfig, index: ChunkIndex | None = None) -> Server:
-    """Start the controller and its gRPC server (health + reflection); returns once listening."""
-    ctl = Controller(cfg, index)
+def serve(
+    cfg: ControllerConfig, index: ChunkIndex | None = None, telemetry: Telemetry | None = None
+) -> Server:
+    """Start the controller and its gRPC server (health + reflection); returns once listening.
+
+    With ``telemetry`` (from :func:`kvgrid.common.telemetry.setup_telemetry`) the controller
+    records its ``kvgrid_controller_*`` metrics on ``telemetry.meter``.
+    """
+    ctl = Controller(cfg, index, telemetry)
     opts = [
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
