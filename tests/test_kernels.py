@@ -8,6 +8,7 @@ CUDA (``pytest -m gpu``) for every mode and chunk buffer placement.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -397,14 +398,19 @@ def test_async_store_does_not_block_the_callers_stream() -> None:
     plan, tensors = build_plan(specs, "cuda", "staged", gen, tokens_per_chunk=256)
     ids = random_ids(plan, 2, np.random.default_rng(0))
     chunks = chunk_buffers(plan, 2, "cuda", False, poison=0)
+    # Warm up: the first transfer builds the plan's device tables and pinned buffers (one-time syncs).
+    plan.store_async(chunks, ids).wait()
     torch.cuda.synchronize()
     # Hold the transfer back (~1 s of GPU sleep queued on the plan's own stream): if the store queued
     # any of its work on the caller's stream, syncing that stream would wait for the transfer too.
     with torch.cuda.stream(plan._kernel_stream):
         torch.cuda._sleep(2_000_000_000)
+    t0 = time.perf_counter()
     handle = plan.store_async(chunks, ids)
+    t1 = time.perf_counter()
     torch.cuda.current_stream().synchronize()
-    assert not handle.done()
+    t2 = time.perf_counter()
+    assert not handle.done(), f"store_async took {t1 - t0:.3f} s, syncing the caller's stream {t2 - t1:.3f} s"
     handle.wait_stream(torch.cuda.current_stream())
     handle.wait()
     assert handle.done()
