@@ -240,7 +240,7 @@ CROSS_FIELD: list[tuple[dict[str, Any], str]] = [
         "controller.index.backend=redis needs controller.index.redis.url",
     ),
     ({"controller": {"config": {"listen": "0.0.0.0:1"}}}, "controller.config.listen is set by the chart"),
-    ({"agent": {"metricsPort": 50061}}, "agent.metricsPort=50061 equals agent.port"),
+    ({"agent": {"metricsPort": 50062}}, "agent.metricsPort=50062 equals agent.port"),
 ]
 
 
@@ -312,7 +312,7 @@ def test_agent_sidecar_args_build_a_real_agent_config(helm: list[str], tmp_path:
     agent = _container(pod, "kvgrid-agent")
     cfg = _parse_kvgrid(agent, AgentConfig, _literal_env(agent))
     assert cfg.uds_path == SOCKET
-    assert cfg.tcp_port == 50061
+    assert cfg.tcp_port == 50062
     assert cfg.l1_size == parse_byte_size("8GiB")
     assert cfg.eviction_policy == "lru"
     assert cfg.prometheus_port == 9401
@@ -355,7 +355,7 @@ def test_example_engine_pod_wiring(helm: list[str], tmp_path: Path) -> None:
     agent, vllm = _container(pod, "kvgrid-agent"), _container(pod, "vllm")
     # Native sidecar: an init container that keeps running, ready (startup probe) before vLLM starts.
     assert agent in pod["initContainers"] and agent["restartPolicy"] == "Always"
-    assert agent["startupProbe"]["grpc"]["port"] == 50061
+    assert agent["startupProbe"]["grpc"]["port"] == 50062
     # The engine's pid is visible to the agent (it drops registrations of exited engines).
     assert pod["shareProcessNamespace"] is True
     # One emptyDir holds the socket; both containers mount it at the socket's directory.

@@ -29,7 +29,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = "0.0.0.0"
     tcp_port: Annotated[
         int, _d("TCP port of the AgentService; 0 picks a free port, -1 disables TCP"), msgspec.Meta(ge=-1)
-    ] = 50061
+    ] = 50062
     advertise_address: Annotated[
         str,
         _d(
