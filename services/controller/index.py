@@ -141,6 +141,20 @@ class ChunkIndex(ABC):
         """
         return batch_view_from_prefix_views([self.lookup(q) for q in queries])
 
+    def lookup_packed(self, keys: np.ndarray, counts: np.ndarray) -> BatchView:
+        """:meth:`lookup_batch` of packed queries: ``keys`` uint64 ``[total, 2]`` (each row a key's
+        two little-endian words, query after query), ``counts`` the keys of each query (int64,
+        summing to ``total``). The default turns them into bytes keys; backends that can probe
+        words directly override it.
+        """
+        raw = np.ascontiguousarray(keys, dtype="<u8").tobytes()
+        kb = CHUNK_KEY_BYTES
+        ends = np.cumsum(counts).tolist()
+        starts = [0, *ends][:-1]
+        return self.lookup_batch(
+            [[raw[i * kb : (i + 1) * kb] for i in range(a, b)] for a, b in zip(starts, ends, strict=True)]
+        )
+
     @abstractmethod
     def add_speculative(self, holder: str, keys: Sequence[bytes], ttl_ms: int) -> None:
         """Short-lived GPU-tier entries for a pod a router just chose (cover the event blind window)."""
@@ -613,6 +627,34 @@ class MemoryIndex(ChunkIndex):
         words = words.reshape(n, nq, words.shape[1])
         if ragged:
             words[np.arange(n)[:, None] >= np.asarray(lens)[None, :]] = 0
+        return BatchView(words=words, holders=holders, slots_version=version)
+
+    def lookup_packed(self, keys: np.ndarray, counts: np.ndarray) -> BatchView:
+        # As lookup_batch without bytes objects: the words go chunk-major, short queries padded
+        # with zero keys (their rows zeroed after).
+        nq = len(counts)
+        n = int(counts.max()) if nq else 0
+        ragged = nq > 0 and int(counts.min()) != n
+        if ragged:
+            pad = np.arange(n)[None, :] < counts[:, None]  # [nq, n]: a real key
+            k = np.zeros((nq, n, 2), dtype=np.uint64)
+            k[pad] = keys
+        else:
+            pad = None
+            k = keys.reshape(nq, n, 2)
+        lo = np.ascontiguousarray(k[:, :, 0].T).reshape(-1)
+        hi = np.ascontiguousarray(k[:, :, 1].T).reshape(-1)
+        with self._lock:
+            words = self._gather(lo, hi)
+            if self._spec:
+                raw = k.astype("<u8").tobytes()
+                qkeys = [raw[i : i + CHUNK_KEY_BYTES] for i in range(0, len(raw), CHUNK_KEY_BYTES)]
+                self._fold_speculative(qkeys, words, time.monotonic(), n, nq)
+            holders = dict(self._slots.by_slot)
+            version = self._slots.version
+        words = words.reshape(n, nq, words.shape[1])
+        if pad is not None:
+            words[~pad.T] = 0
         return BatchView(words=words, holders=holders, slots_version=version)
 
     def _fold_speculative(

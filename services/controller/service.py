@@ -43,7 +43,7 @@ from kvgrid.controller.vllm_events import VllmEventSubscriber
 if TYPE_CHECKING:
     from kvgrid.common.telemetry import Telemetry
 
-__all__ = ["Controller", "ControllerServicer", "Query", "make_index", "serve"]
+__all__ = ["Controller", "ControllerServicer", "PackedQueries", "Query", "make_index", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,24 @@ class Query(msgspec.Struct, frozen=True):
     max_pods: int
 
 
+class PackedQueries(msgspec.Struct, frozen=True):
+    """The packed form of BatchMatchPrefixRequest: ``keys`` uint64 ``[total, 2]`` (a view of the
+    request's bytes), ``counts`` int64 keys per query; the rest applies to every query."""
+
+    keys: np.ndarray
+    counts: np.ndarray
+    namespace_id: str
+    candidates: frozenset[str]
+    max_pods: int
+
+
+_PACKED_FIELDS = (
+    "packed_chunk_keys",
+    "packed_query_chunks",
+    "packed_namespace_id",
+    "packed_candidate_pod_uids",
+    "packed_max_pods",
+)
 _NO_CANDIDATES: frozenset[str] = frozenset()
 _KEY_LEN = {CHUNK_KEY_BYTES}
 
@@ -359,16 +377,47 @@ class Controller:
                     raise ValueError(f"namespace_id={req.namespace_id!r} does not match namespace ({ns_id})")
             else:
                 ns_id, tpc = req.namespace_id, DEFAULT_TOKENS_PER_CHUNK
-                if ns_id not in self._valid_ns_ids:
-                    if not _is_hex_id(ns_id):
-                        raise ValueError(
-                            f"namespace_id={ns_id!r:.60}: "
-                            "expected the 32-char hex namespace id with chunk_keys"
-                        )
-                    if len(self._valid_ns_ids) < 4096:  # bounded: ids come from requests
-                        self._valid_ns_ids.add(ns_id)
+                self._check_ns_id(ns_id, "namespace_id", "chunk_keys")
             return Query(keys, ns_id, tpc, len(keys) * tpc, cands, req.max_pods)
         raise ValueError("query: expected token_ids or chunk_keys")
+
+    def _check_ns_id(self, ns_id: str, what: str, used_with: str) -> None:
+        if ns_id not in self._valid_ns_ids:
+            if not _is_hex_id(ns_id):
+                raise ValueError(
+                    f"{what}={ns_id!r:.60}: expected the 32-char hex namespace id with {used_with}"
+                )
+            if len(self._valid_ns_ids) < 4096:  # bounded: ids come from requests
+                self._valid_ns_ids.add(ns_id)
+
+    def parse_packed(self, req: controller_pb2.BatchMatchPrefixRequest) -> PackedQueries:
+        """The packed form of ``req`` (its keys stay one buffer: no bytes object per key)."""
+        if len(req.requests):
+            raise ValueError(
+                f"requests and {', '.join(_packed_fields_set(req))}: both set, expected either requests "
+                "or the packed_* fields"
+            )
+        counts = np.array(list(req.packed_query_chunks), dtype=np.int64)
+        self.check_batch(len(counts), "packed_query_chunks")
+        if len(counts) and int(counts.max()) > self.cfg.max_query_chunks:
+            b = int(counts.argmax())
+            raise ValueError(
+                f"packed_query_chunks[{b}]: {int(counts[b])} keys, more than max_query_chunks="
+                f"{self.cfg.max_query_chunks}"
+            )
+        raw = req.packed_chunk_keys
+        total = int(counts.sum())
+        if len(raw) != CHUNK_KEY_BYTES * total:
+            raise ValueError(
+                f"packed_chunk_keys: {len(raw)} bytes, expected {CHUNK_KEY_BYTES} * sum(packed_query_chunks)"
+                f" = {CHUNK_KEY_BYTES * total}"
+            )
+        self._check_ns_id(req.packed_namespace_id, "packed_namespace_id", "packed_chunk_keys")
+        cands = frozenset(req.packed_candidate_pod_uids) if req.packed_candidate_pod_uids else _NO_CANDIDATES
+        if "" in cands:
+            raise ValueError("packed_candidate_pod_uids: contains an empty UID")
+        keys = np.frombuffer(raw, dtype="<u8").reshape(total, 2)
+        return PackedQueries(keys, counts, req.packed_namespace_id, cands, req.packed_max_pods)
 
     def slot_table(self, view: BatchView) -> SlotTable:
         """The :class:`SlotTable` for ``view``'s slots (cached while neither side changes)."""
@@ -400,6 +449,26 @@ class Controller:
                 eligible[b] = row & table.candidates(q.candidates) if q.candidates else row
         max_pods = [q.max_pods for q in qs]
         return match_batch(view.words, eligible, max_pods if any(max_pods) else ()), table
+
+    def match_packed(self, p: PackedQueries) -> tuple[BatchMatch, SlotTable]:
+        """:meth:`match_batch` of packed queries (one namespace, candidates and max_pods for all)."""
+        view = self.index.lookup_packed(p.keys, p.counts)
+        table = self.slot_table(view)
+        nq = len(p.counts)
+        row = table.eligible(p.namespace_id)
+        if p.candidates:
+            row = row & table.candidates(p.candidates)
+        eligible = np.broadcast_to(row, (nq, 64 * view.nwords))
+        return match_batch(view.words, eligible, [p.max_pods] * nq if p.max_pods else ()), table
+
+    def packed_match_response(
+        self, p: PackedQueries, compact: bool = False
+    ) -> controller_pb2.BatchMatchPrefixResponse:
+        m, table = self.match_packed(p)
+        num_chunks = p.counts.tolist()
+        if compact:
+            return compact_response(m, num_chunks, table.pod_refs)
+        return controller_pb2.BatchMatchPrefixResponse(responses=_readable(m, table, num_chunks))
 
     def match_response(self, q: Query) -> controller_pb2.MatchPrefixResponse:
         m, table = self.match_batch([q])
@@ -465,9 +534,9 @@ class Controller:
             )
         return resp
 
-    def check_batch(self, n: int) -> None:
+    def check_batch(self, n: int, what: str = "requests") -> None:
         if n > self.cfg.max_batch:
-            raise ValueError(f"requests: {n} in one batch, more than max_batch={self.cfg.max_batch}")
+            raise ValueError(f"{what}: {n} in one batch, more than max_batch={self.cfg.max_batch}")
 
     def list_agents(self) -> controller_pb2.ListAgentsResponse:
         resp = controller_pb2.ListAgentsResponse()
@@ -522,6 +591,20 @@ def _readable(
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _is_packed(req: controller_pb2.BatchMatchPrefixRequest) -> bool:
+    return bool(
+        req.packed_query_chunks
+        or req.packed_chunk_keys
+        or req.packed_namespace_id
+        or req.packed_candidate_pod_uids
+        or req.packed_max_pods
+    )
+
+
+def _packed_fields_set(req: controller_pb2.BatchMatchPrefixRequest) -> list[str]:
+    return [f for f in _PACKED_FIELDS if getattr(req, f)]
 
 
 def _status(ctl: Controller, context: grpc.ServicerContext, exc: BaseException) -> None:
@@ -590,6 +673,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     @_unary
     def BatchMatchPrefix(self, request: Any, context: grpc.ServicerContext) -> Any:
         t0 = time.perf_counter()
+        if _is_packed(request):
+            p = self.ctl.parse_packed(request)
+            resp = self.ctl.packed_match_response(p, compact=request.compact)
+            self._timed("BatchMatchPrefix", len(p.counts), t0)
+            return resp
         self.ctl.check_batch(len(request.requests))
         qs = []
         parse = self.ctl.parse_query

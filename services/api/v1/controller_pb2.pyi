@@ -424,22 +424,49 @@ class BatchMatchPrefixRequest(_message.Message):
 
     REQUESTS_FIELD_NUMBER: _builtins.int
     COMPACT_FIELD_NUMBER: _builtins.int
+    PACKED_CHUNK_KEYS_FIELD_NUMBER: _builtins.int
+    PACKED_QUERY_CHUNKS_FIELD_NUMBER: _builtins.int
+    PACKED_NAMESPACE_ID_FIELD_NUMBER: _builtins.int
+    PACKED_CANDIDATE_POD_UIDS_FIELD_NUMBER: _builtins.int
+    PACKED_MAX_PODS_FIELD_NUMBER: _builtins.int
     compact: _builtins.bool
     """Answer in the compact form: BatchMatchPrefixResponse.pods + .compact instead of .responses.
     Same pods, counts and order as the readable form, without a sub-message per pod (for routers
     that want speed: several times cheaper to build and to parse).
     """
+    packed_chunk_keys: _builtins.bytes
+    """Packed form (instead of requests; setting both, or any packed_* field with requests, is
+    INVALID_ARGUMENT): a batch of chunk-key queries of one namespace without a sub-message or a
+    bytes object per key. Query b is packed_query_chunks[b] keys (each <= max_query_chunks, at
+    most max_batch queries), taken in order from packed_chunk_keys: every query's 16-byte keys
+    concatenated, so len(packed_chunk_keys) must be 16 * sum(packed_query_chunks). Answers as for
+    requests (compact or readable), one per query in order.
+    """
+    packed_namespace_id: _builtins.str
+    """The 32-char hex namespace id of every packed query (as MatchPrefixRequest.namespace_id)."""
+    packed_max_pods: _builtins.int
     @_builtins.property
     def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___MatchPrefixRequest]: ...
+    @_builtins.property
+    def packed_query_chunks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def packed_candidate_pod_uids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """As MatchPrefixRequest.candidate_pod_uids and .max_pods, for every packed query."""
+
     def __init__(
         self,
         *,
         requests: _abc.Iterable[Global___MatchPrefixRequest] | None = ...,
         compact: _builtins.bool = ...,
+        packed_chunk_keys: _builtins.bytes = ...,
+        packed_query_chunks: _abc.Iterable[_builtins.int] | None = ...,
+        packed_namespace_id: _builtins.str = ...,
+        packed_candidate_pod_uids: _abc.Iterable[_builtins.str] | None = ...,
+        packed_max_pods: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact", b"compact", "requests", b"requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact", b"compact", "packed_candidate_pod_uids", b"packed_candidate_pod_uids", "packed_chunk_keys", b"packed_chunk_keys", "packed_max_pods", b"packed_max_pods", "packed_namespace_id", b"packed_namespace_id", "packed_query_chunks", b"packed_query_chunks", "requests", b"requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
