@@ -127,7 +127,8 @@ def test_bad_requests_are_invalid_argument_and_the_agent_keeps_its_data(
     bad = block_ids(0, 3)
     bad[0][5] = 64
     assert "id 64 at position 5 is outside [0, 64)" in invalid(client.store, "local", keys, bad)
-    assert "chunk_keys[1] has 3 bytes" in invalid(client.lookup, "local", "r", [keys[0], b"abc"])
+    bad_key = invalid(client.lookup, "local", "r", [keys[0], b"abc"])
+    assert "chunk_keys[1]: got 3 bytes, expected a 16-byte chunk key" in bad_key
     assert "info 1 reads engine group 1 but engine_block_ids has only 1 lists" in invalid(
         client.retrieve, "local", "r", keys, [src[0]]
     )

@@ -219,9 +219,13 @@ def chunk_keys(
     return keys
 
 
-def check_chunk_keys(keys: Sequence[bytes]) -> list[bytes]:
-    """``keys`` as a list, after checking each is :data:`CHUNK_KEY_BYTES` long (keys from the wire)."""
+def check_chunk_keys(keys: Sequence[bytes], what: str = "chunk_keys") -> list[bytes]:
+    """``keys`` as a list, after checking each is a :data:`CHUNK_KEY_BYTES`-byte ``bytes`` (keys from
+    the wire); the ValueError names the field and the position of the first bad key."""
+    if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {CHUNK_KEY_BYTES}:
+        return list(keys)  # the common case, checked at C speed
     for i, k in enumerate(keys):
-        if len(k) != CHUNK_KEY_BYTES:
-            raise ValueError(f"chunk_keys[{i}] has {len(k)} bytes; expected {CHUNK_KEY_BYTES}")
+        if not isinstance(k, bytes) or len(k) != CHUNK_KEY_BYTES:
+            got = f"{len(k)} bytes" if isinstance(k, bytes) else type(k).__name__
+            raise ValueError(f"{what}[{i}]: got {got}, expected a {CHUNK_KEY_BYTES}-byte chunk key")
     return list(keys)

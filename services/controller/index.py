@@ -25,7 +25,7 @@ from itertools import chain, repeat
 
 import msgspec
 import numpy as np
-from kvgrid.common.hashing import CHUNK_KEY_BYTES
+from kvgrid.common.hashing import CHUNK_KEY_BYTES, check_chunk_keys
 
 __all__ = [
     "BatchView",
@@ -100,13 +100,8 @@ def batch_view_from_prefix_views(views: Sequence[PrefixView]) -> BatchView:
 
 
 def check_keys(keys: Sequence[bytes], what: str = "chunk_keys") -> None:
-    """Raise ValueError unless every key is CHUNK_KEY_BYTES bytes long."""
-    if set(map(type, keys)) == {bytes} and set(map(len, keys)) == {CHUNK_KEY_BYTES}:
-        return  # the common case, checked at C speed
-    for i, k in enumerate(keys):
-        if not isinstance(k, bytes) or len(k) != CHUNK_KEY_BYTES:
-            got = f"{len(k)} bytes" if isinstance(k, bytes) else type(k).__name__
-            raise ValueError(f"{what}[{i}]: got {got}, expected a {CHUNK_KEY_BYTES}-byte chunk key")
+    """Raise ValueError unless every key is a CHUNK_KEY_BYTES-byte chunk key."""
+    check_chunk_keys(keys, what)
 
 
 class ChunkIndex(ABC):
