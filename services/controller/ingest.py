@@ -20,7 +20,7 @@ import grpc
 import msgspec
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2
 from kvgrid.controller.index import ChunkIndex, IndexTier, check_keys
-from kvgrid.controller.registry import AgentRecord
+from kvgrid.controller.registry import AgentRecord, UnknownPodError
 
 __all__ = ["ChunkEvent", "EventKind", "Ingestor", "events_from_proto"]
 
@@ -138,7 +138,8 @@ class Ingestor:
     def _state(self, record: AgentRecord) -> _PodState:
         with self._lock:
             st = self._pods.get(record.holder)
-            if st is None:
+            if st is None or (st.record.dropped and st.record is not record):
+                # A re-registration of a dropped incarnation starts from scratch.
                 st = self._pods[record.holder] = _PodState(record)
             return st
 
@@ -178,6 +179,10 @@ class Ingestor:
         """Apply (or buffer) events; returns (acked sequence, resync started/running)."""
         st = self._state(record)
         with st.lock:
+            if record.dropped:  # lease lapsed or replaced while this stream was open
+                raise UnknownPodError(
+                    f"pod {record.holder!r}: no longer registered (lease lapsed?); register again"
+                )
             if new_stream or not st.synced:
                 self._start_resync_locked(st)
             if st.resyncing:
@@ -234,7 +239,7 @@ class Ingestor:
                         return
                 continue
             with st.lock:
-                if st.generation != generation:
+                if st.generation != generation or rec.dropped:
                     return  # superseded (forgotten pod, newer pull)
                 if self._on_namespaces is not None and snap.namespaces:
                     self._on_namespaces(rec, list(snap.namespaces))

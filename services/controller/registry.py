@@ -47,6 +47,9 @@ class AgentRecord(msgspec.Struct):
     load: AgentLoad
     lease_deadline: float
     registered_at: float
+    dropped: bool = False
+    """Set (before its entries are dropped) once this incarnation left the registry: late events,
+    resyncs and vLLM events for it must not write to the index any more."""
 
     @property
     def holder(self) -> str:

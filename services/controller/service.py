@@ -224,11 +224,14 @@ class Controller:
         return gone
 
     def _drop(self, rec: AgentRecord) -> None:
+        # Order matters: fence every writer of this holder (event streams, resyncs, vLLM events)
+        # first, so none can add entries after drop_holder and leave them behind for good.
+        rec.dropped = True
         self.ingest.forget(rec.holder)
-        self.index.drop_holder(rec.holder)
         for s in self.vllm:
             if s.source.pod_uid == rec.pod.pod_uid:
                 s.rebind()
+        self.index.drop_holder(rec.holder)
 
     def _refresh_holders(self) -> None:
         with self._holders_lock:
@@ -489,6 +492,7 @@ class Controller:
         m = bm.query(0)
         by_uid: dict[str, Candidate] = {}
         holder_by_uid: dict[str, str] = {}
+        local: dict[str, AgentRecord] = {}  # uid -> this replica's record (None: remote or unknown)
         for p in m.pods:
             rec = table.records[p.slot]
             uid = table.uids[p.slot]
@@ -497,6 +501,8 @@ class Controller:
                 uid, table.names[p.slot], p.gpu, p.l1, p.peer, rec.load if rec else AgentLoad()
             )
             holder_by_uid[uid] = table.holders[p.slot]
+            if rec is not None:
+                local[uid] = rec
         for rec in self._holders.values():
             uid = rec.pod.pod_uid
             if uid in by_uid or (q.candidates and uid not in q.candidates):
@@ -505,16 +511,23 @@ class Controller:
                 continue
             by_uid[uid] = Candidate(uid, rec.pod.pod_name, 0, 0, m.peer_fetchable, rec.load)
             holder_by_uid[uid] = rec.holder
+            local[uid] = rec
         for uid in q.candidates - by_uid.keys():
             by_uid[uid] = Candidate(uid, "", 0, 0, 0, AgentLoad())  # no agent known: recompute only
         ranked = rank(list(by_uid.values()), self.params, q.num_tokens, q.tokens_per_chunk)
         if req.top_k:
             ranked = ranked[: req.top_k]
         if req.reserve and ranked and q.keys:
-            best = holder_by_uid.get(ranked[0].candidate.pod_uid)
+            best_uid = ranked[0].candidate.pod_uid
+            best = holder_by_uid.get(best_uid)
             if best is not None:
                 ttl = req.speculative_ttl_ms or self.cfg.speculative_ttl_ms
                 self.index.add_speculative(best, q.keys, ttl)
+                best_rec = local.get(best_uid)
+                cur = self.registry.get(best_uid) if best_rec is not None and best_rec.dropped else None
+                if best_rec is not None and best_rec.dropped and (cur is None or cur.holder != best):
+                    # Its lease lapsed meanwhile: the entry must not give the dead holder a slot.
+                    self.index.drop_holder(best)
         resp = controller_pb2.ScoreResponse(num_query_chunks=len(q.keys))
         for e in ranked:
             c = e.candidate
