@@ -336,6 +336,26 @@ def test_bad_input_is_rejected_and_nothing_changes(
                 "requests[1]",
             ),
             (stub.Score, controller_pb2.ScoreRequest(), inv, "expected token_ids or chunk_keys"),
+            (
+                stub.Score,
+                controller_pb2.ScoreRequest(
+                    match=controller_pb2.MatchPrefixRequest(
+                        chunk_keys=common_pb2.ChunkKeys(keys=keys), namespace_id=NS_ID
+                    ),
+                    reserve=True,
+                    speculative_ttl_ms=10**9,
+                ),
+                inv,
+                "speculative_ttl_ms=1000000000: expected <= 30000",
+            ),
+            (
+                stub.BatchScore,
+                controller_pb2.BatchScoreRequest(
+                    requests=[controller_pb2.ScoreRequest(speculative_ttl_ms=10**9)]
+                ),
+                inv,
+                "requests[0]: speculative_ttl_ms=1000000000",
+            ),
             (stub.RegisterAgent, controller_pb2.RegisterAgentRequest(), inv, "pod_uid"),
             (
                 stub.RegisterAgent,

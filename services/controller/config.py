@@ -40,6 +40,13 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True):
     speculative_ttl_ms: Annotated[
         int, msgspec.Meta(ge=1, description="lifetime of speculative entries from Score(reserve=true)")
     ] = 2_000
+    max_speculative_ttl_ms: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description="longest speculative_ttl_ms a Score request may ask for (ms)",
+        ),
+    ] = 30_000
     snapshot_timeout_ms: Annotated[int, msgspec.Meta(ge=10, description="deadline of one snapshot pull")] = (
         5_000
     )

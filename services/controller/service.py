@@ -486,7 +486,16 @@ class Controller:
             return compact_response(m, num_chunks, table.pod_refs)
         return controller_pb2.BatchMatchPrefixResponse(responses=_readable(m, table, num_chunks))
 
+    def check_score(self, req: controller_pb2.ScoreRequest) -> None:
+        """Validate the Score-only fields (the match is checked by :meth:`parse_query`)."""
+        if req.speculative_ttl_ms > self.cfg.max_speculative_ttl_ms:
+            raise ValueError(
+                f"speculative_ttl_ms={req.speculative_ttl_ms}: expected <= "
+                f"{self.cfg.max_speculative_ttl_ms} (max_speculative_ttl_ms); reservations are short-lived"
+            )
+
     def score(self, req: controller_pb2.ScoreRequest) -> controller_pb2.ScoreResponse:
+        self.check_score(req)
         q = self.parse_query(req.match)
         bm, table = self.match_batch([q])
         m = bm.query(0)
@@ -715,6 +724,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         t0 = time.perf_counter()
         self.ctl.check_batch(len(request.requests))
         for i, r in enumerate(request.requests):
+            try:
+                self.ctl.check_score(r)
+            except ValueError as e:
+                raise ValueError(f"requests[{i}]: {e}") from None
             try:
                 self.ctl.parse_query(r.match)
             except (ValueError, TypeError) as e:
