@@ -40,6 +40,14 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True):
     speculative_ttl_ms: Annotated[
         int, msgspec.Meta(ge=1, description="lifetime of speculative entries from Score(reserve=true)")
     ] = 2_000
+    max_resync_buffer_events: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description="events kept per pod while its snapshot is pulled; past it they are dropped and "
+            "a newer snapshot is pulled",
+        ),
+    ] = 100_000
     max_speculative_ttl_ms: Annotated[
         int,
         msgspec.Meta(

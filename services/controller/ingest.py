@@ -87,6 +87,8 @@ class _PodState:
         self.synced = False
         self.resyncing = False
         self.buffer: list[ChunkEvent] = []
+        # Events were dropped from a full buffer: the snapshot being pulled may predate them.
+        self.overflowed = False
         self.generation = 0
 
 
@@ -122,8 +124,10 @@ class Ingestor:
         snapshot_timeout_s: float = 5.0,
         retry_s: float = 0.5,
         on_namespaces: Callable[[AgentRecord, Sequence[str]], None] | None = None,
+        max_buffered_events: int = 100_000,
     ) -> None:
         self.index = index
+        self._max_buffered = max_buffered_events
         self._snapshot = snapshot
         self._timeout = snapshot_timeout_s
         self._retry = retry_s
@@ -186,7 +190,7 @@ class Ingestor:
             if new_stream or not st.synced:
                 self._start_resync_locked(st)
             if st.resyncing:
-                st.buffer.extend(events)
+                self._buffer_locked(st, events)
                 return st.last_applied, True
             for i, e in enumerate(events):
                 if e.sequence <= st.last_applied:
@@ -198,12 +202,26 @@ class Ingestor:
                         st.last_applied + 1,
                         e.sequence,
                     )
-                    st.buffer.extend(events[i:])
+                    self._buffer_locked(st, events[i:])
                     self._start_resync_locked(st)
                     return st.last_applied, True
                 self._apply(record.holder, e)
                 st.last_applied = e.sequence
             return st.last_applied, False
+
+    def _buffer_locked(self, st: _PodState, events: Sequence[ChunkEvent]) -> None:
+        """Keep events for after the snapshot, within a bound. Past it they are dropped and the
+        pull is repeated once it lands: a snapshot that starts after the drop covers them."""
+        st.buffer.extend(events)
+        if len(st.buffer) > self._max_buffered:
+            log.warning(
+                "pod %s: %d events buffered while resyncing (max %d): dropped; pulling a newer snapshot",
+                st.record.holder,
+                len(st.buffer),
+                self._max_buffered,
+            )
+            st.buffer.clear()
+            st.overflowed = True
 
     def _apply(self, holder: str, e: ChunkEvent) -> None:
         if e.kind is EventKind.ADMIT:
@@ -241,6 +259,9 @@ class Ingestor:
             with st.lock:
                 if st.generation != generation or rec.dropped:
                     return  # superseded (forgotten pod, newer pull)
+                if st.overflowed:
+                    st.overflowed = False
+                    continue  # this snapshot may predate the dropped events: pull again
                 if self._on_namespaces is not None and snap.namespaces:
                     self._on_namespaces(rec, list(snap.namespaces))
                 self.index.replace(rec.holder, IndexTier.L1, keys)

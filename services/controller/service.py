@@ -163,6 +163,7 @@ class Controller:
             snapshot_timeout_s=cfg.snapshot_timeout_ms / 1000,
             retry_s=cfg.resync_retry_ms / 1000,
             on_namespaces=self._learn_namespaces,
+            max_buffered_events=cfg.max_resync_buffer_events,
         )
         self.params = ScoreParams.from_config(cfg)
         self.rejected = 0
