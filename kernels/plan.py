@@ -46,6 +46,8 @@ BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 DEFAULT_PIPELINE_BYTES = 32 << 20
 DEFAULT_LEAD_BYTES = 2 << 20
 DEFAULT_STAGING_SLOTS = 2
+_UPLOAD_RING = 4  # pinned upload buffers per plan: calls queued back to back rarely find all busy
+_UPLOAD_MIN_WORDS = 4096
 
 
 class TransferHandle:
@@ -81,6 +83,18 @@ class _Piece:
     layer_end: int
     offset: int  # bytes from the chunk buffer start
     nbytes: int
+
+
+class _UploadSlot:
+    """A persistent pinned int64 buffer, its device twin, and the event of its last copy."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty(capacity, dtype=torch.int64, device=device)
+        self.free = torch.cuda.Event()
+        self.parts: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
 
 class _GroupTables:
@@ -186,6 +200,7 @@ class TransferPlan:
             ),
             512,
         )
+        self._piece_cache: dict[tuple[Any, ...], list[_Piece]] = {}
         self._cuda = self.device.type == "cuda"
         if self._cuda:
             with torch.cuda.device(self.device):
@@ -207,6 +222,12 @@ class TransferPlan:
             self._slot_free = [torch.cuda.Event() for _ in range(staging_slots)]
             self._slot_ready = [torch.cuda.Event() for _ in range(staging_slots)]
             self._next_slot = 0
+            # Host-time caches (queueing sits on every request's path): a reused start event, a ring
+            # of pinned upload buffers with their device twins, and per-shape piece plans.
+            self._start = torch.cuda.Event()
+            self._ring: list[_UploadSlot] = []
+            self._next_upload = 0
+            self._slot_word_off: dict[tuple[int, int], np.ndarray] = {}
 
     # ------------------------------------------------------------------ construction
 
@@ -373,8 +394,8 @@ class TransferPlan:
                     f"expected -1 (none) or 0..{group.num_blocks - 1}"
                 )
             if retrieve:
-                valid = ids[ids >= 0]
-                if np.unique(valid).size != valid.size:
+                valid = np.sort(ids[ids >= 0])
+                if valid.size > 1 and bool((valid[1:] == valid[:-1]).any()):
                     raise ValueError(
                         f"block_ids_per_info[{g}] repeats a block id: a retrieve writes each block once"
                     )
@@ -415,19 +436,23 @@ class TransferPlan:
                 fn(group, self._sections(chunks, g), self._split(ids, g, len(chunks)), self.tokens_per_chunk)
             return TransferHandle()
         with self._lock, torch.cuda.device(self.device):
+            caller = torch.cuda.current_stream(self.device)
             start = wait_event
             if start is None:
-                start = torch.cuda.Event()
-                start.record(torch.cuda.current_stream(self.device))
+                start = self._start  # reused: a wait binds to the record made just before it
+                start.record(caller)
             ks = self._kernel_stream
             ks.wait_event(start)
             for cs in self._copy_streams:
                 cs.wait_event(start)
             done = torch.cuda.Event(enable_timing=True)  # lets callers time transfers
             keep: tuple[Any, ...] = (chunks,)
-            if mode == "torch":
-                fn = torch_copy.gather_group if to_chunk else torch_copy.scatter_group
-                with torch.cuda.stream(ks):
+            # Kernels and copies queue on the current stream; switching it directly is much
+            # cheaper than a ``torch.cuda.stream`` context per piece. Restored before returning.
+            torch.cuda.set_stream(ks)
+            try:
+                if mode == "torch":
+                    fn = torch_copy.gather_group if to_chunk else torch_copy.scatter_group
                     for g, group in enumerate(self.groups):
                         fn(
                             group,
@@ -435,12 +460,14 @@ class TransferPlan:
                             self._split(ids, g, len(chunks)),
                             self.tokens_per_chunk,
                         )
-                done.record(ks)
-            elif mode == "direct":
-                keep += self._run_direct(chunks, ids, to_chunk)
-                done.record(ks)
-            else:
-                keep += self._run_staged(chunks, ids, to_chunk, done)
+                    done.record(ks)
+                elif mode == "direct":
+                    keep += self._run_direct(chunks, ids, to_chunk)
+                    done.record(ks)
+                else:
+                    keep += self._run_staged(chunks, ids, to_chunk, done)
+            finally:
+                torch.cuda.set_stream(caller)
             return TransferHandle(done, keep)
 
     def _word_tables(self, word: int) -> tuple[torch.Tensor, list[_GroupTables]]:
@@ -454,8 +481,38 @@ class TransferPlan:
             torch.cuda.current_stream(self.device).synchronize()
         return self._anchors[word], self._tables[word]
 
-    def _upload(self, values: list[np.ndarray]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """One pinned host->device copy (on the kernel stream) of several int64 arrays."""
+    def _upload(self, values: list[np.ndarray]) -> tuple[list[torch.Tensor], Any]:
+        """One pinned host->device copy (on the current stream, the kernel stream) of several int64
+        arrays, through a ring of persistent pinned buffers. A ring slot is reused once its previous
+        copy finished (its event); the device twin is only read by kernels on the kernel stream, so
+        stream order protects it. If the next slot is still in flight, a one-off buffer is used."""
+        sizes = tuple(v.size for v in values)
+        n = sum(sizes)
+        k = self._next_upload
+        if not self._ring:  # all at once: pinned allocations are one-time host syncs
+            self._ring = [_UploadSlot(max(n, _UPLOAD_MIN_WORDS), self.device) for _ in range(_UPLOAD_RING)]
+        if self._ring[k].capacity < n:
+            self._ring[k] = _UploadSlot(max(n, 2 * self._ring[k].capacity), self.device)
+        slot = self._ring[k]
+        if not slot.free.query():
+            return self._upload_once(values)
+        self._next_upload = (k + 1) % _UPLOAD_RING
+        if n:
+            np.concatenate(values, out=slot.host_np[:n])
+            slot.dev[:n].copy_(slot.host[:n], non_blocking=True)
+        slot.free.record()
+        parts = slot.parts.get(sizes)
+        if parts is None:
+            parts, off = [], 0
+            for size in sizes:
+                parts.append(slot.dev[off : off + size])
+                off += size
+            if len(slot.parts) > 64:
+                slot.parts.clear()
+            slot.parts[sizes] = parts
+        return parts, None
+
+    def _upload_once(self, values: list[np.ndarray]) -> tuple[list[torch.Tensor], torch.Tensor]:
         flat = np.concatenate(values) if values else np.zeros(0, np.int64)
         host = torch.from_numpy(flat).pin_memory()
         dev = host.to(self.device, non_blocking=True)
@@ -470,51 +527,58 @@ class TransferPlan:
     ) -> tuple[Any, ...]:
         from .triton_copy import alignment, launch, word_bytes_for
 
-        ks = self._kernel_stream
+        raw_ks = self._kernel_stream.cuda_stream
         plans = []
         for g in range(len(self.groups)):
             off = self.layout.group_offsets[g]
             align = alignment(self._page_align[g], *(c.data_ptr() + off for c in chunks))
             plans.append(align)
-        with torch.cuda.stream(ks):
-            values: list[np.ndarray] = []
-            for g, align in enumerate(plans):
-                anchor, _ = self._word_tables(word_bytes_for(align))
-                word = anchor.element_size()
-                base = anchor.data_ptr()
-                off = self.layout.group_offsets[g]
-                values.append(np.array([(c.data_ptr() + off - base) // word for c in chunks], np.int64))
-                values.append(ids[g])
-            parts, host = self._upload(values)
-            for g, align in enumerate(plans):
-                anchor, tables = self._word_tables(word_bytes_for(align))
-                group, t = self.groups[g], tables[g]
-                launch(
-                    anchor=anchor,
-                    layer_off=t.layer_off,
-                    plane_stride=t.plane_stride,
-                    block_stride=t.block_stride,
-                    chunk_off=parts[2 * g],
-                    block_ids=parts[2 * g + 1],
-                    num_chunks=len(chunks),
-                    num_layers=group.num_layers,
-                    planes=group.planes,
-                    bpc=self.layout.blocks_per_chunk[g],
-                    page_bytes=group.page_bytes,
-                    align=align,
-                    to_chunk=to_chunk,
-                )
+        values: list[np.ndarray] = []
+        for g, align in enumerate(plans):
+            anchor, _ = self._word_tables(word_bytes_for(align))
+            word = anchor.element_size()
+            base = anchor.data_ptr()
+            off = self.layout.group_offsets[g]
+            values.append(np.array([(c.data_ptr() + off - base) // word for c in chunks], np.int64))
+            values.append(ids[g])
+        parts, host = self._upload(values)
+        for g, align in enumerate(plans):
+            anchor, tables = self._word_tables(word_bytes_for(align))
+            group, t = self.groups[g], tables[g]
+            launch(
+                anchor=anchor,
+                layer_off=t.layer_off,
+                plane_stride=t.plane_stride,
+                block_stride=t.block_stride,
+                chunk_off=parts[2 * g],
+                block_ids=parts[2 * g + 1],
+                num_chunks=len(chunks),
+                num_layers=group.num_layers,
+                planes=group.planes,
+                bpc=self.layout.blocks_per_chunk[g],
+                page_bytes=group.page_bytes,
+                align=align,
+                to_chunk=to_chunk,
+                stream=raw_ks,
+            )
         return (host, parts)
 
     def _pieces(self, ids: list[np.ndarray], num_chunks: int, to_chunk: bool) -> list[_Piece]:
         """Whole-layer pieces of every (chunk, group) section that has a block to move, at most
         ``pipeline_bytes`` each; the first piece of a store (last of a retrieve) is cut to
         ``lead_bytes`` so the DMA engine starts early (or finishes with little left to scatter)."""
+        masks: list[Any] = [
+            (ids[g].reshape(num_chunks, self.layout.blocks_per_chunk[g]) >= 0).any(axis=1)
+            for g in range(len(self.groups))
+        ]
+        key = (num_chunks, to_chunk, *(m.tobytes() for m in masks))
+        cached = self._piece_cache.get(key)
+        if cached is not None:
+            return cached
         spans: list[tuple[int, int, int, int]] = []  # (chunk, group, first layer, end layer)
         for c in range(num_chunks):
             for g, group in enumerate(self.groups):
-                bpc = self.layout.blocks_per_chunk[g]
-                if not (ids[g][c * bpc : (c + 1) * bpc] >= 0).any():
+                if not masks[g][c]:
                     continue  # nothing to move for this chunk and group
                 step = self._layers_per_piece[g]
                 spans.extend(
@@ -533,6 +597,9 @@ class TransferPlan:
         for c, g, l0, l1 in spans:
             lb = self.layout.layer_bytes(g)
             pieces.append(_Piece(c, g, l0, l1, self.layout.group_offsets[g] + l0 * lb, (l1 - l0) * lb))
+        if len(self._piece_cache) > 256:
+            self._piece_cache.clear()
+        self._piece_cache[key] = pieces
         return pieces
 
     def _run_staged(
@@ -541,6 +608,7 @@ class TransferPlan:
         from .triton_copy import launch, word_bytes_for
 
         ks = self._kernel_stream
+        raw_ks = ks.cuda_stream
         if self._staging is None:
             self._staging = torch.empty(
                 self.staging_slots * self._slot_bytes, dtype=torch.uint8, device=self.device
@@ -554,58 +622,57 @@ class TransferPlan:
         for k, piece in enumerate(pieces):
             slot = (self._next_slot + k) % self.staging_slots
             slot_of.append(slot)
-            anchor, _ = self._word_tables(words[piece.group])
-            word = anchor.element_size()
             bpc = self.layout.blocks_per_chunk[piece.group]
-            slot_addr = staging.data_ptr() + slot * self._slot_bytes
-            values.append(np.array([(slot_addr - anchor.data_ptr()) // word], np.int64))
+            values.append(self._slot_offset(slot, words[piece.group]))
             values.append(ids[piece.group][piece.chunk * bpc : (piece.chunk + 1) * bpc])
         self._next_slot = (self._next_slot + len(pieces)) % self.staging_slots
         copy_streams = self._copy_streams
         last_copy = copy_streams[(len(pieces) - 1) % len(copy_streams)]
-        with torch.cuda.stream(ks):  # kernels launch on the current stream
-            parts, host = self._upload(values)
-            for k, piece in enumerate(pieces):
-                slot = slot_of[k]
-                cs = copy_streams[k % len(copy_streams)]
-                g = piece.group
-                group = self.groups[g]
-                anchor, tables = self._word_tables(words[g])
-                t = tables[g]
-                slot_view = staging[slot * self._slot_bytes : slot * self._slot_bytes + piece.nbytes]
-                chunk_view = chunks[piece.chunk][piece.offset : piece.offset + piece.nbytes]
-                layer_off, plane_stride, block_stride = t.slice(piece.layer_start, piece.layer_end)
-                kernel_args: dict[str, Any] = dict(
-                    anchor=anchor,
-                    layer_off=layer_off,
-                    plane_stride=plane_stride,
-                    block_stride=block_stride,
-                    chunk_off=parts[2 * k],
-                    block_ids=parts[2 * k + 1],
-                    num_chunks=1,
-                    num_layers=piece.layer_end - piece.layer_start,
-                    planes=group.planes,
-                    bpc=self.layout.blocks_per_chunk[g],
-                    page_bytes=group.page_bytes,
-                    align=self._page_align[g],
-                    to_chunk=to_chunk,
-                )
-                if to_chunk:
-                    ks.wait_event(self._slot_free[slot])  # the slot's previous DMA is done
-                    launch(**kernel_args)
-                    self._slot_ready[slot].record(ks)
-                    cs.wait_event(self._slot_ready[slot])
-                    with torch.cuda.stream(cs):
-                        chunk_view.copy_(slot_view, non_blocking=True)
-                    self._slot_free[slot].record(cs)
-                else:
-                    cs.wait_event(self._slot_free[slot])  # the slot's previous scatter is done
-                    with torch.cuda.stream(cs):
-                        slot_view.copy_(chunk_view, non_blocking=True)
-                    self._slot_ready[slot].record(cs)
-                    ks.wait_event(self._slot_ready[slot])
-                    launch(**kernel_args)
-                    self._slot_free[slot].record(ks)
+        parts, host = self._upload(values)  # the current stream is the kernel stream
+        for k, piece in enumerate(pieces):
+            slot = slot_of[k]
+            cs = copy_streams[k % len(copy_streams)]
+            g = piece.group
+            group = self.groups[g]
+            anchor, tables = self._word_tables(words[g])
+            t = tables[g]
+            slot_view = staging[slot * self._slot_bytes : slot * self._slot_bytes + piece.nbytes]
+            chunk_view = chunks[piece.chunk][piece.offset : piece.offset + piece.nbytes]
+            layer_off, plane_stride, block_stride = t.slice(piece.layer_start, piece.layer_end)
+            kernel_args: dict[str, Any] = dict(
+                anchor=anchor,
+                layer_off=layer_off,
+                plane_stride=plane_stride,
+                block_stride=block_stride,
+                chunk_off=parts[2 * k],
+                block_ids=parts[2 * k + 1],
+                num_chunks=1,
+                num_layers=piece.layer_end - piece.layer_start,
+                planes=group.planes,
+                bpc=self.layout.blocks_per_chunk[g],
+                page_bytes=group.page_bytes,
+                align=self._page_align[g],
+                to_chunk=to_chunk,
+                stream=raw_ks,
+            )
+            if to_chunk:
+                ks.wait_event(self._slot_free[slot])  # the slot's previous DMA is done
+                launch(**kernel_args)
+                self._slot_ready[slot].record(ks)
+                cs.wait_event(self._slot_ready[slot])
+                torch.cuda.set_stream(cs)
+                chunk_view.copy_(slot_view, non_blocking=True)
+                torch.cuda.set_stream(ks)
+                self._slot_free[slot].record(cs)
+            else:
+                cs.wait_event(self._slot_free[slot])  # the slot's previous scatter is done
+                torch.cuda.set_stream(cs)
+                slot_view.copy_(chunk_view, non_blocking=True)
+                torch.cuda.set_stream(ks)
+                self._slot_ready[slot].record(cs)
+                ks.wait_event(self._slot_ready[slot])
+                launch(**kernel_args)
+                self._slot_free[slot].record(ks)
         if not to_chunk or not pieces:
             done.record(ks)
         elif len(copy_streams) == 1:
@@ -617,6 +684,16 @@ class TransferPlan:
                 ks.wait_event(ev)
             done.record(ks)
         return (host, parts)
+
+    def _slot_offset(self, slot: int, word: int) -> np.ndarray:
+        """[word offset of staging slot ``slot`` from the ``word``-byte anchor] (constant per plan)."""
+        key = (slot, word)
+        if key not in self._slot_word_off:
+            anchor, _ = self._word_tables(word)
+            assert self._staging is not None
+            addr = self._staging.data_ptr() + slot * self._slot_bytes
+            self._slot_word_off[key] = np.array([(addr - anchor.data_ptr()) // word], np.int64)
+        return self._slot_word_off[key]
 
 
 def _align(*values: int) -> int:

@@ -94,6 +94,26 @@ def alignment(*values: int) -> int:
     return g
 
 
+# Compiled kernels by everything Triton specializes on (see ``_launch_key``), so a repeat launch skips
+# Triton's argument binding and cache lookup (tens of us of host time per launch).
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+_fast_launch = True
+
+
+def _launch_key(
+    ptrs: tuple[torch.Tensor, ...], ints: tuple[int, ...], consts: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    # Finer than Triton's own key (pointer 16-byte alignment; ints ==1 and %16), so a cached kernel
+    # is always the one Triton would pick for these arguments.
+    return (
+        ptrs[0].dtype,
+        ptrs[0].device.index,
+        *consts,
+        *(t.data_ptr() % 16 == 0 for t in ptrs),
+        *((v == 1, v % 16 == 0) for v in ints),
+    )
+
+
 def launch(
     *,
     anchor: torch.Tensor,
@@ -109,28 +129,36 @@ def launch(
     page_bytes: int,
     align: int,
     to_chunk: bool,
+    stream: int | None = None,
 ) -> None:
-    """Launch one copy on the current stream. ``align`` (bytes) must divide every address and stride;
-    ``anchor``'s dtype is the word; offsets in the tables are in words."""
+    """Launch one copy on the current stream (``stream``: its raw handle, if the caller has it).
+    ``align`` (bytes) must divide every address and stride; ``anchor``'s dtype is the word; offsets
+    in the tables are in words."""
+    global _fast_launch
     word = anchor.element_size()
     page_words = page_bytes // word
     tile = min(MAX_TILE_BYTES // word, triton.next_power_of_2(page_words))
     grid = (num_chunks * num_layers * planes * bpc, triton.cdiv(page_words, tile))
-    kernel: Any = _copy_pages
-    kernel[grid](
-        anchor,
-        layer_off,
-        plane_stride,
-        block_stride,
-        chunk_off,
-        block_ids,
-        num_layers,
-        planes,
-        bpc,
-        page_words,
-        TO_CHUNK=to_chunk,
-        TILE=tile,
-        ALIGN_W=max(1, align // word),
-        EVEN=page_words % tile == 0,
+    ptrs = (anchor, layer_off, plane_stride, block_stride, chunk_off, block_ids)
+    ints = (num_layers, planes, bpc, page_words)
+    consts = (to_chunk, tile, max(1, align // word), page_words % tile == 0)
+    key = _launch_key(ptrs, ints, consts)
+    compiled = _COMPILED.get(key) if _fast_launch else None
+    if compiled is not None:
+        try:
+            compiled[grid](*ptrs, *ints, *consts, stream=stream)
+            return
+        except Exception:  # a Triton whose launcher differs: use the regular path from now on
+            _fast_launch = False
+    kernel: Any = _copy_pages  # launches on the current stream: callers pass that one as ``stream``
+    compiled = kernel[grid](
+        *ptrs,
+        *ints,
+        TO_CHUNK=consts[0],
+        TILE=consts[1],
+        ALIGN_W=consts[2],
+        EVEN=consts[3],
         num_warps=NUM_WARPS,
     )
+    if _fast_launch and compiled is not None and hasattr(compiled, "__getitem__"):
+        _COMPILED[key] = compiled

@@ -417,6 +417,30 @@ def test_async_store_does_not_block_the_callers_stream() -> None:
     assert torch.equal(chunks[1].cpu(), expected_chunk(plan, specs, tensors, ids, 1))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_back_to_back_async_stores_keep_their_own_block_ids(mode: str) -> None:
+    # More transfers in flight than the plan's pinned upload ring has slots, each with other block
+    # ids: a reused upload buffer must never hand one transfer another's ids.
+    gen = torch.Generator().manual_seed(2)
+    specs = [GroupSpec(KVFormat.FLASH_ATTN_NHD, num_layers=3, num_blocks=96, slots=16, heads=2, head_size=64)]
+    plan, tensors = build_plan(specs, "cuda", mode, gen, tokens_per_chunk=64)
+    rng = np.random.default_rng(3)
+    plan.store_async(chunk_buffers(plan, 1, "cuda", False, poison=0), random_ids(plan, 1, rng)).wait()
+    with torch.cuda.stream(plan._kernel_stream):
+        torch.cuda._sleep(200_000_000)  # keep the uploads in flight while the host queues
+    jobs = []
+    for _ in range(7):
+        ids = random_ids(plan, 2, rng)
+        chunks = chunk_buffers(plan, 2, "cuda", False, poison=0)
+        jobs.append((ids, chunks, plan.store_async(chunks, ids)))
+    for ids, chunks, handle in jobs:
+        handle.wait()
+        for c in range(2):
+            assert torch.equal(chunks[c].cpu(), expected_chunk(plan, specs, tensors, ids, c))
+
+
 def test_pipeline_pieces_lead_with_a_small_piece_and_cover_every_layer_once() -> None:
     # 10 layers of 4 blocks x 256 B pages = 1 KiB per layer per chunk; pieces <= 4 KiB, lead 1.5 KiB
     g = KernelGroupPages(
