@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                 "running",
                 "waiting",
             ):
-                t.add_column(col)
+                t.add_column(col, overflow="fold")  # never hide part of a UID or an address
             for a in r.agents:
                 t.add_row(
                     a.pod.pod_uid,
