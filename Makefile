@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	@# torch: keep an installed one (e.g. a CUDA build on a GPU machine), else the pinned CPU build
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e ./kernels -e '.[agent,test]'
 	$(PIP) install -q --no-deps vllm==$(VLLM_VERSION)
 	$(PIP) install -q $(VLLM_PURE_DEPS)
 	@touch $@
@@ -41,12 +41,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/buf lint
 
-# mypy cannot follow setuptools' package-dir mapping (kvgrid -> services, kvgrid.kernels -> kernels),
-# so it checks a link tree that has the import layout.
+# Checks the installed packages (editable installs are plain paths: no link tree) and the scripts.
 typecheck: $(STAMP)
-	@rm -rf build/typecheck && mkdir -p build/typecheck/kvgrid
-	@cd build/typecheck/kvgrid && ln -s ../../../services/* . && ln -s ../../../kernels kernels
-	MYPYPATH=build/typecheck $(VENV)/bin/mypy -p kvgrid
+	$(VENV)/bin/mypy -p kvgrid -p kvgrid_kernels
+	$(VENV)/bin/mypy scripts
 
 unit: $(STAMP) $(HELM)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -57,4 +55,4 @@ proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info services/*.egg-info kernels/*.egg-info kernels/build .mypy_cache .ruff_cache .pytest_cache

@@ -21,7 +21,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY services ./services
 COPY kernels ./kernels
-RUN /opt/kvgrid/bin/pip install --no-cache-dir ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} /src
+RUN /opt/kvgrid/bin/pip install --no-cache-dir ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} \
+    /src/kernels "/src[agent]"
 
 FROM ${BASE}
 ENV DEBIAN_FRONTEND=noninteractive
@@ -36,7 +37,7 @@ ENV PATH=/opt/kvgrid/bin:$PATH \
     HOME=/tmp \
     TRITON_CACHE_DIR=/tmp/triton
 USER 65532:65532
-# 50061: AgentService over TCP (peers, controller); 9401: Prometheus /metrics when enabled.
-EXPOSE 50061 9401
+# 50062: AgentService over TCP (peers, controller); 9401: Prometheus /metrics when enabled.
+EXPOSE 50062 9401
 ENTRYPOINT ["kvgrid"]
 CMD ["agent"]

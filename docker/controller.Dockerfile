@@ -10,12 +10,8 @@ RUN python -m venv /opt/kvgrid
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY services ./services
-COPY kernels ./kernels
-# Install pyproject's dependencies except torch (read from the file, so the list cannot drift),
-# then kvgrid itself without dependencies.
-RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \
-    && /opt/kvgrid/bin/pip install --no-cache-dir -r /tmp/requirements.txt \
-    && /opt/kvgrid/bin/pip install --no-cache-dir --no-deps /src
+# The base distribution has no torch: the controller never needs it (the agent extra adds it).
+RUN /opt/kvgrid/bin/pip install --no-cache-dir /src
 
 FROM ${BASE}
 COPY --from=build /opt/kvgrid /opt/kvgrid

@@ -12,7 +12,6 @@ COPY kernels ./kernels
 # Keep every package vLLM already has at its version (constraints from pip freeze): kvgrid's other
 # dependencies are added, and a version conflict fails the build instead of breaking vLLM.
 RUN python3 -m pip freeze --exclude-editable > /tmp/constraints.txt \
-    && python3 -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \
-    && python3 -m pip install --no-cache-dir -c /tmp/constraints.txt -r /tmp/requirements.txt \
-    && python3 -m pip install --no-cache-dir --no-deps /opt/kvgrid-src
+    && python3 -m pip install --no-cache-dir -c /tmp/constraints.txt \
+       /opt/kvgrid-src/kernels "/opt/kvgrid-src[agent]"
 WORKDIR /

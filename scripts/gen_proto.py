@@ -1,4 +1,4 @@
-"""Regenerate services/api/v1 from proto/kvgrid/v1 (python, grpc and mypy stubs).
+"""Regenerate services/kvgrid/api/v1 from proto/kvgrid/v1 (python, grpc and mypy stubs).
 
 protoc emits modules named ``kvgrid.v1.*``; the package lives at ``kvgrid.api.v1``, so imports are
 rewritten after generation. ``--check`` regenerates into a temporary folder and fails on any difference.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
-OUT_DIR = ROOT / "services" / "api" / "v1"
+OUT_DIR = ROOT / "services" / "kvgrid" / "api" / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 

@@ -6,9 +6,9 @@
 #   scripts/gpu_suite.sh [OUTDIR]
 #
 # Missing pure-Python dependencies can be pre-downloaded as wheels into .whl/ (see docs/kernels.md);
-# they are installed into a private folder, never over the machine's torch. The package is put on
-# the path through a link tree with the import layout (kvgrid -> services, kvgrid.kernels -> kernels),
-# so nothing is built or installed into the system.
+# they are installed into a private folder, never over the machine's torch. Both source roots
+# (services/ for kvgrid, kernels/ for kvgrid_kernels) go on PYTHONPATH as they are, so nothing is
+# built or installed into the system.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:-$root/build/gpu-suite}"
@@ -17,10 +17,7 @@ site="$(mktemp -d)"
 if compgen -G "$root/.whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$root"/.whl/*.whl
 fi
-mkdir -p "$site/kvgrid"
-ln -s "$root"/services/* "$site/kvgrid/"
-ln -s "$root/kernels" "$site/kvgrid/kernels"
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$root/services:$root/kernels:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$root"
 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())'
 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_kernels.py tests/test_agent_gpu.py \

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from kvgrid.demo import DemoSettings, run_demo
 
 

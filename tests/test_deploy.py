@@ -24,6 +24,7 @@ import kubernetes_validate
 import msgspec
 import pytest
 import yaml
+
 from kvgrid import cli
 from kvgrid.agent.config import AgentConfig
 from kvgrid.common.config import config_from_args, parse_byte_size
@@ -476,7 +477,7 @@ def test_no_rbac_while_the_controller_does_not_call_the_kubernetes_api(
     """RBAC only for what the code does. When a pod watch lands, this fails: add get/list/watch pods."""
     uses_k8s = [
         p.name
-        for p in (ROOT / "services" / "controller").glob("*.py")
+        for p in (ROOT / "services" / "kvgrid" / "controller").glob("*.py")
         if re.search(r"^\s*(import|from)\s+kubernetes\b", p.read_text(), re.M)
     ]
     assert uses_k8s == [], f"controller now uses the Kubernetes API ({uses_k8s}): give the chart RBAC for it"

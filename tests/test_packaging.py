@@ -1,5 +1,6 @@
-"""Contract and packaging: generated protobuf code is fresh, buf lint is clean, the wheel holds every
-subpackage found on disk, and ``kvgrid --help`` lists exactly the registered commands that import."""
+"""Contract and packaging: generated protobuf code is fresh, buf lint is clean, each distribution's
+wheel holds every subpackage found under its one source root, static tools follow the installed
+packages, and ``kvgrid --help`` lists exactly the registered commands that import."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from kvgrid import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-# Where each import root lives on disk (pyproject's package-dir).
-PACKAGE_ROOTS = {"kvgrid": ROOT / "services", "kvgrid.kernels": ROOT / "kernels"}
+# Each distribution: its project folder, its one source root and the import package under it.
+DISTRIBUTIONS = {
+    "kvgrid": (ROOT, ROOT / "services" / "kvgrid"),
+    "kvgrid_kernels": (ROOT / "kernels", ROOT / "kernels" / "kvgrid_kernels"),
+}
 # Files a subpackage needs at run time besides .py: stubs, markers and kernel sources compiled on load.
 SHIPPED_SUFFIXES = (".py", ".pyi", ".typed", ".cu", ".cuh", ".cpp", ".h")
 
@@ -34,22 +39,48 @@ def _run(cmd: list[str], cwd: Path = ROOT, timeout: float = 120) -> subprocess.C
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def _disk_packages() -> dict[str, Path]:
-    """Every directory with an __init__.py under services/ and kernels/, as dotted module names."""
+def _disk_packages(top: str) -> dict[str, Path]:
+    """Every directory with an __init__.py under a distribution's import package, as dotted names."""
     found: dict[str, Path] = {}
-    for top, root in PACKAGE_ROOTS.items():
-        for init in sorted(root.rglob("__init__.py")):
-            rel = init.parent.relative_to(root)
-            if "__pycache__" in rel.parts:
-                continue
-            found[".".join((top, *rel.parts)) if rel.parts else top] = init.parent
+    root = DISTRIBUTIONS[top][1]
+    for init in sorted(root.rglob("__init__.py")):
+        rel = init.parent.relative_to(root)
+        if "__pycache__" not in rel.parts:
+            found[".".join((top, *rel.parts))] = init.parent
     return found
 
 
 def test_disk_packages_include_the_known_layout() -> None:
     # Guards the discovery itself: if it found nothing, the wheel test below would pass vacuously.
     expected = {"kvgrid.common", "kvgrid.agent", "kvgrid.controller", "kvgrid.connector", "kvgrid.api.v1"}
-    assert {"kvgrid", "kvgrid.kernels"} | expected <= set(_disk_packages())
+    assert {"kvgrid"} | expected <= set(_disk_packages("kvgrid"))
+    assert set(_disk_packages("kvgrid_kernels")) == {"kvgrid_kernels"}
+
+
+@pytest.mark.parametrize("top", sorted(DISTRIBUTIONS))
+def test_installed_packages_are_the_source_tree(top: str) -> None:
+    # Editable installs must be plain paths: the module imported is the file in the checkout, which
+    # is what lets IDEs, mypy and ruff follow it without an import hook.
+    mod = importlib.import_module(top)
+    assert mod.__file__ is not None
+    assert Path(mod.__file__).resolve() == DISTRIBUTIONS[top][1] / "__init__.py"
+
+
+@pytest.mark.slow
+def test_mypy_sees_a_type_error_through_the_installed_package(tmp_path: Path) -> None:
+    # Run from outside the checkout with no config: mypy must resolve kvgrid from the environment.
+    # The control is the same file without the error, which must pass.
+    code = "from kvgrid.common.groups import EngineGroupInfo\n\nx: {} = EngineGroupInfo(engine_group_id=0)\n"
+    results = {}
+    for name, annotation in (("bad", "int"), ("good", "EngineGroupInfo")):
+        f = tmp_path / f"{name}.py"
+        f.write_text(code.format(annotation))
+        results[name] = _run([_tool("mypy"), "--no-incremental", str(f)], cwd=tmp_path, timeout=300)
+    assert results["good"].returncode == 0, results["good"].stdout
+    assert results["bad"].returncode == 1, results["bad"].stdout
+    assert 'incompatible type "EngineGroupInfo"' in results["bad"].stdout.lower() or (
+        "Incompatible types in assignment" in results["bad"].stdout
+    ), results["bad"].stdout
 
 
 def test_generated_proto_code_is_fresh() -> None:
@@ -59,9 +90,9 @@ def test_generated_proto_code_is_fresh() -> None:
 
 def test_generated_proto_check_detects_stale_code(tmp_path: Path) -> None:
     # The check must be able to fail: run it on a copy whose generated module was edited.
-    for part in ("scripts", "proto", "services/api/v1"):
+    for part in ("scripts", "proto", "services/kvgrid/api/v1"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
-    stale = tmp_path / "services/api/v1/common_pb2.py"
+    stale = tmp_path / "services/kvgrid/api/v1/common_pb2.py"
     stale.write_text(stale.read_text() + "\n# edited by hand\n")
     result = _run([sys.executable, "scripts/gen_proto.py", "--check"], cwd=tmp_path)
     assert result.returncode == 1
@@ -73,33 +104,52 @@ def test_buf_lint_is_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.slow
-def test_wheel_contains_every_subpackage(tmp_path: Path) -> None:
+def _build_wheel(top: str, tmp_path: Path) -> zipfile.ZipFile:
     # Build from a copy so the repo gets no build/ or egg-info churn while other tests run.
-    src = tmp_path / "src"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
-    for part in ("services", "kernels"):
-        shutil.copytree(ROOT / part, src / part, ignore=ignore)
+    project = DISTRIBUTIONS[top][0]
+    src = tmp_path / "src" / top
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", ".*")
+    shutil.copytree(DISTRIBUTIONS[top][1], src / DISTRIBUTIONS[top][1].relative_to(project), ignore=ignore)
     for name in ("pyproject.toml", "README.md", "LICENSE"):
-        if (ROOT / name).exists():
-            shutil.copy2(ROOT / name, src / name)
-    dist = tmp_path / "dist"
+        if (project / name).exists():
+            shutil.copy2(project / name, src / name)
+    dist = tmp_path / "dist" / top
     # -x: the build requirements are installed in this venv (setuptools ships bdist_wheel itself).
     cmd = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "-x", "--outdir", str(dist), str(src)]
     result = _run(cmd, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (wheel,) = dist.glob("kvgrid-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
+    (wheel,) = dist.glob("*.whl")
+    return zipfile.ZipFile(wheel)
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top", sorted(DISTRIBUTIONS))
+def test_wheel_contains_every_subpackage(top: str, tmp_path: Path) -> None:
+    wheel = _build_wheel(top, tmp_path)
+    names = set(wheel.namelist())
     missing = []
-    for dotted, directory in _disk_packages().items():
+    for dotted, directory in _disk_packages(top).items():
         prefix = "/".join(dotted.split("."))
         missing += [
             f"{prefix}/{f.name}"
             for f in sorted(directory.iterdir())
             if f.is_file() and f.name.endswith(SHIPPED_SUFFIXES) and f"{prefix}/{f.name}" not in names
         ]
-    assert not missing, f"wheel lacks {missing}: add the subpackage to `packages` in pyproject.toml"
+    assert not missing, f"wheel lacks {missing}"
+    assert f"{top}/py.typed" in names
+    (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    requires = re.findall(r"^Requires-Dist: (.+)$", wheel.read(metadata).decode(), re.M)
+    if top == "kvgrid_kernels":
+        assert any(r.startswith("torch") for r in requires), requires
+        return
+
+    # The controller installs without torch: torch and the kernels come only with the agent extra.
+    base = [r for r in requires if "extra ==" not in r]
+    assert not [r for r in base if r.startswith(("torch", "kvgrid-kernels"))], base
+    agent_extra = {
+        r.split(";")[0].split(">")[0].split("=")[0].strip() for r in requires if 'extra == "agent"' in r
+    }
+    assert {"torch", "kvgrid-kernels"} <= agent_extra, requires
 
     generated = {n for n in names if n.startswith("kvgrid/api/v1/")}
     for proto in sorted((ROOT / "proto/kvgrid/v1").glob("*.proto")):
@@ -107,7 +157,7 @@ def test_wheel_contains_every_subpackage(tmp_path: Path) -> None:
             assert f"kvgrid/api/v1/{proto.stem}{suffix}" in generated
 
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    text = wheel.read(entry_points).decode()
     assert re.search(r"^\[console_scripts\]\s*\nkvgrid = kvgrid\.cli:main$", text, re.M), text
 
 

@@ -1,0 +1,356 @@
+"""Store/retrieve GB/s through a real agent process (gRPC + IPC handles + L1) against the kernel alone.
+
+The bench process plays the engine: it allocates a KV cache (Llama-3-8B geometry by default: 32
+layers, 8 KV heads, head 128, 16-token blocks, bf16, so one 256-token chunk is 32 MiB) on the GPU
+(``--device cuda``, handed over by CUDA IPC) or in a shared-memory file (``--device cpu``), starts
+``kvgrid agent``, registers, and times Store and Retrieve RPCs of ``--chunks`` chunks. In the same
+run it times ``TransferPlan`` directly on the same tensors into a buffer like the agent's L1 (pinned
+on CUDA): the reference limit. The ratio is what the agent's RPC path costs on top of the copy.
+
+``--peer`` measures peer fetch instead: a ``kvgrid controller`` and two agents on loopback, the
+chunks stored on agent A, then timed ``Lookup`` calls on agent B that fetch them from A
+(controller query + FetchChunks stream + commit into B's L1), against a plain copy of the same
+bytes between two host buffers in this process (the local-copy limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["add_arguments", "run"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the KV cache lives: cuda (pinned L1, Triton kernels) or cpu (torch reference); "
+        "default cuda when a GPU is visible",
+    )
+    parser.add_argument("--layers", type=int, default=32, help="KV layers (default 32)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer (default 8)")
+    parser.add_argument("--head-size", type=int, default=128, help="head size (default 128)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    parser.add_argument("--tokens-per-chunk", type=int, default=256, help="tokens per chunk (default 256)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    parser.add_argument("--chunks", type=int, default=8, help="chunks per store/retrieve call (default 8)")
+    parser.add_argument("--iters", type=int, default=5, help="timed calls per figure (default 5; median)")
+    parser.add_argument(
+        "--peer",
+        action="store_true",
+        help="measure peer fetch (agent B pulling chunks from agent A over TCP) vs a local copy",
+    )
+    parser.add_argument(
+        "--peer-part-size", default="1MiB", help="--peer: FetchChunks part size on agent A (default 1MiB)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _median_gbps(nbytes: int, times: list[float]) -> float:
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvgrid.agent.client import AgentClient
+    from kvgrid.agent.tensors import allocate_shared_tensor
+    from kvgrid.common.hashing import KeyNamespace, chunk_keys
+    from kvgrid.common.layer_groups import KVLayerGroupsManager
+    from kvgrid.common.layouts import detect_kv_format
+    from kvgrid_kernels import TransferPlan
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("kvgrid bench agent: --device cuda but no CUDA device is visible", file=sys.stderr)
+        return 2
+    dtype = _DTYPES[args.dtype]
+    bpc = args.tokens_per_chunk // args.block_size
+    num_blocks = bpc * args.chunks
+    shape = (num_blocks, 2, args.block_size, args.kv_heads, args.head_size)
+    hints = {"backend": "FLASHINFER"}
+    tmp = Path(
+        tempfile.mkdtemp(prefix="kvgrid-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    )
+    tensors: list[torch.Tensor] = []
+    paths: list[str] | None = [] if args.device == "cpu" else None
+    for layer in range(args.layers):
+        if paths is not None:
+            path = tmp / f"layer{layer}.kv"
+            t = allocate_shared_tensor(path, shape, dtype)
+            paths.append(str(path))
+        else:
+            t = torch.empty(shape, dtype=dtype, device="cuda")
+        t.copy_(
+            torch.randn(shape, dtype=torch.float32).to(dtype)
+            if args.device == "cpu"
+            else torch.randn(shape, device="cuda").to(dtype)
+        )
+        tensors.append(t)
+    manager = KVLayerGroupsManager(
+        tensors, [detect_kv_format(t, hints) for t in tensors], tokens_per_chunk=args.tokens_per_chunk
+    )
+    chunk_bytes = manager.bytes_per_chunk()
+    total = chunk_bytes * args.chunks
+    ids = [list(range(num_blocks))]
+
+    if args.peer:
+        try:
+            return _run_peer(args, tensors, paths, hints, chunk_bytes, ids, tmp)
+        finally:
+            for p in tmp.iterdir():
+                p.unlink()
+            tmp.rmdir()
+
+    # Kernel alone: the same plan the agent builds, into an L1-like buffer.
+    plan = TransferPlan.from_manager(manager, tensors, tokens_per_chunk=args.tokens_per_chunk)
+    l1 = torch.empty(total, dtype=torch.uint8, pin_memory=args.device == "cuda")
+    bufs = list(l1.view(args.chunks, chunk_bytes).unbind(0))
+    kernel: dict[str, list[float]] = {"store": [], "retrieve": []}
+    for i in range(args.iters + 1):
+        for direction in ("store", "retrieve"):
+            _sync(args.device)
+            t0 = time.perf_counter()
+            (plan.store if direction == "store" else plan.retrieve)(bufs, ids)
+            _sync(args.device)
+            if i:  # the first round warms up (Triton compile, page faults)
+                kernel[direction].append(time.perf_counter() - t0)
+
+    # Through the agent.
+    uds = tmp / "agent.sock"
+    l1_size = total * 3 + (64 << 20)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "kvgrid.cli", "agent", "--uds-path", str(uds), "--tcp-port", "-1",
+         "--l1-size", str(l1_size), "--shm-allowed-dirs", str(tmp), "--log-level", "warning"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    agent_path: dict[str, list[float]] = {"store": [], "retrieve": []}
+    rtt: list[float] = []
+    try:
+        assert agent.stdout is not None
+        line = agent.stdout.readline()
+        if not line.startswith("{"):
+            print(f"kvgrid bench agent: agent did not start (exit {agent.poll()})", file=sys.stderr)
+            return 1
+        ns = KeyNamespace(model="bench", tokens_per_chunk=args.tokens_per_chunk)
+        with AgentClient(str(uds), timeout_s=600) as c:
+            c.register_kv_caches(
+                "bench", tensors, namespace=ns, shm_paths=paths, layout_hints=[hints] * len(tensors)
+            )
+            # The fixed cost of one RPC (Health does no work): what a store/retrieve pays on top.
+            for _ in range(60):
+                t0 = time.perf_counter()
+                c.health()
+                rtt.append(time.perf_counter() - t0)
+            for i in range(args.iters + 1):
+                keys = chunk_keys(
+                    [(i * 100_003 + j) % 32_000 for j in range(args.chunks * args.tokens_per_chunk)], ns
+                )
+                _sync(args.device)
+                t0 = time.perf_counter()
+                s = c.store("bench", keys, ids)
+                t1 = time.perf_counter()
+                r = c.retrieve("bench", "", keys, ids)
+                _sync(args.device)
+                t2 = time.perf_counter()
+                if s.num_stored_chunks != args.chunks or r.num_retrieved_chunks != args.chunks:
+                    print(f"kvgrid bench agent: store {s} / retrieve {r} fell short", file=sys.stderr)
+                    return 1
+                if i:
+                    agent_path["store"].append(t1 - t0)
+                    agent_path["retrieve"].append(t2 - t1)
+    finally:
+        agent.terminate()
+        agent.wait(30)
+        for p in tmp.iterdir():
+            p.unlink()
+        tmp.rmdir()
+
+    result: dict[str, object] = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "geometry": {"layers": args.layers, "kv_heads": args.kv_heads, "head_size": args.head_size,
+                     "block_size": args.block_size, "dtype": args.dtype,
+                     "tokens_per_chunk": args.tokens_per_chunk},
+        "chunk_bytes": chunk_bytes,
+        "chunks": args.chunks,
+        "rpc_roundtrip_ms": round(statistics.median(rtt[10:]) * 1e3, 3),
+    }  # fmt: skip
+    for direction in ("store", "retrieve"):
+        k = _median_gbps(total, kernel[direction])
+        a = _median_gbps(total, agent_path[direction])
+        result[direction] = {"agent_gbps": round(a, 3), "kernel_gbps": round(k, 3), "ratio": round(a / k, 3)}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"{result['device']}: {args.chunks} chunks x {chunk_bytes / 2**20:.1f} MiB "
+        f"({args.layers} layers, {args.kv_heads} heads x {args.head_size}, "
+        f"block {args.block_size}, {args.dtype})"
+    )
+    print(f"{'':10}{'agent GB/s':>12}{'kernel GB/s':>13}{'ratio':>8}")
+    for direction in ("store", "retrieve"):
+        d = result[direction]
+        assert isinstance(d, dict)
+        print(f"{direction:10}{d['agent_gbps']:>12.2f}{d['kernel_gbps']:>13.2f}{d['ratio']:>8.3f}")
+    print(f"empty RPC round trip over the Unix socket: {result['rpc_roundtrip_ms']} ms")
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _run_peer(
+    args: argparse.Namespace,
+    tensors: list[torch.Tensor],
+    paths: list[str] | None,
+    hints: dict[str, str],
+    chunk_bytes: int,
+    ids: list[list[int]],
+    tmp: Path,
+) -> int:
+    """Peer fetch GB/s: Lookup on agent B fetching ``--chunks`` chunks that agent A holds."""
+    import grpc
+
+    from kvgrid.agent.client import AgentClient
+    from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+    from kvgrid.common.hashing import KeyNamespace, chunk_keys
+
+    if paths is None:
+        print("kvgrid bench agent: --peer runs with --device cpu (KV in shared memory)", file=sys.stderr)
+        return 2
+    total = chunk_bytes * args.chunks
+    # The local-copy limit: the same bytes between two host buffers.
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copy_s = []
+    for i in range(args.iters + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if i:
+            copy_s.append(time.perf_counter() - t0)
+
+    kvgrid = [sys.executable, "-m", "kvgrid.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
+    env["OTEL_SDK_DISABLED"] = "true"
+    ctrl = f"127.0.0.1:{_free_port()}"
+    # The controller's log goes nowhere: agents stopping at the end close their event streams.
+    procs = [
+        subprocess.Popen(
+            [*kvgrid, "controller", "--listen", ctrl, "--log-level", "ERROR"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=env,
+        )
+    ]  # fmt: skip
+    clients: list[AgentClient] = []
+    fetch_s: list[float] = []
+    lookup_rtt: list[float] = []
+    ns = KeyNamespace(model="bench", tokens_per_chunk=args.tokens_per_chunk)
+    try:
+        for name in ("a", "b"):
+            uds = tmp / f"agent-{name}.sock"
+            procs.append(
+                subprocess.Popen(
+                    [*kvgrid, "agent", "--uds-path", str(uds), "--tcp-host", "127.0.0.1", "--tcp-port", "0",
+                     "--l1-size", str(total * 3 + (64 << 20)), "--shm-allowed-dirs", str(tmp),
+                     "--controller-address", ctrl, "--event-flush-interval-ms", "5",
+                     "--peer-fetch-max-chunks", str(args.chunks), "--peer-fetch-timeout-ms", "600000",
+                     "--peer-fetch-part-size", args.peer_part_size, "--log-level", "warning"],
+                    stdout=subprocess.PIPE, text=True,
+                    env={**env, "POD_UID": f"bench-{name}", "POD_IP": "127.0.0.1"},
+                )
+            )  # fmt: skip
+            out = procs[-1].stdout
+            assert out is not None
+            if not out.readline().startswith("{"):
+                print(f"kvgrid bench agent: agent {name} did not start", file=sys.stderr)
+                return 1
+            c = AgentClient(str(uds), timeout_s=600)
+            c.register_kv_caches(
+                "bench", tensors, namespace=ns, shm_paths=paths, layout_hints=[hints] * len(tensors)
+            )
+            clients.append(c)
+        a, b = clients
+        with grpc.insecure_channel(ctrl) as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            for i in range(args.iters + 1):
+                keys = chunk_keys(
+                    [(i * 100_003 + j) % 32_000 for j in range(args.chunks * args.tokens_per_chunk)], ns
+                )
+                if a.store("bench", keys, ids).num_stored_chunks != args.chunks:
+                    print("kvgrid bench agent: store on agent A fell short", file=sys.stderr)
+                    return 1
+                query = controller_pb2.MatchPrefixRequest(
+                    chunk_keys=common_pb2.ChunkKeys(keys=keys),
+                    namespace_id=ns.namespace_id(),
+                    candidate_pod_uids=["bench-a"],
+                )
+                deadline = time.monotonic() + 30
+                while not any(m.l1_chunks == args.chunks for m in stub.MatchPrefix(query, timeout=5).matches):
+                    if time.monotonic() > deadline:
+                        print(
+                            "kvgrid bench agent: controller did not index agent A's chunks", file=sys.stderr
+                        )
+                        return 1
+                    time.sleep(0.005)
+                t0 = time.perf_counter()
+                got = b.lookup("bench", "", keys)
+                dt = time.perf_counter() - t0
+                if got.num_peer_chunks != args.chunks:
+                    print(f"kvgrid bench agent: peer fetch fell short: {got}", file=sys.stderr)
+                    return 1
+                t0 = time.perf_counter()
+                b.lookup("bench", "", keys)  # everything local now: the Lookup's own cost
+                rtt = time.perf_counter() - t0
+                if i:
+                    fetch_s.append(dt)
+                    lookup_rtt.append(rtt)
+    finally:
+        for c in clients:
+            c.close()
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(30)
+
+    peer = _median_gbps(total, fetch_s)
+    local = _median_gbps(total, copy_s)
+    result = {
+        "mode": "peer",
+        "chunk_bytes": chunk_bytes,
+        "chunks": args.chunks,
+        "part_size": args.peer_part_size,
+        "peer_fetch_gbps": round(peer, 3),
+        "local_copy_gbps": round(local, 3),
+        "ratio": round(peer / local, 3),
+        "peer_lookup_ms": round(statistics.median(fetch_s) * 1e3, 2),
+        "local_lookup_ms": round(statistics.median(lookup_rtt) * 1e3, 3),
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"peer fetch over loopback TCP: {args.chunks} chunks x {chunk_bytes / 2**20:.1f} MiB, "
+        f"parts of {args.peer_part_size}"
+    )
+    print(f"  Lookup on agent B fetching from agent A: {peer:.2f} GB/s ({result['peer_lookup_ms']} ms)")
+    print(f"  local copy of the same bytes (limit):    {local:.2f} GB/s   ratio {result['ratio']:.3f}")
+    print(f"  the same Lookup once the chunks are local: {result['local_lookup_ms']} ms")
+    return 0

@@ -1,0 +1,390 @@
+"""Key -> chunk store over the L1 pool: prefix lookups, reservations that commit all-or-nothing,
+reference counts, lookup pins with a TTL, and watermark eviction that never touches a chunk in use.
+
+Byte movement is not done here: a store *reserves* chunks (fresh pool pages, invisible to readers),
+the caller copies into them, then *commits* (or *aborts*, which frees them). A retrieve *acquires*
+the leading hits (refcount +1, so eviction cannot take them mid-copy), copies, then *releases*.
+
+Every state change and every event callback happens under one lock, so a snapshot's key set and
+its last event sequence number always agree.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvgrid.agent.eviction import EvictionPolicy, LRUPolicy
+from kvgrid.agent.l1 import Chunk, L1Pool
+
+__all__ = [
+    "CacheListener",
+    "CacheStats",
+    "ChunkCache",
+    "MissCause",
+    "StoreReservation",
+]
+
+
+class MissCause(enum.StrEnum):
+    """Why a prefix walk stopped (metric label)."""
+
+    NONE = "none"
+    NOT_FOUND = "not_found"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    PEER_FAILED = "peer_failed"
+    """A peer fetch of the next chunks failed (Lookup only; the hits are still valid)."""
+
+
+class CacheListener(Protocol):
+    """Receives admit/evict notifications, called with the cache lock held (keep it quick)."""
+
+    def on_admit(self, namespace_id: str, keys: Sequence[bytes]) -> None: ...
+    def on_evict(self, namespace_id: str, keys: Sequence[bytes]) -> None: ...
+    def last_sequence(self) -> int: ...
+
+
+class _NullListener:
+    def on_admit(self, namespace_id: str, keys: Sequence[bytes]) -> None:
+        return None
+
+    def on_evict(self, namespace_id: str, keys: Sequence[bytes]) -> None:
+        return None
+
+    def last_sequence(self) -> int:
+        return 0
+
+
+@dataclass
+class StoreReservation:
+    """What a store will hold once committed: per requested chunk index, the chunk (``new`` ones
+    are freshly reserved and must be filled by the caller)."""
+
+    namespace_id: str
+    layout_id: str
+    entries: list[tuple[int, Chunk, bool]] = field(default_factory=list)  # (index, chunk, new)
+    stopped_at: int | None = None
+    """Index of the first chunk that could not be reserved (memory pressure), None if all fit."""
+    reason: str = ""
+    done: bool = False
+
+    @property
+    def new_chunks(self) -> list[tuple[int, Chunk]]:
+        return [(i, c) for i, c, new in self.entries if new]
+
+
+@dataclass
+class _Pin:
+    chunks: list[Chunk]
+    deadline: float
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    capacity_bytes: int
+    used_bytes: int
+    num_chunks: int
+    num_pins: int
+    evictions: int
+    evicted_bytes: int
+    allocation_failures: int
+
+
+class ChunkCache:
+    """The L1 chunk index. Thread-safe."""
+
+    def __init__(
+        self,
+        pool: L1Pool,
+        policy: EvictionPolicy | None = None,
+        *,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.85,
+        listener: CacheListener | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0.0 < low_watermark <= high_watermark <= 1.0:
+            raise ValueError(
+                f"watermarks low={low_watermark}, high={high_watermark}: expected 0 < low <= high <= 1"
+            )
+        self.pool = pool
+        self.policy = policy if policy is not None else LRUPolicy()
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.listener: CacheListener = listener if listener is not None else _NullListener()
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._chunks: dict[bytes, Chunk] = {}
+        self._pins: dict[tuple[str, str], _Pin] = {}
+        self._next_deadline = float("inf")
+        self.evictions = 0
+        self.evicted_bytes = 0
+        self.allocation_failures = 0
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def _walk(self, keys: Sequence[bytes], layout_id: str) -> tuple[list[Chunk], MissCause]:
+        hits: list[Chunk] = []
+        for key in keys:
+            chunk = self._chunks.get(key)
+            if chunk is None:
+                return hits, MissCause.NOT_FOUND
+            if chunk.layout_id != layout_id:
+                return hits, MissCause.LAYOUT_MISMATCH
+            hits.append(chunk)
+        return hits, MissCause.NONE
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._chunks
+
+    def layout_of(self, key: bytes) -> str | None:
+        """layout_id of the chunk held under ``key``, None if it is not held."""
+        with self._lock:
+            chunk = self._chunks.get(key)
+            return None if chunk is None else chunk.layout_id
+
+    def prefix_length(self, keys: Sequence[bytes], layout_id: str) -> tuple[int, MissCause]:
+        """Leading chunks held (no refs taken, no LRU touch)."""
+        with self._lock:
+            hits, cause = self._walk(keys, layout_id)
+            return len(hits), cause
+
+    def acquire_prefix(self, keys: Sequence[bytes], layout_id: str) -> tuple[list[Chunk], MissCause]:
+        """Leading hits with a reference each (release them with :meth:`release`)."""
+        with self._lock:
+            self._expire_pins_locked()
+            hits, cause = self._walk(keys, layout_id)
+            for c in hits:
+                c.refcount += 1
+                self.policy.on_access(c.key)
+            return hits, cause
+
+    def release(self, chunks: Iterable[Chunk]) -> None:
+        with self._lock:
+            for c in chunks:
+                if c.refcount <= 0:
+                    raise AssertionError(f"chunk {c.key.hex()} released more often than acquired")
+                c.refcount -= 1
+
+    # ---- store ---------------------------------------------------------------------------
+
+    def reserve_store(
+        self,
+        keys: Sequence[bytes],
+        *,
+        namespace_id: str,
+        layout_id: str,
+        nbytes: int,
+        skip_first_n: int = 0,
+    ) -> StoreReservation:
+        """Reserve room for every missing chunk, in order, stopping at the first that does not fit.
+
+        Present chunks (same layout) are referenced, not copied again. Chunks before
+        ``skip_first_n`` are only referenced if present. A key held with another layout is
+        treated as a collision and stops the store there (reason ``layout_mismatch``).
+        """
+        res = StoreReservation(namespace_id=namespace_id, layout_id=layout_id)
+        with self._lock:
+            self._expire_pins_locked()
+            for i, key in enumerate(keys):
+                chunk = self._chunks.get(key)
+                if chunk is not None:
+                    if chunk.layout_id != layout_id:
+                        res.stopped_at, res.reason = i, f"layout_mismatch: chunk {i} held with another layout"
+                        break
+                    chunk.refcount += 1
+                    self.policy.on_access(key)
+                    res.entries.append((i, chunk, False))
+                    continue
+                if i < skip_first_n:
+                    continue
+                got = self._allocate_locked(nbytes)
+                if got is None:
+                    self.allocation_failures += 1
+                    res.stopped_at = i
+                    res.reason = (
+                        f"l1_full: chunk {i} of {len(keys)} needs {nbytes} bytes; "
+                        f"{self.pool.used_bytes} of {self.pool.capacity_bytes} bytes in use and "
+                        f"nothing evictable"
+                    )
+                    break
+                start, pages, view = got
+                new = Chunk(key, namespace_id, layout_id, start, pages, nbytes, view, refcount=1)
+                res.entries.append((i, new, True))
+        return res
+
+    def commit(self, res: StoreReservation, upto: int | None = None) -> tuple[int, int]:
+        """Make reserved chunks visible. Returns (leading chunks held, chunks already present).
+
+        A key that another store committed meanwhile keeps the first copy; ours is freed. With
+        ``upto``, only entries of chunk index < ``upto`` are committed and the rest are aborted
+        (a peer fetch that ended early: chunks it did not fill completely are never visible).
+        """
+        if res.done:
+            raise AssertionError("reservation committed or aborted twice")
+        res.done = True
+        admitted: list[bytes] = []
+        held: set[int] = set()
+        present = 0
+        with self._lock:
+            for i, chunk, new in res.entries:
+                chunk.refcount -= 1
+                if upto is not None and i >= upto:
+                    if new:
+                        self.pool.free(chunk.start_page, chunk.num_pages)
+                    continue
+                held.add(i)
+                if not new:
+                    present += 1
+                    continue
+                if chunk.key in self._chunks:
+                    self.pool.free(chunk.start_page, chunk.num_pages)
+                    present += 1
+                    continue
+                chunk.committed = True
+                self._chunks[chunk.key] = chunk
+                self.policy.on_insert(chunk.key)
+                admitted.append(chunk.key)
+            if admitted:
+                self.listener.on_admit(res.namespace_id, admitted)
+            self._evict_to_watermark_locked(0)
+        leading = 0
+        while leading in held:
+            leading += 1
+        return leading, present
+
+    def abort(self, res: StoreReservation) -> None:
+        """Free every reserved chunk and drop the references: nothing of the store is kept."""
+        if res.done:
+            return
+        res.done = True
+        with self._lock:
+            for _, chunk, new in res.entries:
+                chunk.refcount -= 1
+                if new:
+                    self.pool.free(chunk.start_page, chunk.num_pages)
+
+    # ---- eviction ------------------------------------------------------------------------
+
+    def _evict_locked(self, want_free_bytes: int, *, stop_when_allocatable: int = 0) -> None:
+        """Evict unreferenced chunks (policy order) until ``used <= capacity - want_free_bytes``
+        or, with ``stop_when_allocatable``, until a run of that many pages is free."""
+        evicted: dict[str, list[bytes]] = {}
+        target_used = self.pool.capacity_bytes - want_free_bytes
+        for key in self.policy.candidates():
+            if stop_when_allocatable:
+                if self.pool.allocator.largest_free_run() >= stop_when_allocatable:
+                    break
+            elif self.pool.used_bytes <= target_used:
+                break
+            chunk = self._chunks[key]
+            if chunk.refcount > 0:
+                continue
+            del self._chunks[key]
+            self.policy.on_remove(key)
+            self.pool.free(chunk.start_page, chunk.num_pages)
+            self.evictions += 1
+            self.evicted_bytes += chunk.nbytes
+            evicted.setdefault(chunk.namespace_id, []).append(key)
+        for ns, keys in evicted.items():
+            self.listener.on_evict(ns, keys)
+
+    def _evict_to_watermark_locked(self, incoming_bytes: int) -> None:
+        cap = self.pool.capacity_bytes
+        if self.pool.used_bytes + incoming_bytes > self.high_watermark * cap:
+            self._evict_locked(int(cap - self.low_watermark * cap) + incoming_bytes)
+
+    def _allocate_locked(self, nbytes: int) -> tuple[int, int, torch.Tensor] | None:
+        self._evict_to_watermark_locked(self.pool.pages_for(nbytes) * self.pool.page_bytes)
+        got = self.pool.allocate(nbytes)
+        if got is None:
+            # Enough bytes may be free but fragmented: evict until one run is large enough.
+            self._evict_locked(0, stop_when_allocatable=self.pool.pages_for(nbytes))
+            got = self.pool.allocate(nbytes)
+        return got
+
+    def clear(self) -> int:
+        """Drop every unreferenced chunk (admin reset). Returns how many went."""
+        with self._lock:
+            before = len(self._chunks)
+            self._evict_locked(self.pool.capacity_bytes)
+            return before - len(self._chunks)
+
+    # ---- pins ----------------------------------------------------------------------------
+
+    def pin(
+        self, owner: tuple[str, str], keys: Sequence[bytes], layout_id: str, ttl_s: float
+    ) -> tuple[int, MissCause]:
+        """Pin the leading hits for ``owner`` = (instance_id, request_id) until unpinned or
+        ``ttl_s`` passes. A second pin by the same owner replaces the first."""
+        with self._lock:
+            hits, cause = self.acquire_prefix(keys, layout_id)
+            self._unpin_locked(owner)
+            if hits:
+                deadline = self._clock() + ttl_s
+                self._pins[owner] = _Pin(hits, deadline)
+                self._next_deadline = min(self._next_deadline, deadline)
+            return len(hits), cause
+
+    def _unpin_locked(self, owner: tuple[str, str]) -> int:
+        pin = self._pins.pop(owner, None)
+        if pin is None:
+            return 0
+        for c in pin.chunks:
+            c.refcount -= 1
+        return len(pin.chunks)
+
+    def unpin(self, owner: tuple[str, str]) -> int:
+        """Drop ``owner``'s pins; returns how many chunk pins went."""
+        with self._lock:
+            return self._unpin_locked(owner)
+
+    def unpin_instance(self, instance_id: str) -> int:
+        with self._lock:
+            return sum(self._unpin_locked(o) for o in [o for o in self._pins if o[0] == instance_id])
+
+    def pins_of(self, instance_id: str) -> int:
+        with self._lock:
+            return sum(len(p.chunks) for o, p in self._pins.items() if o[0] == instance_id)
+
+    def _expire_pins_locked(self) -> int:
+        now = self._clock()
+        if now < self._next_deadline:
+            return 0
+        expired = [o for o, p in self._pins.items() if p.deadline <= now]
+        n = sum(self._unpin_locked(o) for o in expired)
+        self._next_deadline = min((p.deadline for p in self._pins.values()), default=float("inf"))
+        return n
+
+    def expire_pins(self) -> int:
+        with self._lock:
+            return self._expire_pins_locked()
+
+    # ---- snapshot / stats ----------------------------------------------------------------
+
+    def snapshot(self) -> tuple[dict[str, list[bytes]], int]:
+        """Every committed key per namespace id, and the listener's last sequence number."""
+        with self._lock:
+            out: dict[str, list[bytes]] = {}
+            for key, chunk in self._chunks.items():
+                out.setdefault(chunk.namespace_id, []).append(key)
+            return out, self.listener.last_sequence()
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(
+                capacity_bytes=self.pool.capacity_bytes,
+                used_bytes=self.pool.used_bytes,
+                num_chunks=len(self._chunks),
+                num_pins=sum(len(p.chunks) for p in self._pins.values()),
+                evictions=self.evictions,
+                evicted_bytes=self.evicted_bytes,
+                allocation_failures=self.allocation_failures,
+            )

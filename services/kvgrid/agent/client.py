@@ -1,0 +1,214 @@
+"""Engine-side client of the agent (what the vLLM connector uses), over the Unix socket or TCP.
+
+Results come back as the msgspec structs of :mod:`kvgrid.agent.results`; gRPC errors surface as
+``grpc.RpcError`` (INVALID_ARGUMENT carries the agent's explanation).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+
+import grpc
+import torch
+
+from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
+from kvgrid.agent.tensors import export_layer_tensor
+from kvgrid.api.v1 import agent_pb2
+from kvgrid.common.groups import EngineGroupInfo, to_proto
+from kvgrid.common.hashing import KeyNamespace
+from kvgrid.common.wire import block_ids_to_proto, key_namespace_to_proto
+
+__all__ = ["AgentClient", "agent_target"]
+
+SERVICE = "/kvgrid.v1.AgentService/"
+
+
+def agent_target(address: str) -> str:
+    """A gRPC target from a socket path (``/run/kvgrid/agent.sock``), ``unix:...`` or ``host:port``."""
+    if address.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return address
+    if address.startswith("/") or address.startswith("."):
+        return f"unix:{address}"
+    return address
+
+
+class AgentClient:
+    """One channel to one agent. Thread-safe (gRPC channels are)."""
+
+    def __init__(self, address: str, *, timeout_s: float = 60.0, max_message_bytes: int = 64 << 20) -> None:
+        self.target = agent_target(address)
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(
+            self.target,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
+        )
+        self._calls: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+        self._streams: dict[str, grpc.UnaryStreamMultiCallable] = {}
+        for m in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods:
+            resp_cls = getattr(agent_pb2, m.output_type.name)
+            if m.server_streaming:
+                self._streams[m.name] = self.channel.unary_stream(
+                    SERVICE + m.name,
+                    request_serializer=lambda msg: msg.SerializeToString(),
+                    response_deserializer=resp_cls.FromString,
+                )
+                continue
+            self._calls[m.name] = self.channel.unary_unary(
+                SERVICE + m.name,
+                request_serializer=lambda msg: msg.SerializeToString(),
+                response_deserializer=resp_cls.FromString,
+            )
+
+    def _call(self, name: str, req: object, timeout_s: float | None = None) -> object:
+        return self._calls[name](req, timeout=timeout_s or self.timeout_s)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+
+    def register_kv_caches(
+        self,
+        instance_id: str,
+        tensors: Sequence[torch.Tensor],
+        *,
+        namespace: KeyNamespace,
+        engine_groups: Sequence[EngineGroupInfo] = (),
+        shm_paths: Sequence[str | os.PathLike[str]] | None = None,
+        layout_hints: Sequence[Mapping[str, object] | None] | None = None,
+        engine_pid: int | None = None,
+    ) -> agent_pb2.RegisterKVCachesResponse:
+        """Register one engine worker's KV tensors (layer i = ``tensors[i]``). CPU tensors need
+        ``shm_paths[i]``, the file each lives in (see ``tensors.allocate_shared_tensor``)."""
+        layers = []
+        for i, t in enumerate(tensors):
+            msg = export_layer_tensor(i, t, shm_path=shm_paths[i] if shm_paths is not None else None)
+            hints = layout_hints[i] if layout_hints is not None else None
+            for k, v in (hints or {}).items():
+                msg.layout_hints[k] = str(v)
+            layers.append(msg)
+        req = agent_pb2.RegisterKVCachesRequest(
+            instance_id=instance_id,
+            engine_groups=to_proto(engine_groups),
+            layers=layers,
+            namespace=key_namespace_to_proto(namespace),
+            engine_pid=os.getpid() if engine_pid is None else engine_pid,
+        )
+        return self._call("RegisterKVCaches", req)  # type: ignore[return-value]
+
+    def unregister_kv_caches(self, instance_id: str) -> int:
+        resp = self._call("UnregisterKVCaches", agent_pb2.UnregisterKVCachesRequest(instance_id=instance_id))
+        return int(resp.released_pins)  # type: ignore[attr-defined]
+
+    def lookup(
+        self, instance_id: str, request_id: str, chunk_keys: Sequence[bytes], *, pin_ttl_ms: int = 0
+    ) -> LookupResult:
+        resp = self._call(
+            "Lookup",
+            agent_pb2.LookupRequest(
+                instance_id=instance_id, request_id=request_id, chunk_keys=chunk_keys, pin_ttl_ms=pin_ttl_ms
+            ),
+        )
+        assert isinstance(resp, agent_pb2.LookupResponse)
+        return LookupResult(
+            num_hit_chunks=resp.num_hit_chunks,
+            miss_cause=resp.miss_cause or "none",
+            num_peer_chunks=resp.num_peer_chunks,
+        )
+
+    def retrieve(
+        self,
+        instance_id: str,
+        request_id: str,
+        chunk_keys: Sequence[bytes],
+        block_ids: Sequence[Sequence[int]],
+        *,
+        skip_first_n_tokens: int = 0,
+    ) -> RetrieveResult:
+        """``block_ids``: one list per engine group, covering the request from token 0."""
+        resp = self._call(
+            "Retrieve",
+            agent_pb2.RetrieveRequest(
+                instance_id=instance_id,
+                request_id=request_id,
+                chunk_keys=chunk_keys,
+                block_ids=block_ids_to_proto(block_ids),
+                skip_first_n_tokens=skip_first_n_tokens,
+            ),
+        )
+        assert isinstance(resp, agent_pb2.RetrieveResponse)
+        return RetrieveResult(
+            hit_mask=list(resp.hit_mask),
+            num_retrieved_chunks=resp.num_retrieved_chunks,
+            bytes_moved=resp.bytes_moved,
+            miss_cause=resp.miss_cause or "none",
+        )
+
+    def store(
+        self,
+        instance_id: str,
+        chunk_keys: Sequence[bytes],
+        block_ids: Sequence[Sequence[int]],
+        *,
+        skip_first_n_chunks: int = 0,
+    ) -> StoreResult:
+        """``block_ids``: one list per engine group, covering every chunk from token 0."""
+        resp = self._call(
+            "Store",
+            agent_pb2.StoreRequest(
+                instance_id=instance_id,
+                chunk_keys=chunk_keys,
+                block_ids=block_ids_to_proto(block_ids),
+                skip_first_n_chunks=skip_first_n_chunks,
+            ),
+        )
+        assert isinstance(resp, agent_pb2.StoreResponse)
+        return StoreResult(
+            num_stored_chunks=resp.num_stored_chunks,
+            num_already_present=resp.num_already_present,
+            bytes_moved=resp.bytes_moved,
+            partial_reason=resp.partial_reason,
+        )
+
+    def release(self, instance_id: str, request_id: str) -> int:
+        resp = self._call("Release", agent_pb2.ReleaseRequest(instance_id=instance_id, request_id=request_id))
+        return int(resp.released_pins)  # type: ignore[attr-defined]
+
+    def snapshot(self) -> agent_pb2.SnapshotResponse:
+        return self._call("Snapshot", agent_pb2.SnapshotRequest())  # type: ignore[return-value]
+
+    def health(self) -> agent_pb2.HealthResponse:
+        return self._call("Health", agent_pb2.HealthRequest())  # type: ignore[return-value]
+
+    def fetch_chunks(
+        self,
+        chunk_keys: Sequence[bytes],
+        layout_id: str,
+        *,
+        namespace_id: str = "",
+        max_part_bytes: int = 0,
+        timeout_s: float | None = None,
+    ) -> Iterator[agent_pb2.FetchChunksResponse]:
+        """The peer-fetch stream (usually agent to agent over TCP): parts of the leading chunks held
+        in layout ``layout_id``. A chunk held in another layout is FAILED_PRECONDITION."""
+        req = agent_pb2.FetchChunksRequest(
+            chunk_keys=chunk_keys,
+            layout_id=layout_id,
+            namespace_id=namespace_id,
+            max_part_bytes=max_part_bytes,
+        )
+        stream: Iterator[agent_pb2.FetchChunksResponse] = self._streams["FetchChunks"](
+            req, timeout=timeout_s or self.timeout_s
+        )
+        return stream
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,205 @@
+"""Configuration of the per-GPU agent (``kvgrid agent``): defaults < YAML < ``KVGRID_*`` env < flags."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from kvgrid.common.config import ByteSize, GiB
+
+__all__ = ["AgentConfig"]
+
+
+def _d(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything ``kvgrid agent`` can be told; each description is its ``--help`` line."""
+
+    uds_path: Annotated[
+        str,
+        _d(
+            "Unix socket the engine (vLLM connector) talks to; put it in a volume shared with the "
+            "engine container. Empty disables the socket"
+        ),
+    ] = "/run/kvgrid/agent.sock"
+    tcp_host: Annotated[
+        str, _d("Address the TCP AgentService listens on (peers, controller snapshot pulls)")
+    ] = "0.0.0.0"
+    tcp_port: Annotated[
+        int, _d("TCP port of the AgentService; 0 picks a free port, -1 disables TCP"), msgspec.Meta(ge=-1)
+    ] = 50062
+    advertise_address: Annotated[
+        str,
+        _d(
+            "host:port peers and the controller use to reach this agent (sent with events); empty = "
+            "POD_IP env (or the host name) with the TCP port"
+        ),
+    ] = ""
+    l1_size: Annotated[
+        ByteSize,
+        _d(
+            "Size of the L1 chunk pool, allocated once at start (pinned host memory when a GPU is "
+            "present); e.g. 64GiB"
+        ),
+    ] = 4 * GiB
+    l1_page_size: Annotated[
+        ByteSize,
+        _d("Allocation unit and alignment of L1 chunks (a power of two); a chunk takes whole pages"),
+    ] = 64 * 1024
+    l1_pin_memory: Annotated[str, _d("Page-lock the L1 pool: auto (when CUDA is available), on, or off")] = (
+        "auto"
+    )
+    eviction_policy: Annotated[str, _d("Which unreferenced chunks go first when L1 fills: lru or fifo")] = (
+        "lru"
+    )
+    high_watermark: Annotated[
+        float,
+        _d("L1 usage fraction that triggers eviction before a store allocates"),
+        msgspec.Meta(gt=0, le=1),
+    ] = 0.95
+    low_watermark: Annotated[
+        float, _d("L1 usage fraction eviction brings the pool back down to"), msgspec.Meta(gt=0, le=1)
+    ] = 0.85
+    pin_ttl_ms: Annotated[
+        int,
+        _d("How long a Lookup pins the chunks it found when the request does not say (ms)"),
+        msgspec.Meta(gt=0),
+    ] = 30_000
+    tokens_per_chunk: Annotated[
+        int,
+        _d(
+            "Default chunk size in tokens when a registration's key namespace does not set one; a "
+            "multiple of every group's tokens_per_block"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 256
+    shm_allowed_dirs: Annotated[
+        list[str],
+        _d("Directories CPU (shared-memory) KV tensor files may be registered from, comma-separated"),
+    ] = msgspec.field(default_factory=lambda: ["/dev/shm"])
+    reaper_interval_ms: Annotated[
+        int,
+        _d("How often the agent checks that registered engine processes still live and expires pins (ms)"),
+        msgspec.Meta(gt=0),
+    ] = 1000
+    grpc_workers: Annotated[int, _d("Threads serving gRPC requests"), msgspec.Meta(gt=0)] = 16
+    max_message_bytes: Annotated[
+        ByteSize, _d("Largest gRPC message accepted or sent (chunk-key lists of long prompts)")
+    ] = 64 * 1024 * 1024
+    controller_address: Annotated[
+        str,
+        _d("host:port of the kvgrid controller to stream admit/evict events to; empty = no events"),
+    ] = ""
+    event_flush_interval_ms: Annotated[
+        int, _d("Longest time an event waits before it is sent to the controller (ms)"), msgspec.Meta(gt=0)
+    ] = 100
+    event_buffer_size: Annotated[
+        int,
+        _d(
+            "Events kept until the controller acknowledges them; when more pile up the oldest go and "
+            "the controller resyncs from a snapshot"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 100_000
+    heartbeat_interval_ms: Annotated[
+        int, _d("How often the agent renews its lease with the controller (ms)"), msgspec.Meta(gt=0)
+    ] = 2000
+    reconnect_initial_backoff_ms: Annotated[
+        int,
+        _d("First wait before reconnecting to the controller (ms); doubles per failure"),
+        msgspec.Meta(gt=0),
+    ] = 200
+    reconnect_max_backoff_ms: Annotated[
+        int, _d("Longest wait between reconnect attempts (ms)"), msgspec.Meta(gt=0)
+    ] = 10_000
+    peer_fetch: Annotated[
+        str,
+        _d(
+            "Fetch missing leading chunks from other agents' L1 during Lookup (asks the controller who "
+            "holds them): auto (on when --controller-address is set), on, or off"
+        ),
+    ] = "auto"
+    peer_fetch_max_chunks: Annotated[
+        int, _d("Most chunks one Lookup fetches from a peer (and one FetchChunks serves)"), msgspec.Meta(gt=0)
+    ] = 64
+    peer_fetch_timeout_ms: Annotated[
+        int,
+        _d(
+            "Deadline of one Lookup's peer fetch, controller query included (ms); chunks complete by then "
+            "are kept, the rest is a miss"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 2000
+    peer_fetch_part_size: Annotated[
+        ByteSize,
+        _d(
+            "Largest piece of a chunk per FetchChunks message (capped by --max-message-bytes); about 1MiB "
+            "streams fastest through gRPC"
+        ),
+    ] = 1024 * 1024
+    peer_fetch_max_peers: Annotated[
+        int,
+        _d("Peers one Lookup tries, best first, when a peer fails before sending anything"),
+        msgspec.Meta(gt=0),
+    ] = 2
+    peer_directory_ttl_ms: Annotated[
+        int,
+        _d("How long the controller's agent list (pod -> peer address) is reused before asking again (ms)"),
+        msgspec.Meta(gt=0),
+    ] = 5000
+    prometheus_port: Annotated[
+        int, _d("Port of the Prometheus /metrics endpoint; 0 disables it"), msgspec.Meta(ge=0)
+    ] = 0
+    otlp_endpoint: Annotated[
+        str,
+        _d("OTLP gRPC endpoint for metrics and traces; empty = OTEL_EXPORTER_OTLP_ENDPOINT or none"),
+    ] = ""
+    log_level: Annotated[str, _d("Logging level: debug, info, warning or error")] = "info"
+
+    def __post_init__(self) -> None:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"low_watermark={self.low_watermark} > high_watermark={self.high_watermark}: "
+                "expected low <= high"
+            )
+        if self.l1_pin_memory not in ("auto", "on", "off"):
+            raise ValueError(f"l1_pin_memory={self.l1_pin_memory!r}: expected auto, on or off")
+        ps = self.l1_page_size
+        if ps <= 0 or ps & (ps - 1):
+            raise ValueError(f"l1_page_size={ps}: expected a power of two")
+        if self.l1_size < ps:
+            raise ValueError(f"l1_size={self.l1_size}: expected at least one page ({ps} bytes)")
+        if not self.uds_path and self.tcp_port < 0:
+            raise ValueError("uds_path is empty and tcp_port=-1: expected at least one listener")
+        if self.peer_fetch not in ("auto", "on", "off"):
+            raise ValueError(f"peer_fetch={self.peer_fetch!r}: expected auto, on or off")
+        if self.peer_fetch == "on" and not self.controller_address:
+            raise ValueError(
+                "peer_fetch='on' but controller_address is empty: peer fetch asks the controller who "
+                "holds a chunk; set controller_address or peer_fetch=off"
+            )
+        if self.peer_fetch != "off" and self.pin_ttl_ms <= self.peer_fetch_timeout_ms:
+            # Lookup pins its local hits before fetching the rest from a peer; a pin that lapses
+            # mid-fetch lets eviction take them back.
+            raise ValueError(
+                f"pin_ttl_ms={self.pin_ttl_ms} <= peer_fetch_timeout_ms={self.peer_fetch_timeout_ms}: "
+                "expected pins to outlive a peer fetch"
+            )
+        if self.peer_fetch_part_size < 1024:
+            raise ValueError(f"peer_fetch_part_size={self.peer_fetch_part_size}: expected >= 1024 bytes")
+        if self.reconnect_max_backoff_ms < self.reconnect_initial_backoff_ms:
+            raise ValueError(
+                f"reconnect_max_backoff_ms={self.reconnect_max_backoff_ms} < reconnect_initial_backoff_ms="
+                f"{self.reconnect_initial_backoff_ms}: expected max >= initial"
+            )
+
+    @property
+    def peer_fetch_enabled(self) -> bool:
+        return self.peer_fetch == "on" or (self.peer_fetch == "auto" and bool(self.controller_address))
+
+    @property
+    def pin_memory(self) -> bool | None:
+        return {"auto": None, "on": True, "off": False}[self.l1_pin_memory]

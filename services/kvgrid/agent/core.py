@@ -1,0 +1,475 @@
+"""The agent's store/retrieve/lookup engine, independent of gRPC.
+
+``AgentCore`` owns the L1 cache and the registered engine instances. Each instance is one engine
+worker's KV tensors (opened from IPC handles by the service) plus the kernel groups rebuilt from
+them; its :class:`~kvgrid.agent.transfer.ChunkMover` copies between those tensors and L1 chunks.
+
+Locking: the cache has its own lock; copies run outside it on chunks that are either reserved
+(store: invisible to everyone else) or referenced (retrieve: eviction skips them), so several
+clients store and retrieve at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from opentelemetry import metrics, trace
+
+from kvgrid.agent.cache import CacheListener, ChunkCache, MissCause
+from kvgrid.agent.config import AgentConfig
+from kvgrid.agent.eviction import make_policy
+from kvgrid.agent.l1 import Chunk, L1Pool
+from kvgrid.agent.metrics import AgentMetrics
+from kvgrid.agent.peers import PeerFetcher, PeerMetrics
+from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
+from kvgrid.agent.transfer import ChunkMover, build_mover
+from kvgrid.common.groups import EngineGroupInfo, expand_engine_block_ids
+from kvgrid.common.hashing import KeyNamespace, check_chunk_keys
+from kvgrid.common.identity import PodIdentity
+
+__all__ = [
+    "AgentCore",
+    "EngineInstance",
+    "UnknownInstanceError",
+    "process_start_time",
+]
+
+log = logging.getLogger(__name__)
+
+
+class UnknownInstanceError(ValueError):
+    """The request names an instance id that is not registered (never was, or was cleaned up)."""
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` (clock ticks since boot) or None if it is not visible or a zombie.
+
+    Comparing it with the value seen at registration tells a live engine from a reused pid.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Fields after the parenthesised command name (which may contain spaces): state is field 3,
+    # starttime field 22.
+    rest = stat[stat.rfind(b")") + 2 :].split()
+    if not rest or rest[0] in (b"Z", b"X"):
+        return None
+    return int(rest[19])
+
+
+@dataclass
+class EngineInstance:
+    instance_id: str
+    engine_pid: int
+    pid_start_time: int | None
+    namespace: KeyNamespace
+    namespace_id: str
+    groups: list[EngineGroupInfo]
+    tensors: list[torch.Tensor]
+    mover: ChunkMover
+    registered_at: float = field(default_factory=time.time)
+
+    @property
+    def layout_id(self) -> str:
+        return self.mover.layout_id
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        return self.mover.bytes_per_chunk
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.namespace.tokens_per_chunk
+
+    def alive(self) -> bool:
+        if self.pid_start_time is None:
+            return True  # not tracked (pid not visible from the agent)
+        return process_start_time(self.engine_pid) == self.pid_start_time
+
+
+class AgentCore:
+    """Registered instances + the L1 cache. Thread-safe."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        pod: PodIdentity,
+        *,
+        listener: CacheListener | None = None,
+        meter: metrics.Meter | None = None,
+        tracer: trace.Tracer | None = None,
+    ) -> None:
+        self.config = config
+        self.pod = pod
+        self.pool = L1Pool(config.l1_size, page_bytes=config.l1_page_size, pin=config.pin_memory)
+        self.cache = ChunkCache(
+            self.pool,
+            make_policy(config.eviction_policy),
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+            listener=listener,
+        )
+        self._instances: dict[str, EngineInstance] = {}
+        self._lock = threading.Lock()
+        self.tracer = tracer or trace.get_tracer("kvgrid.agent")
+        self.metrics = AgentMetrics(
+            meter or metrics.get_meter("kvgrid.agent"), self.cache.stats, lambda: len(self._instances)
+        )
+        self.peer_metrics = PeerMetrics(meter or metrics.get_meter("kvgrid.agent"))
+        self.peers: PeerFetcher | None = None
+        if config.peer_fetch_enabled:
+            self.peers = PeerFetcher(self.cache, config, pod.pod_uid, self.peer_metrics, self.tracer)
+        self.on_instances_changed: Callable[[], None] | None = None
+
+    # ---- registration ----------------------------------------------------------------------
+
+    def register(
+        self,
+        instance_id: str,
+        *,
+        engine_groups: Sequence[EngineGroupInfo],
+        tensors: Sequence[torch.Tensor],
+        namespace: KeyNamespace,
+        engine_pid: int = 0,
+        layout_hints: Sequence[Mapping[str, object] | None] | None = None,
+    ) -> EngineInstance:
+        """Rebuild kernel groups from ``tensors`` and check them against ``engine_groups``.
+
+        Raises ValueError naming what disagrees. A second registration with the same id replaces
+        the first (its pins are dropped).
+        """
+        if not instance_id:
+            raise ValueError("instance_id='': expected a non-empty id chosen by the engine")
+        if not tensors:
+            raise ValueError("layers is empty: expected one tensor per KV cache layer")
+        with self.tracer.start_as_current_span("agent.register", attributes={"instance_id": instance_id}):
+            mover = build_mover(
+                list(tensors), list(engine_groups), namespace.tokens_per_chunk, layout_hints=layout_hints
+            )
+            start_time = None
+            if engine_pid > 0:
+                start_time = process_start_time(engine_pid)
+                if start_time is None:
+                    log.warning(
+                        "instance %s: engine pid %d is not visible from the agent (separate pid "
+                        "namespace?); its registration is not cleaned up automatically",
+                        instance_id,
+                        engine_pid,
+                    )
+            inst = EngineInstance(
+                instance_id=instance_id,
+                engine_pid=engine_pid,
+                pid_start_time=start_time,
+                namespace=namespace,
+                namespace_id=namespace.namespace_id(),
+                groups=list(engine_groups),
+                tensors=list(tensors),
+                mover=mover,
+            )
+            with self._lock:
+                old = self._instances.get(instance_id)
+                self._instances[instance_id] = inst
+                if old is not None:
+                    # Under the lock: a lookup that sees the new registration pins only after this.
+                    self.cache.unpin_instance(instance_id)
+            if old is not None:
+                log.info("instance %s re-registered; dropped the old registration's pins", instance_id)
+            log.info(
+                "registered instance %s: %d layers, %d kernel groups, %d bytes per %d-token chunk, pid %d",
+                instance_id,
+                len(tensors),
+                len(mover.summaries),
+                mover.bytes_per_chunk,
+                namespace.tokens_per_chunk,
+                engine_pid,
+            )
+            self._changed()
+            return inst
+
+    def unregister(self, instance_id: str) -> int:
+        with self._lock:
+            inst = self._instances.pop(instance_id, None)
+            if inst is None:
+                raise UnknownInstanceError(f"instance_id={instance_id!r} is not registered")
+            released = self.cache.unpin_instance(instance_id)
+        self._changed()
+        return released
+
+    def _changed(self) -> None:
+        if self.on_instances_changed is not None:
+            self.on_instances_changed()
+
+    def instance(self, instance_id: str) -> EngineInstance:
+        with self._lock:
+            inst = self._instances.get(instance_id)
+        if inst is None:
+            raise UnknownInstanceError(
+                f"instance_id={instance_id!r} is not registered (RegisterKVCaches first; registrations "
+                f"of engines that exited are dropped)"
+            )
+        return inst
+
+    def instances(self) -> list[EngineInstance]:
+        with self._lock:
+            return list(self._instances.values())
+
+    def namespaces(self) -> list[str]:
+        return sorted({i.namespace_id for i in self.instances()})
+
+    def reap(self) -> list[str]:
+        """Drop registrations (and pins) of engines whose process is gone; expire old pins."""
+        gone: list[str] = []
+        for iid in [i.instance_id for i in self.instances() if not i.alive()]:
+            with self._lock:
+                inst = self._instances.get(iid)
+                if inst is None or inst.alive():
+                    continue
+                del self._instances[iid]
+                # Under the lock: a re-registration under the same id must not lose its new pins.
+                n = self.cache.unpin_instance(iid)
+            gone.append(iid)
+            log.warning(
+                "engine pid %d of instance %s exited; dropped its registration and %d pins",
+                inst.engine_pid,
+                iid,
+                n,
+            )
+        if gone:
+            self._changed()
+        self.cache.expire_pins()
+        return gone
+
+    # ---- block ids ---------------------------------------------------------------------------
+
+    def _ids_per_chunk(
+        self,
+        inst: EngineInstance,
+        block_ids: Sequence[Sequence[int]],
+        chunks: range,
+        skip_first_n_tokens: int = 0,
+    ) -> list[list[np.ndarray]]:
+        """Per kernel group, per chunk in ``chunks``: the block ids the copy uses.
+
+        ``block_ids`` holds one list per engine group (covering the request from token 0). Blocks
+        that lie wholly inside the first ``skip_first_n_tokens`` tokens become -1 (not copied).
+        """
+        if inst.groups:
+            per_info = expand_engine_block_ids(inst.groups, [list(b) for b in block_ids])
+        else:
+            if len(block_ids) != 1:
+                raise ValueError(
+                    f"block_ids has {len(block_ids)} lists; instance {inst.instance_id!r} registered a "
+                    f"single non-hybrid group, so expected exactly 1"
+                )
+            per_info = [list(block_ids[0])]
+        out: list[list[np.ndarray]] = []
+        for kg in inst.mover.summaries:
+            ids = np.asarray(per_info[kg.info_index], dtype=np.int64)
+            bpc = kg.blocks_per_chunk
+            need = chunks.stop * bpc
+            if len(ids) < need:
+                raise ValueError(
+                    f"block_ids for info {kg.info_index} (engine group {kg.engine_group_idx}) has "
+                    f"{len(ids)} ids; "
+                    f"{chunks.stop} chunks of {inst.tokens_per_chunk} tokens need {need} "
+                    f"({bpc} per chunk at {kg.tokens_per_block} tokens per block)"
+                )
+            used = ids[chunks.start * bpc : need]
+            bad = (used < 0) | (used >= kg.num_blocks)
+            if bad.any():
+                j = int(np.argmax(bad))
+                raise ValueError(
+                    f"block_ids for info {kg.info_index} (engine group {kg.engine_group_idx}): id "
+                    f"{int(used[j])} at position {chunks.start * bpc + j} is outside "
+                    f"[0, {kg.num_blocks}) (the layer tensors' num_blocks)"
+                )
+            per_chunk = []
+            for c in chunks:
+                cid = ids[c * bpc : (c + 1) * bpc].copy()
+                if skip_first_n_tokens:
+                    first_token = c * inst.tokens_per_chunk + np.arange(bpc) * kg.tokens_per_block
+                    cid[first_token + kg.tokens_per_block <= skip_first_n_tokens] = -1
+                per_chunk.append(cid)
+            out.append(per_chunk)
+        return out
+
+    # ---- lookup / retrieve / store / release -----------------------------------------------
+
+    def lookup(
+        self, instance_id: str, request_id: str, keys: Sequence[bytes], pin_ttl_ms: int = 0
+    ) -> LookupResult:
+        """Leading chunks available: held here, then (peer fetch on) fetched from the peer holding
+        the next ones. With ``request_id`` they stay pinned until Retrieve/Release or the TTL.
+        A failing peer never fails the lookup: it answers what it has, with cause ``peer_failed``."""
+        inst = self.instance(instance_id)
+        keys = check_chunk_keys(keys)
+        ttl = (pin_ttl_ms or self.config.pin_ttl_ms) / 1000.0
+        owner = (instance_id, request_id)
+        with self.tracer.start_as_current_span(
+            "agent.lookup", attributes={"instance_id": instance_id, "chunks": len(keys)}
+        ) as span:
+            # Local hits stay referenced while a peer fetch runs: its reservations may evict, and
+            # must not evict the prefix it extends.
+            held: list[Chunk] = []
+            if request_id:
+                n, cause = self.cache.pin(owner, keys, inst.layout_id, ttl)
+            else:
+                held, cause = self.cache.acquire_prefix(keys, inst.layout_id)
+                n = len(held)
+            local = n
+            try:
+                if cause == MissCause.NOT_FOUND and self.peers is not None:
+                    fetched = self.peers.fetch(
+                        keys[n:],
+                        namespace_id=inst.namespace_id,
+                        layout_id=inst.layout_id,
+                        bytes_per_chunk=inst.bytes_per_chunk,
+                    )
+                    if fetched.chunks:
+                        if request_id:
+                            n, cause = self.cache.pin(owner, keys, inst.layout_id, ttl)
+                        else:
+                            n, cause = self.cache.prefix_length(keys, inst.layout_id)
+                    if fetched.error and n < len(keys):
+                        cause = MissCause.PEER_FAILED
+            finally:
+                if held:
+                    self.cache.release(held)
+            peer = max(0, n - local)
+            span.set_attribute("hit_chunks", n)
+            span.set_attribute("peer_chunks", peer)
+        self._count_hits(self.metrics.lookup_chunks, len(keys), n, cause, peer)
+        return LookupResult(num_hit_chunks=n, miss_cause=str(cause), num_peer_chunks=peer)
+
+    def _count_hits(
+        self, counter: metrics.Counter, asked: int, hits: int, cause: MissCause, peer: int = 0
+    ) -> None:
+        if hits > peer:
+            counter.add(hits - peer, {"result": "hit"})
+        if peer:
+            counter.add(peer, {"result": "hit_peer"})
+        if asked > hits:
+            counter.add(asked - hits, {"result": f"miss_{cause}" if cause != MissCause.NONE else "miss"})
+
+    def release(self, instance_id: str, request_id: str) -> int:
+        self.instance(instance_id)
+        return self.cache.unpin((instance_id, request_id))
+
+    def retrieve(
+        self,
+        instance_id: str,
+        request_id: str,
+        keys: Sequence[bytes],
+        block_ids: Sequence[Sequence[int]],
+        skip_first_n_tokens: int = 0,
+    ) -> RetrieveResult:
+        """Scatter the leading held chunks into the engine's blocks (prefix semantics)."""
+        inst = self.instance(instance_id)
+        keys = check_chunk_keys(keys)
+        with self.tracer.start_as_current_span(
+            "agent.retrieve", attributes={"instance_id": instance_id, "chunks": len(keys)}
+        ) as span:
+            # Ids of every requested chunk, checked up front: a bad request fails the same way
+            # whether or not its chunks happen to be cached.
+            ids = self._ids_per_chunk(inst, block_ids, range(len(keys)), skip_first_n_tokens)
+            chunks, cause = self.cache.acquire_prefix(keys, inst.layout_id)
+            try:
+                n = len(chunks)
+                t0 = time.perf_counter()
+                if n:
+                    inst.mover.retrieve([c.buffer for c in chunks], [per_chunk[:n] for per_chunk in ids])
+                dt = time.perf_counter() - t0
+            finally:
+                self.cache.release(chunks)
+            if request_id:
+                self.cache.unpin((instance_id, request_id))
+            nbytes = n * inst.bytes_per_chunk
+            span.set_attribute("hit_chunks", n)
+            span.set_attribute("bytes", nbytes)
+        self._count_hits(self.metrics.retrieve_chunks, len(keys), n, cause)
+        self._record_transfer("retrieve", nbytes, dt)
+        return RetrieveResult(
+            hit_mask=[i < n for i in range(len(keys))],
+            num_retrieved_chunks=n,
+            bytes_moved=nbytes,
+            miss_cause=str(cause),
+        )
+
+    def store(
+        self,
+        instance_id: str,
+        keys: Sequence[bytes],
+        block_ids: Sequence[Sequence[int]],
+        skip_first_n_chunks: int = 0,
+    ) -> StoreResult:
+        """Gather the engine's blocks into L1 chunks. All-or-nothing per chunk across every group:
+        ids must cover every chunk of every group (else ValueError and nothing is stored), and a
+        failed copy commits nothing. Under memory pressure a prefix is kept (see partial_reason)."""
+        inst = self.instance(instance_id)
+        keys = check_chunk_keys(keys)
+        if skip_first_n_chunks > len(keys):
+            raise ValueError(
+                f"skip_first_n_chunks={skip_first_n_chunks}: expected <= {len(keys)} (chunk_keys)"
+            )
+        with self.tracer.start_as_current_span(
+            "agent.store", attributes={"instance_id": instance_id, "chunks": len(keys)}
+        ) as span:
+            ids = self._ids_per_chunk(inst, block_ids, range(len(keys)))
+            res = self.cache.reserve_store(
+                keys,
+                namespace_id=inst.namespace_id,
+                layout_id=inst.layout_id,
+                nbytes=inst.bytes_per_chunk,
+                skip_first_n=skip_first_n_chunks,
+            )
+            new = res.new_chunks
+            t0 = time.perf_counter()
+            try:
+                if new:
+                    inst.mover.store(
+                        [c.buffer for _, c in new], [[per_chunk[i] for i, _ in new] for per_chunk in ids]
+                    )
+            except BaseException:
+                self.cache.abort(res)
+                raise
+            dt = time.perf_counter() - t0
+            held, present = self.cache.commit(res)
+            nbytes = len(new) * inst.bytes_per_chunk
+            span.set_attribute("stored_chunks", held)
+            span.set_attribute("bytes", nbytes)
+            if res.reason:
+                span.set_attribute("partial_reason", res.reason)
+        m = self.metrics.stored_chunks
+        if new:
+            m.add(len(new), {"result": "stored"})
+        if present:
+            m.add(present, {"result": "present"})
+        if len(keys) > held:
+            m.add(len(keys) - held, {"result": "dropped" if res.reason else "skipped"})
+        self._record_transfer("store", nbytes, dt)
+        return StoreResult(
+            num_stored_chunks=held, num_already_present=present, bytes_moved=nbytes, partial_reason=res.reason
+        )
+
+    def _record_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
+        if not nbytes:
+            return
+        attrs = {"direction": direction}
+        self.metrics.bytes_moved.add(nbytes, attrs)
+        self.metrics.latency.record(seconds, attrs)
+        if seconds > 0:
+            self.metrics.throughput.record(nbytes / seconds / 1e9, attrs)
+
+    def close(self) -> None:
+        with self._lock:
+            self._instances.clear()
+        if self.peers is not None:
+            self.peers.close()

@@ -1,0 +1,267 @@
+"""Admit/evict events from the agent to the controller.
+
+:class:`EventLog` is the cache's listener: it numbers every admit/evict (one sequence number per
+event, strictly increasing within this agent's epoch) and keeps events until the controller
+acknowledges them. :class:`EventPublisher` is a thread that registers the agent with the
+controller, streams the log over ``PublishEvents``, renews the lease with ``Heartbeat`` and, on any
+failure, reconnects with exponential backoff (with jitter), resending what was not acknowledged.
+
+If more than ``max_buffer`` events pile up (controller unreachable for long) the oldest are dropped;
+the controller then sees a gap in the sequence numbers and pulls a snapshot from the agent's
+``Snapshot`` RPC, which is the recovery path for every inconsistency (the agent is the source of
+truth for its pod).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.common.identity import PodIdentity
+from kvgrid.common.wire import pod_identity_to_proto
+
+__all__ = ["AgentLoadFn", "EventLog", "EventPublisher", "LoggedEvent"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoggedEvent:
+    sequence: int
+    kind: int  # controller_pb2.EventKind
+    namespace_id: str
+    keys: tuple[bytes, ...]
+
+    def to_proto(self) -> controller_pb2.ChunkEvent:
+        return controller_pb2.ChunkEvent(
+            sequence=self.sequence,
+            kind=self.kind,  # type: ignore[arg-type]
+            tier=common_pb2.TIER_L1,
+            chunk_keys=list(self.keys),
+            namespace=self.namespace_id,
+        )
+
+
+class EventLog:
+    """Numbers events and buffers them until acknowledged. Thread-safe.
+
+    With ``buffer=False`` (no controller configured) events are only counted, so snapshots still
+    carry a meaningful ``last_sequence``.
+    """
+
+    def __init__(self, max_buffer: int = 100_000, *, buffer: bool = True) -> None:
+        self._cond = threading.Condition()
+        self._seq = 0
+        self._acked = 0
+        self._events: deque[LoggedEvent] = deque()
+        self._max = max_buffer
+        self._buffer = buffer
+        self.dropped = 0
+
+    def _append(self, kind: int, namespace_id: str, keys: Sequence[bytes]) -> None:
+        with self._cond:
+            self._seq += 1
+            if not self._buffer:
+                return
+            self._events.append(LoggedEvent(self._seq, kind, namespace_id, tuple(keys)))
+            while len(self._events) > self._max:
+                self._events.popleft()
+                self.dropped += 1
+            self._cond.notify_all()
+
+    def on_admit(self, namespace_id: str, keys: Sequence[bytes]) -> None:
+        self._append(controller_pb2.EVENT_KIND_ADMIT, namespace_id, keys)
+
+    def on_evict(self, namespace_id: str, keys: Sequence[bytes]) -> None:
+        self._append(controller_pb2.EVENT_KIND_EVICT, namespace_id, keys)
+
+    def last_sequence(self) -> int:
+        with self._cond:
+            return self._seq
+
+    @property
+    def acked(self) -> int:
+        with self._cond:
+            return self._acked
+
+    def ack(self, sequence: int) -> None:
+        """Forget events up to ``sequence`` (the controller applied them)."""
+        with self._cond:
+            self._acked = max(self._acked, min(sequence, self._seq))
+            while self._events and self._events[0].sequence <= self._acked:
+                self._events.popleft()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._events)
+
+    def wait_after(self, sequence: int, timeout: float, max_events: int = 512) -> list[LoggedEvent]:
+        """Events with a sequence above ``sequence`` (waits up to ``timeout`` for the first)."""
+        with self._cond:
+            if not (self._events and self._events[-1].sequence > sequence):
+                self._cond.wait(timeout)
+            out = []
+            for ev in self._events:
+                if ev.sequence > sequence:
+                    out.append(ev)
+                    if len(out) >= max_events:
+                        break
+            return out
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+AgentLoadFn = Callable[[], controller_pb2.AgentLoad]
+
+
+class EventPublisher:
+    """Keeps a connection to the controller: register, stream events, heartbeat, reconnect."""
+
+    def __init__(
+        self,
+        controller_address: str,
+        log_: EventLog,
+        pod: PodIdentity,
+        *,
+        namespaces: Callable[[], list[str]],
+        l1_capacity_bytes: int,
+        load: AgentLoadFn,
+        flush_interval_s: float = 0.1,
+        heartbeat_interval_s: float = 2.0,
+        initial_backoff_s: float = 0.2,
+        max_backoff_s: float = 10.0,
+    ) -> None:
+        self.address = controller_address
+        self.log = log_
+        self.pod = pod
+        self._namespaces = namespaces
+        self._capacity = l1_capacity_bytes
+        self._load = load
+        self._flush = flush_interval_s
+        self._heartbeat = heartbeat_interval_s
+        self._backoff0 = initial_backoff_s
+        self._backoff_max = max_backoff_s
+        self._stop = threading.Event()
+        self._reconnect = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvgrid-agent-events", daemon=True)
+        self.connected = threading.Event()
+        self.connects = 0
+        self.resyncs_requested = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._reconnect.set()
+        self.log.wake()
+        self._thread.join(timeout)
+
+    def reregister(self) -> None:
+        """Register again (e.g. the set of namespaces changed)."""
+        self._reconnect.set()
+        self.log.wake()
+
+    def _run(self) -> None:
+        backoff = self._backoff0
+        while not self._stop.is_set():
+            try:
+                self._session()
+                backoff = self._backoff0
+            except grpc.RpcError as e:
+                code = e.code() if isinstance(e, grpc.Call) else None
+                log.warning("controller %s: %s; reconnecting in %.1fs", self.address, code or e, backoff)
+            except Exception:
+                log.exception(
+                    "controller %s: event publisher failed; reconnecting in %.1fs", self.address, backoff
+                )
+            finally:
+                self.connected.clear()
+            if self._stop.is_set():
+                break
+            # Full jitter keeps a fleet of agents from reconnecting in lockstep after an outage.
+            self._stop.wait(random.uniform(0.5, 1.0) * backoff)
+            backoff = min(backoff * 2, self._backoff_max)
+
+    def _session(self) -> None:
+        self._reconnect.clear()
+        pod_pb = pod_identity_to_proto(self.pod)
+        with grpc.insecure_channel(self.address) as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            resp = stub.RegisterAgent(
+                controller_pb2.RegisterAgentRequest(
+                    pod=pod_pb, namespaces=self._namespaces(), l1_capacity_bytes=self._capacity
+                ),
+                timeout=10,
+            )
+            self.connects += 1
+            if resp.snapshot_requested:
+                self.resyncs_requested += 1
+            log.info(
+                "registered with controller %s (epoch %d, lease %d ms)",
+                self.address,
+                self.pod.epoch,
+                resp.lease_ttl_ms,
+            )
+            self.connected.set()
+            call = stub.PublishEvents(self._requests(pod_pb))
+            hb = threading.Thread(target=self._heartbeats, args=(stub, call), daemon=True)
+            hb.start()
+            try:
+                for ack in call:
+                    self.log.ack(ack.acked_sequence)
+                    if ack.resync_started:
+                        self.resyncs_requested += 1
+            except grpc.RpcError as e:
+                if not (self._reconnect.is_set() and e.code() == grpc.StatusCode.CANCELLED):
+                    raise
+            finally:
+                self._reconnect.set()
+                call.cancel()
+                hb.join(timeout=5)
+
+    def _requests(self, pod_pb: common_pb2.PodIdentity) -> Iterator[controller_pb2.PublishEventsRequest]:
+        # Resend everything not acknowledged: the controller ignores sequences it already applied.
+        sent = self.log.acked
+        first = True
+        while not self._reconnect.is_set():
+            batch = self.log.wait_after(sent, self._flush)
+            if self._reconnect.is_set():
+                return
+            if batch or first:
+                # The first message announces the stream even with nothing to send.
+                yield controller_pb2.PublishEventsRequest(pod=pod_pb, events=[e.to_proto() for e in batch])
+                first = False
+                if batch:
+                    sent = batch[-1].sequence
+
+    def _heartbeats(self, stub: controller_pb2_grpc.ControllerServiceStub, call: grpc.Future) -> None:
+        while not self._reconnect.wait(self._heartbeat):
+            try:
+                resp = stub.Heartbeat(
+                    controller_pb2.HeartbeatRequest(
+                        pod_uid=self.pod.pod_uid, epoch=self.pod.epoch, load=self._load()
+                    ),
+                    timeout=max(self._heartbeat, 1.0),
+                )
+            except grpc.RpcError as e:
+                log.warning(
+                    "heartbeat to %s failed: %s", self.address, e.code() if isinstance(e, grpc.Call) else e
+                )
+                self._reconnect.set()
+                break
+            if resp.reregister:
+                log.info("controller %s asked this agent to register again", self.address)
+                self._reconnect.set()
+                break
+        call.cancel()
+        self.log.wake()

@@ -1,0 +1,517 @@
+"""Peer fetch: copying chunks another agent holds in its L1 into this agent's L1.
+
+Serving side (:class:`ChunkSender`, behind ``AgentService.FetchChunks`` on TCP): the leading held
+chunks of the requested keys, in the caller's chunk layout, are referenced when the call starts
+(eviction cannot free them mid-stream) and streamed in order, each split into parts of at most
+``part_bytes``; each chunk's reference is dropped once its last part is out.
+
+Fetching side (:class:`PeerFetcher`, used by ``Lookup``): ask the controller which pods hold the
+next keys in L1 (``MatchPrefix`` over the keys after the local hits), map pod -> agent address
+(``ListAgents``, cached), stream ``FetchChunks`` from the best peer into freshly reserved local
+chunks (the same reserve -> fill -> commit path a store takes, so a chunk becomes visible only once
+every byte arrived, and its admit event goes to the controller as usual). Everything runs under one
+deadline; any failure leaves the local cache as it was, plus the chunks that arrived complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+import grpc
+import msgspec
+import numpy as np
+from opentelemetry import metrics, trace
+
+from kvgrid.agent.cache import ChunkCache, MissCause
+from kvgrid.agent.config import AgentConfig
+from kvgrid.agent.l1 import Chunk
+from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.common.hashing import check_chunk_keys
+
+__all__ = [
+    "ChunkSender",
+    "LayoutMismatchError",
+    "PeerCandidate",
+    "PeerError",
+    "PeerFetchResult",
+    "PeerFetcher",
+    "PeerMetrics",
+    "PeerStats",
+    "choose_peers",
+]
+
+log = logging.getLogger(__name__)
+
+# Room for the message's other fields next to the data part.
+_MESSAGE_OVERHEAD = 1024
+
+
+class LayoutMismatchError(ValueError):
+    """The requested chunk is held in another chunk byte layout (gRPC FAILED_PRECONDITION)."""
+
+
+class PeerError(Exception):
+    """A peer fetch failed; ``reason`` is the metric label (controller, unavailable, deadline, ...)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class PeerCandidate(msgspec.Struct, frozen=True):
+    pod_uid: str
+    address: str
+    l1_chunks: int
+    """Leading query chunks the controller counts in this pod's own L1."""
+    total_chunks: int
+
+
+class PeerFetchResult(msgspec.Struct, frozen=True):
+    chunks: int = 0
+    """Chunks now held locally that the fetch filled (complete ones only)."""
+    nbytes: int = 0
+    peer: str = ""
+    error: str = ""
+    """Empty when nothing failed (no holder at all is not a failure)."""
+
+
+class PeerStats:
+    """Counters for Health (the OpenTelemetry instruments carry the same numbers)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.fetched_chunks = 0
+        self.fetch_failures = 0
+        self.served_chunks = 0
+
+    def add(self, *, fetched: int = 0, failures: int = 0, served: int = 0) -> None:
+        with self._lock:
+            self.fetched_chunks += fetched
+            self.fetch_failures += failures
+            self.served_chunks += served
+
+
+_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class PeerMetrics:
+    """``kvgrid_agent_peer_*`` instruments."""
+
+    def __init__(self, meter: metrics.Meter) -> None:
+        self.stats = PeerStats()
+        self.fetch_bytes = meter.create_counter(
+            "kvgrid_agent_peer_fetch_bytes", unit="By", description="Bytes fetched from peer agents into L1"
+        )
+        self.fetch_chunks = meter.create_counter(
+            "kvgrid_agent_peer_fetch_chunks", description="Chunks fetched from peer agents into L1"
+        )
+        self.fetch_duration = meter.create_histogram(
+            "kvgrid_agent_peer_fetch_duration",
+            unit="s",
+            description="Wall time of one Lookup's peer fetch (controller query, stream, commit), by outcome",
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS_S,
+        )
+        self.fetch_throughput = meter.create_histogram(
+            "kvgrid_agent_peer_fetch_throughput",
+            unit="GBy/s",
+            description="GB/s of each peer fetch stream that moved bytes",
+            explicit_bucket_boundaries_advisory=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 50),
+        )
+        self.fetch_failures = meter.create_counter(
+            "kvgrid_agent_peer_fetch_failures",
+            description="Peer fetches that failed, by reason (controller, unavailable, deadline, "
+            "layout_mismatch, protocol, error)",
+        )
+        self.served_bytes = meter.create_counter(
+            "kvgrid_agent_peer_served_bytes", unit="By", description="Bytes streamed to peer agents"
+        )
+        self.served_chunks = meter.create_counter(
+            "kvgrid_agent_peer_served_chunks", description="Chunks streamed to peer agents"
+        )
+
+
+# ---- serving ---------------------------------------------------------------------------------
+
+
+class ChunkSender:
+    """One FetchChunks stream: references the leading held chunks at construction (so errors come
+    before the first message) and releases each as soon as it is sent; :meth:`close` releases
+    whatever is left (client gone, server stopping) and is idempotent."""
+
+    def __init__(
+        self,
+        cache: ChunkCache,
+        req: agent_pb2.FetchChunksRequest,
+        *,
+        part_bytes: int,
+        max_chunks: int,
+        metrics: PeerMetrics | None = None,
+    ) -> None:
+        if not req.layout_id:
+            raise ValueError("layout_id is empty: expected the caller's RegisterKVCachesResponse.layout_id")
+        keys = check_chunk_keys(req.chunk_keys)[:max_chunks]
+        if req.max_part_bytes:
+            part_bytes = min(part_bytes, int(req.max_part_bytes))
+        self.part_bytes = max(1, part_bytes)
+        self.cache = cache
+        self.metrics = metrics
+        self.requester = req.requester_pod_uid
+        chunks, cause = cache.acquire_prefix(keys, req.layout_id)
+        if req.namespace_id:
+            for i, c in enumerate(chunks):
+                if c.namespace_id != req.namespace_id:
+                    cache.release(chunks[i:])
+                    chunks = chunks[:i]
+                    break
+        if not chunks and cause == MissCause.LAYOUT_MISMATCH and keys:
+            held = cache.layout_of(keys[0])
+            raise LayoutMismatchError(
+                f"chunk_keys[0] is held with layout_id={held!r} but the caller needs layout_id="
+                f"{req.layout_id!r}: the chunk byte layouts differ (model, dtype, block size or KV layout)"
+            )
+        self._lock = threading.Lock()
+        self._pending: list[Chunk] = chunks  # referenced, not yet fully sent
+        self.num_chunks = len(chunks)
+
+    def close(self) -> None:
+        with self._lock:
+            left, self._pending = self._pending, []
+        if left:
+            self.cache.release(left)
+
+    def _peek(self) -> Chunk | None:
+        with self._lock:
+            return self._pending[0] if self._pending else None
+
+    def __iter__(self) -> Iterator[agent_pb2.FetchChunksResponse]:
+        try:
+            for index in range(self.num_chunks):
+                chunk = self._peek()
+                if chunk is None:  # closed meanwhile
+                    return
+                data = chunk.buffer.numpy()
+                size = chunk.nbytes
+                for off in range(0, size, self.part_bytes):
+                    msg = agent_pb2.FetchChunksResponse(
+                        chunk_index=index,
+                        chunk_bytes=size,
+                        offset=off,
+                        data=data[off : off + self.part_bytes].tobytes(),
+                    )
+                    if index == 0 and off == 0:
+                        msg.num_chunks = self.num_chunks
+                    yield msg
+                with self._lock:
+                    if not self._pending or self._pending[0] is not chunk:
+                        return  # closed meanwhile: close() released it
+                    self._pending.pop(0)
+                self.cache.release([chunk])
+                if self.metrics is not None:
+                    self.metrics.served_chunks.add(1)
+                    self.metrics.served_bytes.add(size)
+                    self.metrics.stats.add(served=1)
+        finally:
+            self.close()
+
+
+# ---- fetching --------------------------------------------------------------------------------
+
+
+def choose_peers(
+    match: controller_pb2.MatchPrefixResponse,
+    self_uid: str,
+    addresses: Mapping[str, str],
+    limit: int,
+) -> list[PeerCandidate]:
+    """Pods worth fetching from, best first: not us, with an agent address, holding the first
+    query chunks in their own L1 (``l1_chunks`` > 0); most own-L1 chunks first, then longest
+    match, then pod UID (deterministic)."""
+    cands = [
+        PeerCandidate(
+            pod_uid=m.pod_uid,
+            address=addresses[m.pod_uid],
+            l1_chunks=m.l1_chunks,
+            total_chunks=m.gpu_chunks + m.l1_chunks + m.peer_chunks,
+        )
+        for m in match.matches
+        if m.pod_uid != self_uid and m.l1_chunks > 0 and addresses.get(m.pod_uid)
+    ]
+    cands.sort(key=lambda c: (-c.l1_chunks, -c.total_chunks, c.pod_uid))
+    return cands[:limit]
+
+
+class PeerDirectory:
+    """The controller as a directory: who holds which keys (MatchPrefix) and where each pod's agent
+    listens (ListAgents, cached for ``ttl_s``). Thread-safe."""
+
+    def __init__(self, controller_address: str, *, ttl_s: float, max_message_bytes: int) -> None:
+        self.channel = grpc.insecure_channel(
+            controller_address, options=[("grpc.max_receive_message_length", max_message_bytes)]
+        )
+        self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._addresses: dict[str, str] = {}
+        self._fetched_at = float("-inf")
+
+    def match(
+        self, keys: Sequence[bytes], namespace_id: str, timeout_s: float
+    ) -> controller_pb2.MatchPrefixResponse:
+        req = controller_pb2.MatchPrefixRequest(
+            chunk_keys=common_pb2.ChunkKeys(keys=list(keys)), namespace_id=namespace_id
+        )
+        return self.stub.MatchPrefix(req, timeout=timeout_s)
+
+    def addresses(self, timeout_s: float, *, refresh: bool = False) -> dict[str, str]:
+        with self._lock:
+            fresh = time.monotonic() - self._fetched_at < self.ttl_s
+            if fresh and not refresh:
+                return self._addresses
+        resp = self.stub.ListAgents(controller_pb2.ListAgentsRequest(), timeout=timeout_s)
+        # Pods without a TCP address stay in the table (as "") so they do not force refreshes.
+        table = {a.pod.pod_uid: a.pod.agent_address for a in resp.agents}
+        with self._lock:
+            self._addresses, self._fetched_at = table, time.monotonic()
+        return table
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class PeerFetcher:
+    """Fetches the chunks after a Lookup's local hits from the best peer. Thread-safe."""
+
+    def __init__(
+        self,
+        cache: ChunkCache,
+        config: AgentConfig,
+        self_uid: str,
+        metrics: PeerMetrics,
+        tracer: trace.Tracer,
+    ) -> None:
+        self.cache = cache
+        self.config = config
+        self.self_uid = self_uid
+        self.metrics = metrics
+        self.tracer = tracer
+        self.directory = PeerDirectory(
+            config.controller_address,
+            ttl_s=config.peer_directory_ttl_ms / 1000,
+            max_message_bytes=config.max_message_bytes,
+        )
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self.part_bytes = max(
+            1, min(config.peer_fetch_part_size, config.max_message_bytes - _MESSAGE_OVERHEAD)
+        )
+
+    def _stub(self, address: str) -> agent_pb2_grpc.AgentServiceStub:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = grpc.insecure_channel(
+                    address,
+                    options=[
+                        ("grpc.max_receive_message_length", self.config.max_message_bytes),
+                        ("grpc.max_send_message_length", self.config.max_message_bytes),
+                    ],
+                )
+                self._channels[address] = ch
+        return agent_pb2_grpc.AgentServiceStub(ch)
+
+    def _forget_channels(self, keep: Mapping[str, str]) -> None:
+        """Close channels to addresses no agent has any more (pods that went away)."""
+        live = set(keep.values())
+        with self._lock:
+            gone = [a for a in self._channels if a not in live]
+            for a in gone:
+                self._channels.pop(a).close()
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+        self.directory.close()
+
+    def fetch(
+        self, keys: Sequence[bytes], *, namespace_id: str, layout_id: str, bytes_per_chunk: int
+    ) -> PeerFetchResult:
+        """Fetch leading chunks of ``keys`` (the keys after the local hits) into L1. Never raises
+        for a peer or controller problem: the result's ``error`` says what went wrong."""
+        keys = list(keys[: self.config.peer_fetch_max_chunks])
+        if not keys:
+            return PeerFetchResult()
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.config.peer_fetch_timeout_ms / 1000
+        with self.tracer.start_as_current_span("agent.peer_fetch", attributes={"chunks": len(keys)}) as span:
+            try:
+                result = self._fetch(keys, namespace_id, layout_id, bytes_per_chunk, deadline)
+            except Exception as e:  # a bug here must not fail the Lookup either
+                log.exception("peer fetch failed unexpectedly")
+                result = self._failed("error", f"{type(e).__name__}: {e}", "")
+            span.set_attribute("fetched_chunks", result.chunks)
+            span.set_attribute("bytes", result.nbytes)
+            if result.peer:
+                span.set_attribute("peer", result.peer)
+            if result.error:
+                span.set_attribute("error", result.error)
+        outcome = "failed" if result.error else ("fetched" if result.chunks else "no_holder")
+        self.metrics.fetch_duration.record(time.perf_counter() - t0, {"outcome": outcome})
+        return result
+
+    def _fetch(
+        self, keys: list[bytes], namespace_id: str, layout_id: str, bytes_per_chunk: int, deadline: float
+    ) -> PeerFetchResult:
+        def left() -> float:
+            return max(0.001, deadline - time.monotonic())
+
+        try:
+            match = self.directory.match(keys, namespace_id, left())
+            if match.peer_fetchable_chunks == 0:
+                return PeerFetchResult()  # nobody holds the next chunk in L1
+            addresses = self.directory.addresses(left())
+            if any(m.pod_uid not in addresses for m in match.matches if m.pod_uid != self.self_uid):
+                addresses = self.directory.addresses(left(), refresh=True)  # a pod we have not seen yet
+                self._forget_channels(addresses)
+        except grpc.RpcError as e:
+            return self._failed("controller", f"controller query failed: {_rpc_text(e)}", "")
+        cands = choose_peers(match, self.self_uid, addresses, self.config.peer_fetch_max_peers)
+        if not cands:
+            return PeerFetchResult()
+        last = PeerFetchResult()
+        for cand in cands:
+            last = self.fetch_from(cand, keys, namespace_id, layout_id, bytes_per_chunk, deadline)
+            if not last.error:
+                return last
+            reason = last.error.split(":", 1)[0]
+            if last.chunks or reason in ("deadline", "layout_mismatch") or time.monotonic() >= deadline:
+                return last  # progress made, or another peer would not do better in time
+        return last
+
+    def fetch_from(
+        self,
+        cand: PeerCandidate,
+        keys: Sequence[bytes],
+        namespace_id: str,
+        layout_id: str,
+        bytes_per_chunk: int,
+        deadline: float,
+    ) -> PeerFetchResult:
+        """Stream the leading chunks of ``keys`` from one peer into L1 (until ``deadline``, a
+        ``time.monotonic()`` value). Chunks that arrived complete are kept even if the stream fails
+        later; the rest of the reservation is freed."""
+        got = [0, 0]  # chunks held, bytes fetched (set even when the stream fails)
+        try:
+            self._fetch_from(cand, list(keys), namespace_id, layout_id, bytes_per_chunk, deadline, got)
+        except PeerError as e:
+            failed = self._failed(e.reason, f"peer {cand.pod_uid} at {cand.address}: {e}", cand.pod_uid)
+            return msgspec.structs.replace(failed, chunks=got[0], nbytes=got[1])
+        except Exception as e:
+            log.exception("peer fetch from %s failed unexpectedly", cand.pod_uid)
+            failed = self._failed("error", f"peer {cand.pod_uid}: {type(e).__name__}: {e}", cand.pod_uid)
+            return msgspec.structs.replace(failed, chunks=got[0], nbytes=got[1])
+        return PeerFetchResult(chunks=got[0], nbytes=got[1], peer=cand.pod_uid)
+
+    def _failed(self, reason: str, message: str, peer: str) -> PeerFetchResult:
+        log.warning("peer fetch failed (%s): %s", reason, message)
+        self.metrics.fetch_failures.add(1, {"reason": reason})
+        self.metrics.stats.add(failures=1)
+        return PeerFetchResult(peer=peer, error=f"{reason}: {message}")
+
+    def _fetch_from(
+        self,
+        cand: PeerCandidate,
+        keys: list[bytes],
+        namespace_id: str,
+        layout_id: str,
+        bytes_per_chunk: int,
+        deadline: float,
+        got: list[int],
+    ) -> None:
+        req = agent_pb2.FetchChunksRequest(
+            chunk_keys=keys,
+            layout_id=layout_id,
+            namespace_id=namespace_id,
+            max_part_bytes=self.part_bytes,
+            requester_pod_uid=self.self_uid,
+        )
+        t0 = time.perf_counter()
+        call = self._stub(cand.address).FetchChunks(req, timeout=max(0.001, deadline - time.monotonic()))
+        res = None
+        filled = 0  # leading chunks received completely
+        written = 0  # bytes of chunk ``filled`` received so far
+        limit = 0
+        targets: dict[int, np.ndarray] = {}
+        try:
+            for msg in call:
+                if res is None:
+                    n = msg.num_chunks
+                    if not 0 < n <= len(keys):
+                        raise PeerError("protocol", f"num_chunks={n}: expected 1..{len(keys)}")
+                    res = self.cache.reserve_store(
+                        keys[:n], namespace_id=namespace_id, layout_id=layout_id, nbytes=bytes_per_chunk
+                    )
+                    limit = len(res.entries)  # stops early when L1 is full (res.reason)
+                    targets = {i: c.buffer.numpy() for i, c, new in res.entries if new}
+                    if limit == 0:
+                        break
+                if msg.chunk_index != filled or msg.offset != written:
+                    raise PeerError(
+                        "protocol",
+                        f"got chunk {msg.chunk_index} offset {msg.offset}; expected chunk {filled} offset "
+                        f"{written}",
+                    )
+                if msg.chunk_bytes != bytes_per_chunk or written + len(msg.data) > bytes_per_chunk:
+                    raise PeerError(
+                        "protocol",
+                        f"chunk {filled}: {msg.chunk_bytes} bytes (part of {len(msg.data)} at {written}); "
+                        f"expected {bytes_per_chunk} for layout {layout_id}",
+                    )
+                dst = targets.get(filled)
+                if dst is not None:  # None: another store committed the key meanwhile
+                    dst[written : written + len(msg.data)] = np.frombuffer(msg.data, dtype=np.uint8)
+                written += len(msg.data)
+                if written == bytes_per_chunk:
+                    filled, written = filled + 1, 0
+                    if filled == limit:
+                        break
+        except grpc.RpcError as e:
+            code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
+            reason = {
+                grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
+                grpc.StatusCode.FAILED_PRECONDITION: "layout_mismatch",
+                grpc.StatusCode.UNAVAILABLE: "unavailable",
+            }.get(code, "error")
+            raise PeerError(reason, _rpc_text(e)) from None
+        finally:
+            call.cancel()  # no-op when the stream ended; stops the peer when we stopped early
+            if res is not None:
+                held, present = self.cache.commit(res, upto=filled)
+                fetched = sum(1 for i in targets if i < filled)
+                got[0], got[1] = held, fetched * bytes_per_chunk
+                dt = time.perf_counter() - t0
+                if fetched:
+                    self.metrics.fetch_chunks.add(fetched)
+                    self.metrics.fetch_bytes.add(fetched * bytes_per_chunk)
+                    self.metrics.stats.add(fetched=fetched)
+                    if dt > 0:
+                        self.metrics.fetch_throughput.record(fetched * bytes_per_chunk / dt / 1e9)
+                log.debug(
+                    "fetched %d chunks (%d present) from %s in %.1f ms",
+                    fetched,
+                    present,
+                    cand.pod_uid,
+                    dt * 1e3,
+                )
+        if res is not None and res.reason and filled == limit:
+            log.info("peer fetch from %s stopped after %d chunks: %s", cand.pod_uid, filled, res.reason)
+
+
+def _rpc_text(e: grpc.RpcError) -> str:
+    if isinstance(e, grpc.Call):
+        return f"{e.code().name}: {e.details()}"
+    return str(e)

@@ -1,0 +1,399 @@
+"""AgentService over gRPC: a Unix socket for the engine, TCP for peers and the controller.
+
+Handlers receive raw bytes and parse the request themselves, so a malformed message is answered
+with INVALID_ARGUMENT naming the message type (grpcio's own deserializer would answer INTERNAL).
+ValueError/TypeError from the core become INVALID_ARGUMENT with their text; anything else is
+INTERNAL with a one-line message (the traceback goes to the agent's log, never to the client).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry import metrics, trace
+
+from kvgrid.agent.cache import ChunkCache
+from kvgrid.agent.config import AgentConfig
+from kvgrid.agent.core import AgentCore, UnknownInstanceError
+from kvgrid.agent.events import EventLog, EventPublisher
+from kvgrid.agent.peers import ChunkSender, LayoutMismatchError
+from kvgrid.agent.tensors import SharedFileCache, open_layer_tensor
+from kvgrid.agent.transfer import parse_layout_hints
+from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2
+from kvgrid.common.identity import PodIdentity
+from kvgrid.common.wire import engine_group_infos_from_proto, key_namespace_from_proto, pod_identity_to_proto
+
+__all__ = ["SERVICE_NAME", "AgentServer", "AgentServicer"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
+
+
+class AgentServicer:
+    """Protobuf in, protobuf out; every call goes to :class:`AgentCore`."""
+
+    def __init__(self, core: AgentCore, events: EventLog) -> None:
+        self.core = core
+        self.events = events
+
+    def RegisterKVCaches(self, req: agent_pb2.RegisterKVCachesRequest) -> agent_pb2.RegisterKVCachesResponse:
+        if not req.HasField("namespace"):
+            raise ValueError("namespace is missing: expected the key namespace (model, cache salt, ...)")
+        ns_msg = common_pb2.KeyNamespace()
+        ns_msg.CopyFrom(req.namespace)
+        if not ns_msg.tokens_per_chunk:
+            ns_msg.tokens_per_chunk = self.core.config.tokens_per_chunk
+        namespace = key_namespace_from_proto(ns_msg)
+        groups = engine_group_infos_from_proto(req.engine_groups)
+        layers = sorted(req.layers, key=lambda m: m.layer_index)
+        if [m.layer_index for m in layers] != list(range(len(layers))):
+            raise ValueError(
+                f"layers have layer_index {[m.layer_index for m in req.layers]}; "
+                f"expected each of 0..{len(layers) - 1} once"
+            )
+        shm = SharedFileCache(self.core.config.shm_allowed_dirs)
+        tensors = [open_layer_tensor(m, shm) for m in layers]
+        hints = [parse_layout_hints(m.layout_hint, m.layout_hints) for m in layers]
+        inst = self.core.register(
+            req.instance_id,
+            engine_groups=groups,
+            tensors=tensors,
+            namespace=namespace,
+            engine_pid=req.engine_pid,
+            layout_hints=hints,
+        )
+        return agent_pb2.RegisterKVCachesResponse(
+            instance_id=inst.instance_id,
+            kernel_groups=[
+                agent_pb2.KernelGroupSummary(
+                    layer_indices=s.layer_indices,
+                    kv_format=s.kv_format,
+                    dtype=s.dtype,
+                    engine_group_idx=s.engine_group_idx,
+                    tokens_per_block=s.tokens_per_block,
+                    slots_per_block=s.slots_per_block,
+                    bytes_per_chunk=s.bytes_per_chunk,
+                )
+                for s in inst.mover.summaries
+            ],
+            bytes_per_chunk=inst.bytes_per_chunk,
+            layout_id=inst.layout_id,
+            namespace_id=inst.namespace_id,
+            tokens_per_chunk=inst.tokens_per_chunk,
+        )
+
+    def UnregisterKVCaches(
+        self, req: agent_pb2.UnregisterKVCachesRequest
+    ) -> agent_pb2.UnregisterKVCachesResponse:
+        return agent_pb2.UnregisterKVCachesResponse(released_pins=self.core.unregister(req.instance_id))
+
+    def Lookup(self, req: agent_pb2.LookupRequest) -> agent_pb2.LookupResponse:
+        r = self.core.lookup(req.instance_id, req.request_id, list(req.chunk_keys), req.pin_ttl_ms)
+        return agent_pb2.LookupResponse(
+            num_hit_chunks=r.num_hit_chunks, miss_cause=r.miss_cause, num_peer_chunks=r.num_peer_chunks
+        )
+
+    def Retrieve(self, req: agent_pb2.RetrieveRequest) -> agent_pb2.RetrieveResponse:
+        r = self.core.retrieve(
+            req.instance_id,
+            req.request_id,
+            list(req.chunk_keys),
+            [list(b.ids) for b in req.block_ids],
+            req.skip_first_n_tokens,
+        )
+        return agent_pb2.RetrieveResponse(
+            hit_mask=r.hit_mask,
+            num_retrieved_chunks=r.num_retrieved_chunks,
+            bytes_moved=r.bytes_moved,
+            miss_cause=r.miss_cause,
+        )
+
+    def Store(self, req: agent_pb2.StoreRequest) -> agent_pb2.StoreResponse:
+        r = self.core.store(
+            req.instance_id,
+            list(req.chunk_keys),
+            [list(b.ids) for b in req.block_ids],
+            req.skip_first_n_chunks,
+        )
+        return agent_pb2.StoreResponse(
+            num_stored_chunks=r.num_stored_chunks,
+            num_already_present=r.num_already_present,
+            bytes_moved=r.bytes_moved,
+            partial_reason=r.partial_reason,
+        )
+
+    def Release(self, req: agent_pb2.ReleaseRequest) -> agent_pb2.ReleaseResponse:
+        return agent_pb2.ReleaseResponse(released_pins=self.core.release(req.instance_id, req.request_id))
+
+    def Snapshot(self, req: agent_pb2.SnapshotRequest) -> agent_pb2.SnapshotResponse:
+        by_ns, last_seq = self.core.cache.snapshot()
+        namespaces = sorted(set(self.core.namespaces()) | set(by_ns))
+        return agent_pb2.SnapshotResponse(
+            pod=pod_identity_to_proto(self.core.pod),
+            chunk_keys=[k for ns in sorted(by_ns) for k in by_ns[ns]],
+            last_sequence=last_seq,
+            namespaces=namespaces,
+            by_namespace=[
+                agent_pb2.NamespaceChunkKeys(namespace=ns, chunk_keys=by_ns[ns]) for ns in sorted(by_ns)
+            ],
+        )
+
+    def Health(self, req: agent_pb2.HealthRequest) -> agent_pb2.HealthResponse:
+        s = self.core.cache.stats()
+        peer = self.core.peer_metrics.stats
+        return agent_pb2.HealthResponse(
+            pod=pod_identity_to_proto(self.core.pod),
+            l1_capacity_bytes=s.capacity_bytes,
+            l1_used_bytes=s.used_bytes,
+            num_chunks=s.num_chunks,
+            instance_ids=sorted(i.instance_id for i in self.core.instances()),
+            num_pinned_chunks=s.num_pins,
+            num_evictions=s.evictions,
+            peer_fetched_chunks=peer.fetched_chunks,
+            peer_fetch_failures=peer.fetch_failures,
+            peer_served_chunks=peer.served_chunks,
+        )
+
+    def FetchChunks(self, req: agent_pb2.FetchChunksRequest) -> ChunkSender:
+        cfg = self.core.config
+        return ChunkSender(
+            self.core.cache,
+            req,
+            part_bytes=min(cfg.peer_fetch_part_size, cfg.max_message_bytes - 1024),
+            max_chunks=cfg.peer_fetch_max_chunks,
+            metrics=self.core.peer_metrics,
+        )
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        methods = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for m in methods:
+            req_cls = _message_class(m.input_type.name)
+            fn = getattr(self, m.name)
+            if m.server_streaming:
+                handlers[m.name] = grpc.unary_stream_rpc_method_handler(
+                    self._wrap_stream(m.name, req_cls, fn),
+                    response_serializer=lambda msg: msg.SerializeToString(),
+                )
+                continue
+            handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+                self._wrap(m.name, req_cls, fn), response_serializer=lambda msg: msg.SerializeToString()
+            )
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    def _call(self, name: str, req_cls: type[Message], fn: Callable[[Any], Any], raw: bytes) -> Any:
+        """Parse ``raw`` and call ``fn``; failures become :class:`_RpcFailure` with the status to send.
+        Every call, failed or not, is counted by method and status code."""
+        code, detail = grpc.StatusCode.OK, ""
+        try:
+            req = req_cls.FromString(raw)
+        except DecodeError as e:
+            code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"malformed {req_cls.__name__} message: {e}"
+            raise _RpcFailure(code, detail) from None
+        else:
+            try:
+                return fn(req)
+            except UnknownInstanceError as e:  # its text already names the call's instance id
+                code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+            except LayoutMismatchError as e:
+                code, detail = grpc.StatusCode.FAILED_PRECONDITION, f"{name}: {e}"
+            except (ValueError, TypeError) as e:
+                code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e}"
+            except Exception as e:
+                log.exception("%s failed", name)
+                code, detail = grpc.StatusCode.INTERNAL, f"{name} failed: {type(e).__name__}: {e}"
+            raise _RpcFailure(code, detail)
+        finally:
+            self.core.metrics.requests.add(1, {"method": name, "code": code.name})
+
+    def _wrap(
+        self, name: str, req_cls: type[Message], fn: Callable[[Any], Message]
+    ) -> Callable[[bytes, grpc.ServicerContext], Message]:
+        def handler(raw: bytes, context: grpc.ServicerContext) -> Message:
+            try:
+                result: Message = self._call(name, req_cls, fn, raw)
+            except _RpcFailure as f:
+                context.abort(f.code, f.detail)
+                raise AssertionError("unreachable") from None  # abort raises
+            return result
+
+        return handler
+
+    def _wrap_stream(
+        self, name: str, req_cls: type[Message], fn: Callable[[Any], ChunkSender]
+    ) -> Callable[[bytes, grpc.ServicerContext], Iterator[Message]]:
+        """Server-streaming: errors before the first message map like unary calls; the sender's
+        references are dropped when the stream ends, fails or the client goes away."""
+
+        def handler(raw: bytes, context: grpc.ServicerContext) -> Iterator[Message]:
+            try:
+                sender: ChunkSender = self._call(name, req_cls, fn, raw)
+            except _RpcFailure as f:
+                context.abort(f.code, f.detail)
+                raise AssertionError("unreachable") from None  # abort raises
+            if not context.add_callback(sender.close):
+                # The RPC already ended (client gone): the generator below would never run, so
+                # its finally could not drop the references.
+                sender.close()
+                return iter(())
+            return iter(sender)
+
+        return handler
+
+
+class _RpcFailure(Exception):
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(detail)
+        self.code, self.detail = code, detail
+
+
+def _message_class(name: str) -> type[Message]:
+    cls = getattr(agent_pb2, name)
+    assert isinstance(cls, type) and issubclass(cls, Message)
+    return cls
+
+
+def _advertise(config: AgentConfig, tcp_port: int | None) -> str:
+    if config.advertise_address:
+        return config.advertise_address
+    if tcp_port is None:
+        return ""
+    host = os.environ.get("POD_IP") or socket.gethostname()
+    return f"{host}:{tcp_port}"
+
+
+class AgentServer:
+    """The running agent: core, gRPC server, reaper thread and (optionally) event publisher."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        pod: PodIdentity | None = None,
+        meter: metrics.Meter | None = None,
+        tracer: trace.Tracer | None = None,
+    ) -> None:
+        self.config = config
+        self.events = EventLog(config.event_buffer_size, buffer=bool(config.controller_address))
+        self._pod_arg = pod
+        self._meter, self._tracer = meter, tracer
+        self.server: grpc.Server | None = None
+        self.core: AgentCore | None = None
+        self.publisher: EventPublisher | None = None
+        self.tcp_port: int | None = None
+        self.uds_path: str | None = None
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    def start(self) -> AgentServer:
+        cfg = self.config
+        opts = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.server(
+            ThreadPoolExecutor(cfg.grpc_workers, thread_name_prefix="kvgrid-agent"), options=opts
+        )
+        if cfg.tcp_port >= 0:
+            port = server.add_insecure_port(f"{cfg.tcp_host}:{cfg.tcp_port}")
+            if port == 0:
+                raise ValueError(f"tcp_host/tcp_port {cfg.tcp_host}:{cfg.tcp_port}: cannot bind")
+            self.tcp_port = port
+        if cfg.uds_path:
+            path = Path(cfg.uds_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.is_socket():
+                path.unlink()  # stale socket of a previous run
+            server.add_insecure_port(f"unix:{path}")
+            self.uds_path = str(path)
+        pod = self._pod_arg or PodIdentity.from_env(agent_address=_advertise(cfg, self.tcp_port))
+        self.core = AgentCore(cfg, pod, listener=self.events, meter=self._meter, tracer=self._tracer)
+        servicer = AgentServicer(self.core, self.events)
+        server.add_generic_rpc_handlers((servicer.generic_handler(),))
+        health_servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        server.start()
+        self.server = server
+        self._reaper = threading.Thread(target=self._reap_loop, name="kvgrid-agent-reaper", daemon=True)
+        self._reaper.start()
+        if cfg.controller_address:
+            core = self.core
+            self.publisher = EventPublisher(
+                cfg.controller_address,
+                self.events,
+                pod,
+                namespaces=core.namespaces,
+                l1_capacity_bytes=core.pool.capacity_bytes,
+                load=lambda: _load(core.cache),
+                flush_interval_s=cfg.event_flush_interval_ms / 1000,
+                heartbeat_interval_s=cfg.heartbeat_interval_ms / 1000,
+                initial_backoff_s=cfg.reconnect_initial_backoff_ms / 1000,
+                max_backoff_s=cfg.reconnect_max_backoff_ms / 1000,
+            )
+            core.on_instances_changed = self.publisher.reregister
+            self.publisher.start()
+        log.info(
+            "kvgrid agent %s (epoch %d) serving on %s; L1 %d bytes (%s)",
+            pod.pod_uid,
+            pod.epoch,
+            ", ".join(
+                x
+                for x in (self.uds_path and f"unix:{self.uds_path}", self.tcp_port and f"tcp:{self.tcp_port}")
+                if x
+            ),
+            self.core.pool.capacity_bytes,
+            "pinned" if self.core.pool.pinned else "pageable",
+        )
+        return self
+
+    def _reap_loop(self) -> None:
+        interval = self.config.reaper_interval_ms / 1000
+        while not self._stop.wait(interval):
+            try:
+                assert self.core is not None
+                self.core.reap()
+            except Exception:
+                log.exception("reaper failed")
+
+    def stop(self, grace: float = 2.0) -> None:
+        self._stop.set()
+        if self.publisher is not None:
+            self.publisher.stop()
+        if self.server is not None:
+            self.server.stop(grace).wait()
+        if self.uds_path:
+            Path(self.uds_path).unlink(missing_ok=True)
+        if self.core is not None:
+            self.core.close()
+
+    def wait(self) -> None:
+        while not self._stop.wait(1.0):
+            pass
+
+
+def _load(cache: ChunkCache) -> controller_pb2.AgentLoad:
+    s = cache.stats()
+    return controller_pb2.AgentLoad(l1_used_bytes=s.used_bytes, l1_capacity_bytes=s.capacity_bytes)

@@ -1,0 +1,77 @@
+"""The ``kvgrid`` command.
+
+Each subcommand lives in the module that owns the work; this file only maps names to modules so
+``kvgrid --help`` stays fast (modules, and torch, are imported only for the command that runs).
+A module listed here exposes ``add_arguments(parser)`` and ``run(args) -> int``; the help text is
+the second item of its entry below. Only commands that exist are listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help). Keep alphabetical.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "agent": ("kvgrid.agent.cli", "run the per-GPU agent: L1 chunk cache, store/retrieve/lookup, events"),
+    "controller": ("kvgrid.controller.cli", "run the lookup/controller service (gRPC)"),
+    "demo": ("kvgrid.demo", "start a controller and two agents here and run a multi-turn chat workload"),
+    "lookup": ("kvgrid.controller.lookup_cli", "ask a controller: match a prefix, score pods, agents, stats"),
+}
+
+# kvgrid bench <name> -> (module, one-line help).
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "agent": ("kvgrid.agent.bench", "store/retrieve GB/s through the agent (gRPC + IPC) vs the kernel alone"),
+    "hashing": ("kvgrid.common.hashing_bench", "chunk keys for a long prompt: µs and MB/s of token bytes"),
+    "lookup": ("kvgrid.controller.bench", "MatchPrefix ops/s, p50/p99 over gRPC, ingest rate, bytes/entry"),
+    "transfer": ("kvgrid_kernels.bench", "KV transfer kernels: store/retrieve GB/s vs pinned memcpy"),
+}
+
+
+def _add_group(
+    sub: argparse._SubParsersAction, registry: dict[str, tuple[str, str]], chosen: str | None
+) -> None:
+    for name, (module, help_text) in registry.items():
+        parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            mod = importlib.import_module(module)
+            mod.add_arguments(parser)
+            parser.set_defaults(_run=mod.run)
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgrid",
+        description="kvgrid: disaggregated KV-cache service for LLM inference (agents, lookup, benchmarks).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    words = [a for a in argv if not a.startswith("-")]
+    _add_group(sub, COMMANDS, words[0] if words else None)
+    bench = sub.add_parser(
+        "bench", help="benchmarks that measure a limit in the same run and print the ratio"
+    )
+    bench.set_defaults(_help=bench.print_help)
+    bench_sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    _add_group(bench_sub, BENCHMARKS, words[1] if len(words) > 1 and words[0] == "bench" else None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    run = getattr(args, "_run", None)
+    if run is None:
+        getattr(args, "_help", parser.print_help)()  # `kvgrid bench` alone lists the benchmarks
+        return 2
+    try:
+        return int(run(args) or 0)
+    except (ValueError, TypeError) as exc:
+        # Bad values reach users as one line naming the value, not a traceback.
+        parser.exit(2, f"kvgrid: error: {exc}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

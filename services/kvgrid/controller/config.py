@@ -1,0 +1,106 @@
+"""ControllerConfig: every setting of ``kvgrid controller`` (defaults need no file: embedded index)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from kvgrid.common.hashing import KeyNamespace
+
+__all__ = ["ControllerConfig", "VllmEventSource"]
+
+
+class VllmEventSource(msgspec.Struct, frozen=True):
+    """One vLLM engine's KV-event publisher (``--kv-events-config``), attributed to a pod."""
+
+    pod_uid: Annotated[str, msgspec.Meta(description="UID of the pod whose GPU cache the events describe")]
+    endpoint: Annotated[
+        str, msgspec.Meta(description="ZMQ PUB endpoint to subscribe to, e.g. tcp://10.0.0.5:5557")
+    ]
+    namespace: Annotated[
+        KeyNamespace, msgspec.Meta(description="key namespace used to key the stored tokens")
+    ]
+    replay_endpoint: Annotated[str, msgspec.Meta(description="ZMQ ROUTER replay endpoint ('' = none)")] = ""
+    topic: Annotated[str, msgspec.Meta(description="ZMQ topic prefix to subscribe to ('' = all)")] = ""
+
+
+class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    listen: Annotated[
+        str, msgspec.Meta(description="gRPC listen address host:port (port 0 = any free port)")
+    ] = "127.0.0.1:50061"
+    index_backend: Annotated[str, msgspec.Meta(description="chunk index backend: memory or redis")] = "memory"
+    redis_url: Annotated[str, msgspec.Meta(description="Redis/Valkey URL for index_backend=redis")] = ""
+    redis_prefix: Annotated[str, msgspec.Meta(description="key prefix of the shared index in Redis")] = "kvg:"
+    lease_ttl_ms: Annotated[int, msgspec.Meta(ge=100, description="agent lease; heartbeats renew it")] = (
+        10_000
+    )
+    sweep_interval_ms: Annotated[
+        int, msgspec.Meta(ge=10, description="how often lapsed leases are purged")
+    ] = 250
+    speculative_ttl_ms: Annotated[
+        int, msgspec.Meta(ge=1, description="lifetime of speculative entries from Score(reserve=true)")
+    ] = 2_000
+    max_resync_buffer_events: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description="events kept per pod while its snapshot is pulled; past it they are dropped and "
+            "a newer snapshot is pulled",
+        ),
+    ] = 100_000
+    max_speculative_ttl_ms: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description="longest speculative_ttl_ms a Score request may ask for (ms)",
+        ),
+    ] = 30_000
+    snapshot_timeout_ms: Annotated[int, msgspec.Meta(ge=10, description="deadline of one snapshot pull")] = (
+        5_000
+    )
+    resync_retry_ms: Annotated[
+        int, msgspec.Meta(ge=10, description="pause before retrying a failed pull")
+    ] = 500
+    max_query_chunks: Annotated[int, msgspec.Meta(ge=1, description="most chunk keys in one query")] = 4_096
+    max_query_tokens: Annotated[int, msgspec.Meta(ge=1, description="most token ids in one query")] = 1 << 20
+    max_batch: Annotated[int, msgspec.Meta(ge=1, description="most queries in one batch request")] = 4_096
+    max_event_keys: Annotated[
+        int, msgspec.Meta(ge=1, description="most chunk keys in one PublishEvents message")
+    ] = 1 << 20
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=1024, description="gRPC max message size")] = 64 << 20
+    grpc_workers: Annotated[
+        int, msgspec.Meta(ge=1, description="gRPC handler threads (each open event stream holds one)")
+    ] = 256
+    bytes_per_token: Annotated[
+        int, msgspec.Meta(ge=1, description="KV bytes per token of the model (transfer cost)")
+    ] = 131_072
+    l1_gbps: Annotated[
+        float, msgspec.Meta(gt=0, description="L1 (pinned CPU) -> GPU copy bandwidth, GB/s")
+    ] = 20.0
+    peer_gbps: Annotated[float, msgspec.Meta(gt=0, description="peer L1 -> local fetch bandwidth, GB/s")] = (
+        10.0
+    )
+    peer_latency_ms: Annotated[float, msgspec.Meta(ge=0, description="fixed cost of a peer fetch, ms")] = 1.0
+    prefill_tokens_per_s: Annotated[
+        float, msgspec.Meta(gt=0, description="prefill throughput of one pod, tokens/s")
+    ] = 10_000.0
+    queue_ms_per_running: Annotated[
+        float, msgspec.Meta(ge=0, description="added TTFT per running request on the pod, ms")
+    ] = 5.0
+    queue_ms_per_waiting: Annotated[
+        float, msgspec.Meta(ge=0, description="added TTFT per waiting request on the pod, ms")
+    ] = 50.0
+    vllm_sources: Annotated[
+        list[VllmEventSource], msgspec.Meta(description="vLLM KV-event publishers to subscribe to (YAML)")
+    ] = msgspec.field(default_factory=list)
+    prometheus_port: Annotated[int, msgspec.Meta(ge=0, description="Prometheus scrape port (0 = off)")] = 0
+
+    def __post_init__(self) -> None:
+        if self.index_backend not in ("memory", "redis"):
+            raise ValueError(f"index_backend={self.index_backend!r}: expected 'memory' or 'redis'")
+        if self.index_backend == "redis" and not self.redis_url:
+            raise ValueError("redis_url='': expected a redis:// URL when index_backend='redis'")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"listen={self.listen!r}: expected host:port, e.g. 0.0.0.0:50061")

@@ -1,0 +1,294 @@
+"""Agent event ingest: sequence checking, and snapshot resync when the stream cannot be trusted.
+
+Per pod incarnation (holder) the ingestor keeps the last applied sequence. Events are applied in
+order; a duplicate (sequence <= last) is skipped; a gap, a new stream (reconnect) or an unknown
+incarnation starts a *resync*: a background pull of ``AgentService.Snapshot`` from the agent.
+While it runs, arriving events are buffered; when the snapshot lands, the holder's L1 entries are
+replaced by the snapshot in one atomic index operation and the buffered events with sequence >
+``snapshot.last_sequence`` are applied in order. After that the index equals the agent's truth.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import msgspec
+
+from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2
+from kvgrid.controller.index import ChunkIndex, IndexTier, check_keys
+from kvgrid.controller.registry import AgentRecord, UnknownPodError
+
+__all__ = ["ChunkEvent", "EventKind", "Ingestor", "events_from_proto"]
+
+log = logging.getLogger(__name__)
+
+
+class EventKind(enum.IntEnum):
+    ADMIT = controller_pb2.EVENT_KIND_ADMIT
+    EVICT = controller_pb2.EVENT_KIND_EVICT
+    CLEAR = controller_pb2.EVENT_KIND_CLEAR
+
+
+_TIERS = {common_pb2.TIER_L1: IndexTier.L1, common_pb2.TIER_GPU: IndexTier.GPU}
+
+
+class ChunkEvent(msgspec.Struct, frozen=True):
+    sequence: int
+    kind: EventKind
+    tier: IndexTier | None
+    """None only for CLEAR without a tier (every tier)."""
+    keys: tuple[bytes, ...]
+
+
+def events_from_proto(
+    msgs: Sequence[controller_pb2.ChunkEvent], namespaces: Sequence[str], max_keys: int
+) -> list[ChunkEvent]:
+    """Validate a whole message before anything is applied (bad input changes nothing)."""
+    out: list[ChunkEvent] = []
+    total = 0
+    prev = -1
+    for i, e in enumerate(msgs):
+        if e.sequence <= prev:
+            raise ValueError(
+                f"events[{i}].sequence={e.sequence}: expected strictly increasing sequences (previous {prev})"
+            )
+        prev = e.sequence
+        if e.kind not in (1, 2, 3):
+            raise ValueError(f"events[{i}].kind={e.kind}: expected ADMIT, EVICT or CLEAR")
+        kind = EventKind(e.kind)
+        if e.tier == common_pb2.TIER_UNSPECIFIED and kind is EventKind.CLEAR:
+            tier = None
+        elif e.tier in _TIERS:
+            tier = _TIERS[e.tier]
+        else:
+            raise ValueError(f"events[{i}].tier={e.tier}: expected TIER_L1 or TIER_GPU")
+        if e.namespace and namespaces and e.namespace not in namespaces:
+            raise ValueError(
+                f"events[{i}].namespace={e.namespace!r}: not one of the pod's registered namespaces"
+            )
+        keys = tuple(e.chunk_keys)
+        check_keys(keys, f"events[{i}].chunk_keys")
+        total += len(keys)
+        if total > max_keys:
+            raise ValueError(f"message carries more than max_event_keys={max_keys} chunk keys")
+        out.append(ChunkEvent(sequence=e.sequence, kind=kind, tier=tier, keys=keys))
+    return out
+
+
+class _PodState:
+    def __init__(self, record: AgentRecord) -> None:
+        self.record = record
+        self.lock = threading.Lock()
+        self.last_applied = 0
+        self.synced = False
+        self.resyncing = False
+        self.buffer: list[ChunkEvent] = []
+        # Events were dropped from a full buffer: the snapshot being pulled may predate them.
+        self.overflowed = False
+        self.generation = 0
+
+
+SnapshotFn = Callable[[AgentRecord, float], agent_pb2.SnapshotResponse]
+
+
+def grpc_snapshot(channels: dict[str, grpc.Channel], lock: threading.Lock) -> SnapshotFn:
+    """Pull ``AgentService.Snapshot`` from ``record.pod.agent_address`` (channels cached per address)."""
+
+    def pull(record: AgentRecord, timeout_s: float) -> agent_pb2.SnapshotResponse:
+        addr = record.pod.agent_address
+        if not addr:
+            raise ValueError(f"pod {record.pod.pod_uid!r} registered without agent_address; cannot pull")
+        with lock:
+            ch = channels.get(addr)
+            if ch is None:
+                ch = channels[addr] = grpc.insecure_channel(
+                    addr, options=[("grpc.max_receive_message_length", 256 << 20)]
+                )
+        return agent_pb2_grpc.AgentServiceStub(ch).Snapshot(agent_pb2.SnapshotRequest(), timeout=timeout_s)
+
+    return pull
+
+
+class Ingestor:
+    """Applies agent events to the index; owns resyncs. Thread-safe."""
+
+    def __init__(
+        self,
+        index: ChunkIndex,
+        snapshot: SnapshotFn,
+        *,
+        snapshot_timeout_s: float = 5.0,
+        retry_s: float = 0.5,
+        on_namespaces: Callable[[AgentRecord, Sequence[str]], None] | None = None,
+        max_buffered_events: int = 100_000,
+    ) -> None:
+        self.index = index
+        self._max_buffered = max_buffered_events
+        self._snapshot = snapshot
+        self._timeout = snapshot_timeout_s
+        self._retry = retry_s
+        self._on_namespaces = on_namespaces
+        self._pods: dict[str, _PodState] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvgrid-resync")
+        self._closed = threading.Event()
+        self.events_applied = 0
+        self.resyncs = 0
+
+    def _state(self, record: AgentRecord) -> _PodState:
+        with self._lock:
+            st = self._pods.get(record.holder)
+            if st is None or (st.record.dropped and st.record is not record):
+                # A re-registration of a dropped incarnation starts from scratch.
+                st = self._pods[record.holder] = _PodState(record)
+            return st
+
+    def forget(self, holder: str) -> None:
+        with self._lock:
+            st = self._pods.pop(holder, None)
+        if st is not None:
+            with st.lock:
+                st.generation += 1  # an in-flight pull for it is discarded
+                st.buffer.clear()
+
+    def last_sequence(self, holder: str) -> int:
+        st = self._pods.get(holder)
+        return st.last_applied if st else 0
+
+    def is_synced(self, holder: str) -> bool:
+        st = self._pods.get(holder)
+        return bool(st and st.synced and not st.resyncing)
+
+    # --- events -------------------------------------------------------------------------------
+    def request_resync(self, record: AgentRecord) -> bool:
+        """Start a pull unless one is running; returns True if one is (now) in flight."""
+        st = self._state(record)
+        with st.lock:
+            return self._start_resync_locked(st)
+
+    def _start_resync_locked(self, st: _PodState) -> bool:
+        if not st.resyncing and not self._closed.is_set():
+            st.resyncing = True
+            st.generation += 1
+            self._pool.submit(self._resync, st, st.generation)
+        return True
+
+    def publish(
+        self, record: AgentRecord, events: Sequence[ChunkEvent], new_stream: bool
+    ) -> tuple[int, bool]:
+        """Apply (or buffer) events; returns (acked sequence, resync started/running)."""
+        st = self._state(record)
+        with st.lock:
+            if record.dropped:  # lease lapsed or replaced while this stream was open
+                raise UnknownPodError(
+                    f"pod {record.holder!r}: no longer registered (lease lapsed?); register again"
+                )
+            if new_stream or not st.synced:
+                self._start_resync_locked(st)
+            if st.resyncing:
+                self._buffer_locked(st, events)
+                return st.last_applied, True
+            for i, e in enumerate(events):
+                if e.sequence <= st.last_applied:
+                    continue
+                if e.sequence != st.last_applied + 1:
+                    log.info(
+                        "pod %s: sequence gap (expected %d, got %d): resync",
+                        record.holder,
+                        st.last_applied + 1,
+                        e.sequence,
+                    )
+                    self._buffer_locked(st, events[i:])
+                    self._start_resync_locked(st)
+                    return st.last_applied, True
+                self._apply(record.holder, e)
+                st.last_applied = e.sequence
+            return st.last_applied, False
+
+    def _buffer_locked(self, st: _PodState, events: Sequence[ChunkEvent]) -> None:
+        """Keep events for after the snapshot, within a bound. Past it they are dropped and the
+        pull is repeated once it lands: a snapshot that starts after the drop covers them."""
+        st.buffer.extend(events)
+        if len(st.buffer) > self._max_buffered:
+            log.warning(
+                "pod %s: %d events buffered while resyncing (max %d): dropped; pulling a newer snapshot",
+                st.record.holder,
+                len(st.buffer),
+                self._max_buffered,
+            )
+            st.buffer.clear()
+            st.overflowed = True
+
+    def _apply(self, holder: str, e: ChunkEvent) -> None:
+        if e.kind is EventKind.ADMIT:
+            assert e.tier is not None
+            self.index.add(holder, e.tier, e.keys)
+        elif e.kind is EventKind.EVICT:
+            assert e.tier is not None
+            self.index.remove(holder, e.tier, e.keys)
+        else:
+            for tier in (e.tier,) if e.tier is not None else tuple(IndexTier):
+                self.index.replace(holder, tier, ())
+        self.events_applied += len(e.keys) or 1
+
+    # --- resync -------------------------------------------------------------------------------
+    def _resync(self, st: _PodState, generation: int) -> None:
+        rec = st.record
+        while not self._closed.is_set():
+            try:
+                snap = self._snapshot(rec, self._timeout)
+                if snap.pod.pod_uid != rec.pod.pod_uid or snap.pod.epoch != rec.pod.epoch:
+                    raise ValueError(
+                        f"agent at {rec.pod.agent_address} is {snap.pod.pod_uid}/{snap.pod.epoch}, "
+                        f"expected {rec.holder}"
+                    )
+                keys = list(snap.chunk_keys)
+                check_keys(keys, "snapshot.chunk_keys")
+            except (grpc.RpcError, ValueError) as exc:
+                log.warning("snapshot pull from %s failed: %s", rec.holder, exc)
+                if self._closed.wait(self._retry):
+                    return
+                with st.lock:
+                    if st.generation != generation:
+                        return
+                continue
+            with st.lock:
+                if st.generation != generation or rec.dropped:
+                    return  # superseded (forgotten pod, newer pull)
+                if st.overflowed:
+                    st.overflowed = False
+                    continue  # this snapshot may predate the dropped events: pull again
+                if self._on_namespaces is not None and snap.namespaces:
+                    self._on_namespaces(rec, list(snap.namespaces))
+                self.index.replace(rec.holder, IndexTier.L1, keys)
+                last = snap.last_sequence
+                pending = sorted(st.buffer, key=lambda e: e.sequence)
+                st.buffer.clear()
+                for j, e in enumerate(pending):
+                    if e.sequence <= last:
+                        continue
+                    if e.sequence != last + 1:
+                        # A gap inside the buffered events: what we have is still older truth.
+                        st.buffer.extend(pending[j:])
+                        st.last_applied = last
+                        st.generation += 1
+                        generation = st.generation
+                        break
+                    self._apply(rec.holder, e)
+                    last = e.sequence
+                else:
+                    st.last_applied = last
+                    st.synced = True
+                    st.resyncing = False
+                    self.resyncs += 1
+                    return
+            # loop again for the gap case
+
+    def close(self) -> None:
+        self._closed.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,216 @@
+"""Prefix matching (pure functions, no storage): a batch of queries at once, or one PrefixView.
+
+Semantics (docs/controller.md): for pod ``P`` chunk ``i`` is *available* when ``P`` holds it in GPU
+or in its own L1, or some other pod holds it in L1 (peer-fetchable). ``P``'s match is the longest
+run of available leading chunks, and each matched chunk counts in the fastest tier that has it:
+GPU, then own L1, then peer. Because any L1 holder makes a chunk available to *every* pod, a chunk
+is available to all pods when its L1 mask is non-zero, and only to its GPU holders otherwise.
+
+:func:`match_batch` (the service's path) does this for a whole batch with one fixed set of numpy
+calls over the holder bitmasks as uint64 words ``[chunk, query, word]``: the per-pod "still
+matching" mask is a running AND over chunks of the words, and per-pod counts come from unpacking
+the masks to bits once and summing over chunks. Its cost hardly depends on the number of pods.
+:func:`match_prefix` does one :class:`PrefixView` with Python big ints (bit-sliced counters); it
+is the reference the batch path is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from kvgrid.controller.index import PrefixView
+
+__all__ = ["BatchMatch", "PodPrefix", "PrefixMatch", "match_batch", "match_prefix"]
+
+
+class PodPrefix(msgspec.Struct, frozen=True):
+    """Leading chunks matched on one holder slot, by the fastest tier holding each."""
+
+    slot: int
+    gpu: int
+    l1: int
+    peer: int
+
+    @property
+    def total(self) -> int:
+        return self.gpu + self.l1 + self.peer
+
+
+class PrefixMatch(msgspec.Struct, frozen=True):
+    """``pods``: every eligible slot holding at least one matched chunk itself, longest first.
+
+    ``peer_fetchable``: leading chunks held in L1 by someone, i.e. the match of any eligible pod
+    that is not in ``pods`` (all of it peer).
+    """
+
+    pods: list[PodPrefix]
+    peer_fetchable: int
+
+
+def _add(planes: list[int], x: int) -> None:
+    """Add the bitset ``x`` (one bit per slot) to the bit-sliced counters ``planes``."""
+    i = 0
+    while x:
+        if i == len(planes):
+            planes.append(0)
+        p = planes[i]
+        planes[i] = p ^ x
+        x &= p
+        i += 1
+
+
+def _per_slot(planes: list[int], nbytes: int) -> np.ndarray:
+    """Counter value per slot from bit-planes (vector indexed by slot)."""
+    if not planes:
+        return np.zeros(nbytes * 8, dtype=np.int64)
+    raw = b"".join(p.to_bytes(nbytes, "little") for p in planes)
+    bits = np.unpackbits(
+        np.frombuffer(raw, dtype=np.uint8).reshape(len(planes), nbytes), axis=1, bitorder="little"
+    )
+    weights = (1 << np.arange(len(planes), dtype=np.int64))[:, None]
+    return (bits.astype(np.int64) * weights).sum(axis=0)
+
+
+def match_prefix(view: PrefixView, eligible: int) -> PrefixMatch:
+    """Match of every slot in the bitmask ``eligible`` (see the module docstring)."""
+    l1s, gpus = view.l1, view.gpu
+    n = len(l1s)
+    peer_fetchable = n
+    for i, m in enumerate(l1s):
+        if not m:
+            peer_fetchable = i
+            break
+    owners = 0
+    for a, b in zip(l1s, gpus, strict=True):
+        owners |= a | b
+    owners &= eligible
+    if not owners:
+        return PrefixMatch(pods=[], peer_fetchable=peer_fetchable)
+    alive = owners
+    ends: dict[int, int] = {}
+    gplanes: list[int] = []
+    lplanes: list[int] = []
+    for i in range(n):
+        l1, g = l1s[i], gpus[i]
+        if not l1:
+            dead = alive & ~g
+            if dead:
+                while dead:
+                    b = dead & -dead
+                    ends[b.bit_length() - 1] = i
+                    dead ^= b
+                alive &= g
+                if not alive:
+                    break
+        _add(gplanes, alive & g)
+        _add(lplanes, alive & l1 & ~g)
+    while alive:
+        b = alive & -alive
+        ends[b.bit_length() - 1] = n
+        alive ^= b
+    nbytes = (owners.bit_length() + 7) // 8
+    gc = _per_slot(gplanes, nbytes)
+    lc = _per_slot(lplanes, nbytes)
+    pods = []
+    for slot, end in ends.items():
+        g, lo = int(gc[slot]), int(lc[slot])
+        if g or lo:
+            pods.append(PodPrefix(slot=slot, gpu=g, l1=lo, peer=end - g - lo))
+    pods.sort(key=lambda p: (-p.total, -p.gpu, -p.l1, p.slot))
+    return PrefixMatch(pods=pods, peer_fetchable=peer_fetchable)
+
+
+class BatchMatch(msgspec.Struct, frozen=True):
+    """Matches of a batch of queries, flattened into parallel int64 arrays (cheap to slice and encode).
+
+    ``pods``: the slots listed in any answer of the batch, ascending. Query ``b``'s answer is entries
+    ``offsets[b]:offsets[b + 1]`` of ``pod_index`` (index into ``pods``), ``gpu``, ``l1``, ``peer``,
+    ordered as :attr:`PrefixMatch.pods`; ``peer_fetchable[b]`` as :attr:`PrefixMatch.peer_fetchable`.
+    """
+
+    pods: np.ndarray
+    offsets: np.ndarray
+    pod_index: np.ndarray
+    gpu: np.ndarray
+    l1: np.ndarray
+    peer: np.ndarray
+    peer_fetchable: np.ndarray
+
+    def query(self, b: int) -> PrefixMatch:
+        """Query ``b``'s answer as a :class:`PrefixMatch`."""
+        lo, hi = int(self.offsets[b]), int(self.offsets[b + 1])
+        slots = self.pods[self.pod_index[lo:hi]].tolist()
+        rows = zip(
+            slots, self.gpu[lo:hi].tolist(), self.l1[lo:hi].tolist(), self.peer[lo:hi].tolist(), strict=True
+        )
+        pods = [PodPrefix(slot=s, gpu=g, l1=lo1, peer=p) for s, g, lo1, p in rows]
+        return PrefixMatch(pods=pods, peer_fetchable=int(self.peer_fetchable[b]))
+
+
+_ALL = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+
+
+def match_batch(words: np.ndarray, eligible: np.ndarray, max_pods: Sequence[int] = ()) -> BatchMatch:
+    """Match every query of a batch (see the module docstring).
+
+    ``words``: uint64 ``[n, B, 2 * W]`` as :attr:`kvgrid.controller.index.BatchView.words` (L1 words,
+    then GPU words, per chunk and query). ``eligible``: bool ``[B, 64 * W]``, the slots each query
+    may list. ``max_pods``: per query, at most this many pods (0 = all); empty = all for every query.
+    """
+    n, nq, w2 = words.shape
+    nw = w2 // 2
+    ns = 64 * nw
+    if eligible.shape != (nq, ns):
+        raise ValueError(f"eligible: shape {eligible.shape}, expected {(nq, ns)} (queries, 64 * words)")
+    if max_pods and len(max_pods) != nq:
+        raise ValueError(f"max_pods: {len(max_pods)} limits, expected one per query ({nq})")
+    if n == 0 or nq == 0:
+        none = np.zeros(0, dtype=np.int64)
+        return BatchMatch(
+            none, np.zeros(nq + 1, dtype=np.int64), none, none, none, none, np.zeros(nq, np.int64)
+        )
+    l1, gpu = words[:, :, :nw], words[:, :, nw:]
+    # [n, B]: someone holds the chunk in L1, so every pod may fetch it
+    l1_any = np.not_equal(l1[:, :, 0], 0) if nw == 1 else np.any(l1, axis=2)
+    planes = np.empty((n, 3, nq, nw), dtype="<u8")  # per chunk: still matching, of them GPU, own L1
+    alive = planes[:, 0]
+    np.bitwise_and.accumulate(np.where(l1_any[:, :, None], _ALL, gpu), axis=0, out=alive)
+    np.bitwise_and(alive, gpu, out=planes[:, 1])
+    np.bitwise_and(alive, l1 & ~gpu, out=planes[:, 2])
+    peer_fetchable = np.logical_and.accumulate(l1_any, axis=0).sum(axis=0)
+    bits = np.unpackbits(planes.view(np.uint8), axis=-1, bitorder="little")  # [n, 3, B, slots]
+    counts = bits.sum(axis=0, dtype=np.uint8 if n < 256 else np.int64)  # [3, B, slots]
+    end, g, lo = counts  # per (query, slot): matched chunks, of them GPU, of them own L1
+    listed = eligible & (g + lo > 0)
+    # Longest first, then more GPU, then more own L1, then lower slot (stable sort), unlisted last.
+    if n < 256:  # one uint32 key per pod: bytes (own L1, GPU, matched, listed), compared descending
+        key = np.empty((nq, ns, 4), dtype=np.uint8)
+        key[:, :, 0], key[:, :, 1], key[:, :, 2], key[:, :, 3] = lo, g, end, listed
+        order = np.argsort(~key.view("<u4")[:, :, 0], axis=1, kind="stable")
+    else:
+        order = np.lexsort((-lo, -g, -end, ~listed), axis=-1)
+    per_query = listed.sum(axis=1)
+    if max_pods:
+        limits = np.asarray(max_pods, dtype=np.int64)
+        per_query = np.where(limits > 0, np.minimum(per_query, limits), per_query)
+    keep = np.arange(ns) < per_query[:, None]
+    slot = order[keep]
+    flat = (order + np.arange(0, nq * ns, ns)[:, None])[keep]  # listed pods as (query, slot) indices
+    egl = counts.reshape(3, nq * ns)[:, flat].astype(np.int64)  # [3, K]: matched, GPU, own L1
+    used = np.zeros(ns, dtype=bool)
+    used[slot] = True
+    pod_index = (np.cumsum(used) - 1)[slot]
+    offsets = np.zeros(nq + 1, dtype=np.int64)
+    np.cumsum(per_query, out=offsets[1:])
+    return BatchMatch(
+        pods=np.flatnonzero(used),
+        offsets=offsets,
+        pod_index=pod_index,
+        gpu=egl[1],
+        l1=egl[2],
+        peer=egl[0] - egl[1] - egl[2],
+        peer_fetchable=peer_fetchable.astype(np.int64, copy=False),
+    )

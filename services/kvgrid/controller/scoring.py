@@ -1,0 +1,94 @@
+"""Routing score: estimated time to first token (TTFT) per pod. Pure functions; never touches storage.
+
+For a query of ``T`` tokens (``n`` full chunks of ``C`` tokens, ``B`` KV bytes per chunk) and a pod
+whose match is ``g`` GPU + ``l`` own-L1 + ``p`` peer chunks::
+
+    l1_ms    = (l + p) * min(B / l1_bw, C / prefill_rate)       L1 -> GPU copy (peer chunks land in L1 first)
+    peer_ms  = p * min(B / peer_bw, C / prefill_rate) + (peer_latency if p else 0)
+    prefill  = (T - (g + l + p) * C) / prefill_rate              the unmatched tail is computed
+    queue_ms = running * q_run + waiting * q_wait                reported load
+    ttft     = l1_ms + peer_ms + prefill + queue_ms
+
+``min(transfer, recompute)`` per chunk: a chunk that is slower to fetch than to recompute would be
+recomputed by the engine, so it never makes a pod look worse than a miss. GPU chunks cost nothing.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvgrid.controller.config import ControllerConfig
+from kvgrid.controller.registry import AgentLoad
+
+__all__ = ["Candidate", "Estimate", "ScoreParams", "estimate", "rank"]
+
+
+class ScoreParams(msgspec.Struct, frozen=True):
+    bytes_per_token: int
+    l1_gbps: float
+    peer_gbps: float
+    peer_latency_ms: float
+    prefill_tokens_per_s: float
+    queue_ms_per_running: float
+    queue_ms_per_waiting: float
+
+    @classmethod
+    def from_config(cls, cfg: ControllerConfig) -> ScoreParams:
+        return cls(
+            bytes_per_token=cfg.bytes_per_token,
+            l1_gbps=cfg.l1_gbps,
+            peer_gbps=cfg.peer_gbps,
+            peer_latency_ms=cfg.peer_latency_ms,
+            prefill_tokens_per_s=cfg.prefill_tokens_per_s,
+            queue_ms_per_running=cfg.queue_ms_per_running,
+            queue_ms_per_waiting=cfg.queue_ms_per_waiting,
+        )
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    pod_uid: str
+    pod_name: str
+    gpu: int
+    l1: int
+    peer: int
+    load: AgentLoad
+
+
+class Estimate(msgspec.Struct, frozen=True):
+    candidate: Candidate
+    ttft_ms: float
+    l1_transfer_ms: float
+    peer_transfer_ms: float
+    prefill_ms: float
+    queue_ms: float
+
+
+def estimate(c: Candidate, p: ScoreParams, query_tokens: int, tokens_per_chunk: int) -> Estimate:
+    chunk_bytes = p.bytes_per_token * tokens_per_chunk
+    recompute_ms = tokens_per_chunk / p.prefill_tokens_per_s * 1000.0
+    l1_chunk_ms = min(chunk_bytes / (p.l1_gbps * 1e9) * 1000.0, recompute_ms)
+    peer_chunk_ms = min(chunk_bytes / (p.peer_gbps * 1e9) * 1000.0, recompute_ms)
+    l1_ms = (c.l1 + c.peer) * l1_chunk_ms
+    peer_ms = c.peer * peer_chunk_ms + (p.peer_latency_ms if c.peer else 0.0)
+    matched_tokens = (c.gpu + c.l1 + c.peer) * tokens_per_chunk
+    prefill_ms = max(0, query_tokens - matched_tokens) / p.prefill_tokens_per_s * 1000.0
+    queue_ms = (
+        c.load.running_requests * p.queue_ms_per_running + c.load.waiting_requests * p.queue_ms_per_waiting
+    )
+    return Estimate(
+        candidate=c,
+        ttft_ms=l1_ms + peer_ms + prefill_ms + queue_ms,
+        l1_transfer_ms=l1_ms,
+        peer_transfer_ms=peer_ms,
+        prefill_ms=prefill_ms,
+        queue_ms=queue_ms,
+    )
+
+
+def rank(
+    candidates: list[Candidate], p: ScoreParams, query_tokens: int, tokens_per_chunk: int
+) -> list[Estimate]:
+    """Estimates, best (lowest TTFT) first; ties prefer more GPU chunks, then the pod UID."""
+    ests = [estimate(c, p, query_tokens, tokens_per_chunk) for c in candidates]
+    ests.sort(key=lambda e: (e.ttft_ms, -e.candidate.gpu, e.candidate.pod_uid))
+    return ests

@@ -1,0 +1,529 @@
+"""``kvgrid demo``: a controller and two agents on this machine, driven by a multi-turn chat workload.
+
+Everything is real except the model: the controller and the agents are the ``kvgrid controller`` /
+``kvgrid agent`` processes, talking gRPC over loopback and Unix sockets, and each "engine" owns
+paged KV tensors of a small hybrid model (full-attention and sliding-window layers, two engine
+groups with different block sizes) in shared memory, exactly as the vLLM connector registers them.
+Instead of running a model, "prefill" writes KV bytes derived from each chunk's key, so every chunk
+read back from an agent can be checked bit for bit against what prefill would have produced.
+
+Per request: the router asks the controller's ``Score`` to rank the pods, the
+engine on that pod asks its agent how many leading chunks it holds (``Lookup``), loads them into
+freshly allocated blocks (``Retrieve``), "prefills" the rest and stores the new full chunks
+(``Store``); the agent streams admit events to the controller, which the next ``Score`` sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from kvgrid.agent.client import AgentClient
+from kvgrid.agent.tensors import allocate_shared_tensor
+from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.common.groups import EngineGroupInfo
+from kvgrid.common.hashing import KeyNamespace, chunk_keys
+from kvgrid.common.wire import key_namespace_to_proto
+
+__all__ = ["DemoSettings", "add_arguments", "run", "run_demo"]
+
+# The model: 8 layers alternating full attention (engine group 0, 16 tokens per block) and
+# sliding-window attention (engine group 1, 32 tokens per block, 1024-token window), FlashInfer
+# layout [num_blocks, 2, block_size, kv_heads, head_size], bf16.
+NUM_LAYERS = 8
+KV_HEADS = 4
+HEAD_SIZE = 64
+TOKENS_PER_CHUNK = 256
+BLOCK_SIZE = (16, 32)  # per engine group
+SLIDING_WINDOW = 1024
+GROUPS = [
+    EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(0, NUM_LAYERS, 2)), tokens_per_block=16),
+    EngineGroupInfo(
+        engine_group_id=1,
+        layer_indices=tuple(range(1, NUM_LAYERS, 2)),
+        tokens_per_block=32,
+        sw_size_tokens=SLIDING_WINDOW,
+    ),
+]
+HINTS = [{"backend": "FLASHINFER", "kv_layout": "NHD"}] * NUM_LAYERS
+NAMESPACE = KeyNamespace(
+    model="kvgrid-demo-hybrid-8l", tokens_per_chunk=TOKENS_PER_CHUNK, kv_identity="bf16-fi"
+)
+VOCAB = 128_000
+# Most a pod takes of the requests so far, relative to its fair share (see serve_request).
+LOAD_BOUND = 1.25
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    conversations: int = 24
+    turns: int = 4
+    system_prompts: int = 3
+    system_tokens: int = 3072
+    user_tokens: int = 320
+    reply_tokens: int = 160
+    pods: int = 2
+    blocks_per_engine: int = 1536
+    l1_size: str = "512MiB"
+    seed: int = 0
+
+
+@dataclass
+class Totals:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    chunks_retrieved: int = 0
+    chunks_from_peers: int = 0
+    chunks_stored: int = 0
+    chunks_verified: int = 0
+    chunks_corrupt: int = 0
+    bytes_retrieved: int = 0
+    bytes_stored: int = 0
+    retrieve_s: float = 0.0
+    store_s: float = 0.0
+    score_ms: list[float] = field(default_factory=list)
+    lookup_ms: list[float] = field(default_factory=list)
+    routed_to_holder: int = 0
+    requests_with_holder: int = 0
+    per_pod: dict[str, int] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_channel(target: str, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as ch:
+        while True:
+            try:
+                grpc.channel_ready_future(ch).result(timeout=0.5)
+                return
+            except grpc.FutureTimeoutError:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{what} exited with code {proc.returncode} before it served"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{what} did not serve on {target} within {timeout_s:.0f} s") from None
+
+
+class Engine:
+    """One pod's stand-in engine worker: KV tensors in shared memory, a block allocator, an agent client."""
+
+    def __init__(self, pod: int, shm_dir: Path, uds: str, blocks: int) -> None:
+        self.pod_uid = f"demo-pod-{pod}"
+        self.instance_id = f"engine-{pod}"
+        self.num_blocks = (blocks, blocks // 2)  # group 1 blocks hold twice the tokens
+        self.tensors: list[torch.Tensor] = []
+        paths = []
+        for layer in range(NUM_LAYERS):
+            g = layer % 2
+            path = shm_dir / f"pod{pod}-layer{layer}.kv"
+            shape = (self.num_blocks[g], 2, BLOCK_SIZE[g], KV_HEADS, HEAD_SIZE)
+            self.tensors.append(allocate_shared_tensor(path, shape, torch.bfloat16))
+            paths.append(str(path))
+        self.free = [list(range(n)) for n in self.num_blocks]
+        self.client = AgentClient(uds, timeout_s=60)
+        self.client.wait_ready(60)
+        self.client.register_kv_caches(
+            self.instance_id,
+            self.tensors,
+            namespace=NAMESPACE,
+            engine_groups=GROUPS,
+            shm_paths=paths,
+            layout_hints=HINTS,
+        )
+
+    def allocate(self, num_tokens: int) -> list[list[int]]:
+        ids = []
+        for g, bs in enumerate(BLOCK_SIZE):
+            need = -(-num_tokens // bs)
+            if need > len(self.free[g]):
+                raise RuntimeError(f"engine out of blocks: need {need}, {len(self.free[g])} free")
+            ids.append([self.free[g].pop() for _ in range(need)])
+        return ids
+
+    def release(self, ids: list[list[int]]) -> None:
+        for g, group_ids in enumerate(ids):
+            self.free[g].extend(group_ids)
+
+    def chunk_blocks(self, ids: list[list[int]], layer: int, chunk: int) -> torch.Tensor:
+        g = layer % 2
+        per = TOKENS_PER_CHUNK // BLOCK_SIZE[g]
+        return torch.tensor(ids[g][chunk * per : (chunk + 1) * per])
+
+    def close(self) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            self.client.unregister_kv_caches(self.instance_id)
+        self.client.close()
+
+
+def expected_chunk(key: bytes, layer: int, like: torch.Tensor) -> torch.Tensor:
+    """The KV bytes "prefill" writes for one chunk of one layer: a pattern seeded by the chunk key."""
+    seed = int.from_bytes(key[:6], "little") ^ (layer * 0x9E3779B1)
+    n = like.numel()
+    bits = (torch.arange(n, dtype=torch.int64) * 0x9E3779B1 + seed) & 0xFFFF
+    # Keep bf16 bit patterns finite (clear the top exponent bit) so nothing compares as NaN.
+    return (bits & 0xBFFF).to(torch.int16).view(torch.bfloat16).view_as(like)
+
+
+def prefill(engine: Engine, keys: Sequence[bytes], ids: list[list[int]], first_chunk: int) -> None:
+    for c in range(first_chunk, len(keys)):
+        for layer, t in enumerate(engine.tensors):
+            blocks = engine.chunk_blocks(ids, layer, c)
+            t[blocks] = expected_chunk(keys[c], layer, t[blocks])
+
+
+def verify(engine: Engine, keys: Sequence[bytes], ids: list[list[int]], num_chunks: int) -> tuple[int, int]:
+    good = bad = 0
+    for c in range(num_chunks):
+        ok = True
+        for layer, t in enumerate(engine.tensors):
+            got = t[engine.chunk_blocks(ids, layer, c)]
+            want = expected_chunk(keys[c], layer, got)
+            ok &= torch.equal(got.view(torch.int16), want.view(torch.int16))
+        good, bad = (good + 1, bad) if ok else (good, bad + 1)
+    return good, bad
+
+
+def workload(s: DemoSettings) -> Iterator[tuple[int, list[int]]]:
+    """(conversation, prompt tokens) in arrival order: turns interleave across conversations."""
+    rng = random.Random(s.seed)
+    systems = [[rng.randrange(VOCAB) for _ in range(s.system_tokens)] for _ in range(s.system_prompts)]
+    history = [list(systems[c % s.system_prompts]) for c in range(s.conversations)]
+    for _turn in range(s.turns):
+        order = list(range(s.conversations))
+        rng.shuffle(order)
+        for conv in order:
+            history[conv] += [rng.randrange(VOCAB) for _ in range(s.user_tokens)]
+            yield conv, list(history[conv])
+            history[conv] += [rng.randrange(VOCAB) for _ in range(s.reply_tokens)]
+
+
+def serve_request(
+    stub: controller_pb2_grpc.ControllerServiceStub,
+    engines: dict[str, Engine],
+    prompt: list[int],
+    rid: str,
+    t: Totals,
+) -> None:
+    ns = key_namespace_to_proto(NAMESPACE)
+    t0 = time.perf_counter()
+    resp = stub.Score(
+        controller_pb2.ScoreRequest(
+            match=controller_pb2.MatchPrefixRequest(token_ids=common_pb2.TokenIds(ids=prompt), namespace=ns),
+            # No reservation: this router may override the controller's tie-break (below), and a
+            # reservation would mark the controller's pick, not ours.
+            reserve=False,
+        ),
+        timeout=10,
+    )
+    t.score_ms.append((time.perf_counter() - t0) * 1000)
+    # Like a router: lowest estimated TTFT first, under a bounded load (no pod takes more than
+    # LOAD_BOUND times its fair share of the requests so far: "consistent hashing with bounded
+    # loads"); among pods within 2% of the best TTFT, the one that has served the fewest. The demo
+    # runs one request at a time, so the load the agents report is flat and the router counts.
+    scored = [sc for sc in resp.scores if sc.match.pod_uid in engines]
+    cap = math.ceil(LOAD_BOUND * (t.requests + 1) / len(engines))
+    scored = [sc for sc in scored if t.per_pod.get(sc.match.pod_uid, 0) < cap] or scored
+    best = None
+    if scored:
+        cutoff = scored[0].estimated_ttft_ms * 1.02
+        best = min(
+            (sc.match for sc in scored if sc.estimated_ttft_ms <= cutoff),
+            key=lambda m: t.per_pod.get(m.pod_uid, 0),
+        )
+    engine = engines[best.pod_uid] if best is not None else next(iter(engines.values()))
+    matched_anywhere = max((s.match.gpu_chunks + s.match.l1_chunks for s in resp.scores), default=0)
+    if matched_anywhere:
+        t.requests_with_holder += 1
+        if best is not None and best.gpu_chunks + best.l1_chunks == matched_anywhere:
+            t.routed_to_holder += 1
+    t.per_pod[engine.pod_uid] = t.per_pod.get(engine.pod_uid, 0) + 1
+
+    keys = chunk_keys(prompt, NAMESPACE)
+    ids = engine.allocate(len(prompt))
+    try:
+        t0 = time.perf_counter()
+        found = engine.client.lookup(engine.instance_id, rid, keys)
+        hits = found.num_hit_chunks
+        t.lookup_ms.append((time.perf_counter() - t0) * 1000)
+        t.chunks_from_peers += found.num_peer_chunks
+        got = 0
+        if hits:
+            t0 = time.perf_counter()
+            res = engine.client.retrieve(engine.instance_id, rid, keys[:hits], ids)
+            t.retrieve_s += time.perf_counter() - t0
+            got = res.num_retrieved_chunks
+            t.bytes_retrieved += res.bytes_moved
+            good, bad = verify(engine, keys, ids, got)
+            t.chunks_verified += good
+            t.chunks_corrupt += bad
+        else:
+            engine.client.release(engine.instance_id, rid)
+        prefill(engine, keys, ids, got)
+        t0 = time.perf_counter()
+        stored = engine.client.store(engine.instance_id, keys, ids, skip_first_n_chunks=got)
+        t.store_s += time.perf_counter() - t0
+        t.chunks_retrieved += got
+        t.chunks_stored += stored.num_stored_chunks - stored.num_already_present
+        t.bytes_stored += stored.bytes_moved
+        t.requests += 1
+        t.prompt_tokens += len(prompt)
+        t.cached_tokens += got * TOKENS_PER_CHUNK
+    finally:
+        engine.release(ids)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(
+    t: Totals, s: DemoSettings, wall_s: float, stats: controller_pb2.GetStatsResponse
+) -> dict[str, object]:
+    gb = 1e9
+    return {
+        "requests": t.requests,
+        "prompt_tokens": t.prompt_tokens,
+        "cached_tokens": t.cached_tokens,
+        "hit_rate": t.cached_tokens / t.prompt_tokens if t.prompt_tokens else 0.0,
+        "chunks_retrieved": t.chunks_retrieved,
+        "chunks_from_peers": t.chunks_from_peers,
+        "chunks_stored": t.chunks_stored,
+        "chunks_verified": t.chunks_verified,
+        "chunks_corrupt": t.chunks_corrupt,
+        "bytes_moved": t.bytes_retrieved + t.bytes_stored,
+        "retrieve_gbps": t.bytes_retrieved / t.retrieve_s / gb if t.retrieve_s else 0.0,
+        "store_gbps": t.bytes_stored / t.store_s / gb if t.store_s else 0.0,
+        "score_ms_p50": statistics.median(t.score_ms) if t.score_ms else 0.0,
+        "score_ms_p99": _pct(t.score_ms, 0.99),
+        "agent_lookup_ms_p50": statistics.median(t.lookup_ms) if t.lookup_ms else 0.0,
+        "routed_to_holder": t.routed_to_holder,
+        "requests_with_holder": t.requests_with_holder,
+        "requests_per_pod": dict(sorted(t.per_pod.items())),
+        "controller_entries": stats.num_entries,
+        "controller_agents": stats.num_agents,
+        "wall_s": wall_s,
+        "pods": s.pods,
+    }
+
+
+def run_demo(s: DemoSettings, *, progress: bool = True, log_dir: Path | None = None) -> dict[str, object]:
+    """Start the processes, run the workload, stop everything; returns the summary."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    work = Path(tempfile.mkdtemp(prefix="kvgrid-demo-"))
+    shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
+    shm_dir = Path(tempfile.mkdtemp(prefix="kvgrid-demo-", dir=shm_root))
+    logs = log_dir or work
+    procs: list[subprocess.Popen[bytes]] = []
+    engines: dict[str, Engine] = {}
+    kvgrid = [sys.executable, "-m", "kvgrid.cli"]
+    env = {**os.environ, "OTEL_SDK_DISABLED": os.environ.get("OTEL_SDK_DISABLED", "true")}
+    try:
+        ctrl_addr = f"127.0.0.1:{_free_port()}"
+        with open(logs / "controller.log", "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [*kvgrid, "controller", "--listen", ctrl_addr], stdout=log, stderr=log, env=env
+                )
+            )
+        _wait_channel(ctrl_addr, procs[0], "kvgrid controller")
+        for pod in range(s.pods):
+            uds = str(work / f"agent-{pod}.sock")
+            pod_env = {
+                **env,
+                "POD_UID": f"demo-pod-{pod}",
+                "POD_NAME": f"vllm-{pod}",
+                "POD_NAMESPACE": "demo",
+                "POD_IP": "127.0.0.1",  # advertised to peers; the agents listen on loopback
+            }
+            args = [
+                *kvgrid, "agent", "--uds-path", uds, "--tcp-host", "127.0.0.1", "--tcp-port", "0",
+                "--l1-size", s.l1_size, "--controller-address", ctrl_addr, "--shm-allowed-dirs", str(shm_dir),
+            ]  # fmt: skip
+            with open(logs / f"agent-{pod}.log", "wb") as log:
+                procs.append(subprocess.Popen(args, stdout=log, stderr=log, env=pod_env))
+            _wait_channel(f"unix:{uds}", procs[-1], f"kvgrid agent {pod}")
+            engine = Engine(pod, shm_dir, uds, s.blocks_per_engine)
+            engines[engine.pod_uid] = engine
+        channel = grpc.insecure_channel(ctrl_addr)
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        deadline = time.monotonic() + 30
+        while stub.GetStats(controller_pb2.GetStatsRequest(), timeout=5).num_agents < s.pods:
+            if time.monotonic() > deadline:
+                raise RuntimeError("agents did not register with the controller within 30 s")
+            time.sleep(0.1)
+
+        totals = Totals()
+        total_requests = s.conversations * s.turns
+        start = time.perf_counter()
+        with Progress(
+            TextColumn("[bold]chat turns"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(
+                "hit rate {task.fields[hit]:5.1%}  moved {task.fields[gb]:6.2f} GB  "
+                "Score p50 {task.fields[p50]:.2f} ms"
+            ),
+            TimeElapsedColumn(),
+            disable=not progress,
+        ) as bar:
+            task = bar.add_task("turns", total=total_requests, hit=0.0, gb=0.0, p50=0.0)
+            for i, (conv, prompt) in enumerate(workload(s)):
+                serve_request(stub, engines, prompt, f"conv{conv}-req{i}", totals)
+                bar.update(
+                    task,
+                    advance=1,
+                    hit=totals.cached_tokens / max(1, totals.prompt_tokens),
+                    gb=(totals.bytes_retrieved + totals.bytes_stored) / 1e9,
+                    p50=statistics.median(totals.score_ms),
+                )
+        wall = time.perf_counter() - start
+        stats = stub.GetStats(controller_pb2.GetStatsRequest(), timeout=5)
+        channel.close()
+        return summary(totals, s, wall, stats)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        if log_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def print_summary(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="kvgrid demo", show_header=False)
+    rows = [
+        ("requests (chat turns)", f"{r['requests']}"),
+        ("prompt tokens", f"{r['prompt_tokens']:,}"),
+        ("tokens loaded from kvgrid", f"{r['cached_tokens']:,}  (hit rate {r['hit_rate']:.1%})"),
+        ("chunks retrieved / stored", f"{r['chunks_retrieved']} / {r['chunks_stored']}"),
+        ("chunks fetched from the other agent", f"{r['chunks_from_peers']} (agent-to-agent peer fetch)"),
+        ("retrieved chunks bit-exact",
+         f"{r['chunks_verified']} of {r['chunks_retrieved']} ({r['chunks_corrupt']} corrupt)"),
+        ("bytes moved", f"{r['bytes_moved'] / 1e9:.2f} GB"),
+        ("through the agent",
+         f"retrieve {r['retrieve_gbps']:.2f} GB/s, store {r['store_gbps']:.2f} GB/s (CPU shared memory)"),
+        ("controller Score latency", f"p50 {r['score_ms_p50']:.2f} ms, p99 {r['score_ms_p99']:.2f} ms"),
+        ("agent Lookup latency", f"p50 {r['agent_lookup_ms_p50']:.2f} ms"),
+        ("routed to the pod holding the prefix", f"{r['routed_to_holder']} of {r['requests_with_holder']}"),
+        ("requests per pod", ", ".join(f"{k}: {v}" for k, v in r["requests_per_pod"].items())),
+        ("controller index", f"{r['controller_entries']} entries, {r['controller_agents']} agents"),
+        ("wall time", f"{r['wall_s']:.1f} s"),
+    ]  # fmt: skip
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Start a kvgrid controller and agents on this machine (CPU tensors in shared memory), run a "
+        "multi-turn chat workload with shared system prompts through Score -> Lookup/Retrieve/Store, "
+        "verify every loaded chunk bit for bit, and print hit rate, bytes moved, GB/s and lookup latency."
+    )
+    d = DemoSettings()
+    parser.add_argument(
+        "--conversations", type=int, default=d.conversations, help="concurrent chats (default %(default)s)"
+    )
+    parser.add_argument("--turns", type=int, default=d.turns, help="turns per chat (default %(default)s)")
+    parser.add_argument(
+        "--system-prompts",
+        type=int,
+        default=d.system_prompts,
+        help="distinct shared system prompts (default %(default)s)",
+    )
+    parser.add_argument(
+        "--system-tokens",
+        type=int,
+        default=d.system_tokens,
+        help="tokens per system prompt (default %(default)s)",
+    )
+    parser.add_argument(
+        "--user-tokens", type=int, default=d.user_tokens, help="tokens per user message (default %(default)s)"
+    )
+    parser.add_argument(
+        "--reply-tokens",
+        type=int,
+        default=d.reply_tokens,
+        help="tokens per model reply (default %(default)s)",
+    )
+    parser.add_argument(
+        "--pods", type=int, default=d.pods, help="agents (engine pods) to start (default %(default)s)"
+    )
+    parser.add_argument(
+        "--l1-size", default=d.l1_size, help="L1 pool per agent, e.g. 512MiB (default %(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=d.seed, help="workload random seed (default %(default)s)")
+    parser.add_argument("--log-dir", type=Path, help="keep the controller and agent logs here")
+    parser.add_argument("--json", action="store_true", help="print JSON, not a table")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    s = DemoSettings(
+        conversations=args.conversations,
+        turns=args.turns,
+        system_prompts=args.system_prompts,
+        system_tokens=args.system_tokens,
+        user_tokens=args.user_tokens,
+        reply_tokens=args.reply_tokens,
+        pods=args.pods,
+        l1_size=args.l1_size,
+        seed=args.seed,
+    )
+    for name in ("conversations", "turns", "system_prompts", "pods"):
+        if getattr(s, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
+    for name in ("system_tokens", "user_tokens", "reply_tokens"):
+        if getattr(s, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(s, name)}")
+    longest = s.system_tokens + s.turns * (s.user_tokens + s.reply_tokens)
+    if -(-longest // BLOCK_SIZE[0]) > s.blocks_per_engine:
+        raise ValueError(
+            f"the longest prompt ({longest} tokens) needs more than the engine's {s.blocks_per_engine} "
+            f"blocks of {BLOCK_SIZE[0]} tokens; use fewer --turns or shorter messages"
+        )
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    result = run_demo(s, progress=not args.json, log_dir=args.log_dir)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_summary(result)
+    return 0 if result["chunks_corrupt"] == 0 else 1

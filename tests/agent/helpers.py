@@ -1,0 +1,136 @@
+"""Shared pieces of the agent tests: a real agent process, and a hybrid KV layout in shared memory.
+
+The layout follows the seed's worked example: engine group 0 = layers 0, 2 (full attention,
+FlashInfer ``[NB, 2, BS, NH, HS]``, 16 tokens per block) plus layer 4 (an MLA-like ``[NB, BS, C]``
+cache, so a separate info of engine group 0); engine group 1 = layers 1, 3 (sliding window of 64
+tokens, 32 tokens per block). Infos: (g0, [0, 2]), (g1, [1, 3]), (g0, [4]).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvgrid.agent.tensors import allocate_shared_tensor
+from kvgrid.common.groups import EngineGroupInfo
+from kvgrid.common.hashing import KeyNamespace, chunk_keys
+
+TOKENS_PER_CHUNK = 64
+NUM_BLOCKS = 64
+GROUPS = [
+    EngineGroupInfo(engine_group_id=0, layer_indices=(0, 2), tokens_per_block=16),
+    EngineGroupInfo(engine_group_id=1, layer_indices=(1, 3), tokens_per_block=32, sw_size_tokens=64),
+    EngineGroupInfo(engine_group_id=0, layer_indices=(4,), tokens_per_block=16),
+]
+HINTS: list[dict[str, object] | None] = [{"backend": "FLASHINFER"}] * 4 + [None]
+NAMESPACE = KeyNamespace(model="test-model", tokens_per_chunk=TOKENS_PER_CHUNK, kv_identity="hybrid-test")
+# Blocks per chunk per engine group: 64 tokens / 16 and 64 tokens / 32.
+BPC = (4, 2)
+
+
+def layer_shape(layer: int) -> tuple[int, ...]:
+    if layer == 4:
+        return (NUM_BLOCKS, 16, 24)  # MLA-like
+    bs = 16 if layer % 2 == 0 else 32
+    return (NUM_BLOCKS, 2, bs, 2, 8)
+
+
+def make_kv(directory: Path, seed: int = 0) -> tuple[list[torch.Tensor], list[str]]:
+    """Five layer tensors in shared-memory files under ``directory``, filled with random bf16."""
+    g = torch.Generator().manual_seed(seed)
+    tensors, paths = [], []
+    for layer in range(5):
+        path = directory / f"kv-{seed}-{layer}.bin"
+        t = allocate_shared_tensor(path, layer_shape(layer), torch.bfloat16)
+        t.copy_(torch.randn(layer_shape(layer), generator=g, dtype=torch.float32).to(torch.bfloat16))
+        tensors.append(t)
+        paths.append(str(path))
+    return tensors, paths
+
+
+def block_ids(first_block: int, num_chunks: int) -> list[list[int]]:
+    """One list per engine group: consecutive blocks from ``first_block`` covering the chunks."""
+    return [list(range(first_block, first_block + num_chunks * bpc)) for bpc in BPC]
+
+
+def keys_for(prompt_seed: int, num_chunks: int) -> list[bytes]:
+    tokens = [(prompt_seed * 7919 + i) % 50_000 for i in range(num_chunks * TOKENS_PER_CHUNK)]
+    return chunk_keys(tokens, NAMESPACE)
+
+
+def blocks_of(tensors: list[torch.Tensor], ids: list[list[int]]) -> list[torch.Tensor]:
+    """Copies of the given blocks of every layer (engine group of layer decides the list)."""
+    out = []
+    for layer, t in enumerate(tensors):
+        group = 1 if layer in (1, 3) else 0
+        out.append(t[ids[group]].clone())
+    return out
+
+
+@dataclass
+class AgentProc:
+    proc: subprocess.Popen[str]
+    uds_path: str
+    tcp_port: int | None
+    epoch: int
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_agent(tmp_path: Path, *flags: str, l1_size: str = "8MiB") -> AgentProc:
+    """``kvgrid agent`` as a real process on a socket under ``tmp_path``; waits until it serves."""
+    uds = tmp_path / "agent.sock"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvgrid.cli",
+        "agent",
+        "--uds-path",
+        str(uds),
+        "--tcp-host",
+        "127.0.0.1",
+        "--tcp-port",
+        "0",
+        "--l1-size",
+        l1_size,
+        "--l1-page-size",
+        "4KiB",
+        "--shm-allowed-dirs",
+        str(tmp_path),
+        "--reaper-interval-ms",
+        "100",
+        "--log-level",
+        "warning",
+        *flags,
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
+    env["POD_UID"] = "uid-agent-test"
+    env["POD_NAME"] = "agent-test"
+    env["POD_IP"] = "127.0.0.1"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    line = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("{"):
+            break
+        if proc.poll() is not None:
+            raise RuntimeError(f"agent exited with {proc.returncode}")
+    info = json.loads(line)
+    assert info["event"] == "serving"
+    return AgentProc(proc, info["uds_path"], info["tcp_port"], info["epoch"])

@@ -1,0 +1,70 @@
+"""``kvgrid agent`` and ``kvgrid bench agent`` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvgrid.agent.config import AgentConfig
+from tests.agent.helpers import start_agent
+
+
+def kvgrid(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvgrid.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_help_explains_every_flag() -> None:
+    out = kvgrid("agent", "--help").stdout
+    flat = " ".join(out.split())
+    for f in msgspec.structs.fields(AgentConfig):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in out, flag
+        assert f"KVGRID_{f.name.upper()}" in flat, f.name
+    assert "Unix socket the engine" in flat and "POD_UID" in flat
+
+
+def test_bad_config_names_the_field() -> None:
+    r = kvgrid("agent", "--l1-size", "lots", "--uds-path", "")
+    assert r.returncode == 2
+    assert "l1_size" in r.stderr and "lots" in r.stderr
+    r = kvgrid("agent", "--low-watermark", "0.99", "--high-watermark", "0.5")
+    assert r.returncode == 2 and "low_watermark=0.99 > high_watermark=0.5" in r.stderr
+
+
+def test_agent_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    agent = start_agent(tmp_path)
+    assert Path(agent.uds_path).is_socket()
+    agent.proc.terminate()
+    assert agent.proc.wait(20) == 0
+    assert not Path(agent.uds_path).exists()
+
+
+def test_bench_agent_reports_both_figures_and_the_ratio() -> None:
+    r = kvgrid(
+        "bench", "agent", "--device", "cpu", "--layers", "2", "--kv-heads", "2", "--head-size", "64",
+        "--chunks", "2", "--iters", "2", "--json", timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    # layers x blocks per chunk x K/V x slots x heads x head size x 2 bytes
+    assert res["chunk_bytes"] == 2 * 16 * 2 * 16 * 2 * 64 * 2
+    for direction in ("store", "retrieve"):
+        d = res[direction]
+        assert d["agent_gbps"] > 0 and d["kernel_gbps"] > 0
+        assert d["ratio"] == pytest.approx(d["agent_gbps"] / d["kernel_gbps"], rel=0.05)
+    assert res["rpc_roundtrip_ms"] > 0
+
+
+def test_pins_must_outlive_a_peer_fetch() -> None:
+    from kvgrid.agent.config import AgentConfig
+
+    with pytest.raises(ValueError, match="pin_ttl_ms=1000 <= peer_fetch_timeout_ms=2000"):
+        AgentConfig(pin_ttl_ms=1000, peer_fetch_timeout_ms=2000, controller_address="c:1")
+    assert AgentConfig(pin_ttl_ms=1000, peer_fetch_timeout_ms=2000, peer_fetch="off").pin_ttl_ms == 1000

@@ -1,0 +1,132 @@
+"""The agent with CUDA IPC handles: this process owns KV tensors on the GPU, the agent process maps
+them by IPC handle (device found by UUID) and moves chunks between them and its pinned L1.
+
+Run on a machine with an NVIDIA GPU: ``pytest -m gpu tests/test_agent_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from kvgrid.agent.client import AgentClient
+from kvgrid.agent.tensors import device_index_for_uuid, device_uuid, export_layer_tensor
+from tests.agent.helpers import (
+    GROUPS,
+    HINTS,
+    NAMESPACE,
+    NUM_BLOCKS,
+    block_ids,
+    keys_for,
+    layer_shape,
+    start_agent,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+def cuda_kv(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [
+        torch.randn(layer_shape(layer), generator=g, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+        for layer in range(5)
+    ]
+
+
+def gpu_blocks(tensors: list[torch.Tensor], ids: list[list[int]]) -> list[torch.Tensor]:
+    return [t[ids[1 if layer in (1, 3) else 0]].clone() for layer, t in enumerate(tensors)]
+
+
+@pytest.fixture
+def gpu_agent(tmp_path: Path):  # type: ignore[no-untyped-def]
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    agent = start_agent(tmp_path, l1_size="64MiB")
+    yield agent
+    agent.stop()
+
+
+def test_device_uuid_round_trip() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    uuid = device_uuid(0)
+    assert uuid.startswith("GPU-")
+    assert device_index_for_uuid(uuid) == 0
+    assert device_index_for_uuid(uuid.removeprefix("GPU-").upper()) == 0
+    with pytest.raises(ValueError, match="no such GPU"):
+        device_index_for_uuid("GPU-00000000-0000-0000-0000-000000000000")
+
+
+def test_cuda_ipc_store_retrieve_bit_exact_across_processes(gpu_agent) -> None:  # type: ignore[no-untyped-def]
+    tensors = cuda_kv(seed=5)
+    with AgentClient(gpu_agent.uds_path) as c:
+        reg = c.register_kv_caches(
+            "gpu", tensors, namespace=NAMESPACE, engine_groups=GROUPS, layout_hints=HINTS
+        )
+        assert len(reg.kernel_groups) == 3
+        assert export_layer_tensor(0, tensors[0]).WhichOneof("storage") == "cuda"
+        keys = keys_for(9, 4)
+        src = block_ids(0, 4)
+        want = gpu_blocks(tensors, src)
+        torch.cuda.synchronize()
+        assert c.store("gpu", keys, src).num_stored_chunks == 4
+        # Scribble over the source blocks and retrieve into other ones: only L1 can hold the bytes now.
+        for t in tensors:
+            t.zero_()
+        torch.cuda.synchronize()
+        dst = block_ids(NUM_BLOCKS // 2, 4)
+        assert c.lookup("gpu", "r", keys).num_hit_chunks == 4
+        res = c.retrieve("gpu", "r", keys, dst)
+        assert res.hit_mask == [True] * 4
+        got = gpu_blocks(tensors, dst)
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        # The blocks not named stayed as they were (zero).
+        assert int(tensors[0][: NUM_BLOCKS // 2].abs().sum()) == 0
+        h = c.health()
+        assert h.num_chunks == 4 and h.num_pinned_chunks == 0
+        c.unregister_kv_caches("gpu")
+        with pytest.raises(grpc.RpcError):
+            c.lookup("gpu", "", keys)
+
+
+ENGINE = r"""
+import sys, time, torch
+sys.path.insert(0, {root!r})
+from tests.agent.helpers import GROUPS, HINTS, NAMESPACE, block_ids, keys_for, layer_shape
+from kvgrid.agent.client import AgentClient
+ts = [torch.ones(layer_shape(i), device="cuda", dtype=torch.bfloat16) for i in range(5)]
+c = AgentClient({uds!r})
+c.register_kv_caches("doomed", ts, namespace=NAMESPACE, engine_groups=GROUPS, layout_hints=HINTS)
+c.store("doomed", keys_for(3, 2), block_ids(0, 2))
+print(c.lookup("doomed", "held", keys_for(3, 2), pin_ttl_ms=600000).num_hit_chunks, flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigkilled_cuda_engine_is_dropped_and_the_agent_keeps_serving(gpu_agent) -> None:  # type: ignore[no-untyped-def]
+    code = ENGINE.format(root=str(Path(__file__).resolve().parents[2]), uds=gpu_agent.uds_path)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "2"
+    proc.kill()
+    proc.wait(30)
+    import time
+
+    with AgentClient(gpu_agent.uds_path) as c:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and "doomed" in c.health().instance_ids:
+            time.sleep(0.1)
+        h = c.health()
+        assert "doomed" not in h.instance_ids and h.num_pinned_chunks == 0
+        # The chunks it stored stay in L1 and can be served to a new engine of the same layout.
+        tensors = cuda_kv(seed=1)
+        c.register_kv_caches("fresh", tensors, namespace=NAMESPACE, engine_groups=GROUPS, layout_hints=HINTS)
+        res = c.retrieve("fresh", "", keys_for(3, 2), block_ids(0, 2))
+        assert res.num_retrieved_chunks == 2
+        assert bool((tensors[0][:8] == 1).all())

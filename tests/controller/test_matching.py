@@ -1,0 +1,129 @@
+"""Batch matching (numpy over holder words) against the per-query big-int reference, both backends."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvgrid.controller.index import ChunkIndex, IndexTier, MemoryIndex, batch_view_from_prefix_views
+from kvgrid.controller.index_redis import RedisIndex
+from kvgrid.controller.matching import BatchMatch, PodPrefix, match_batch, match_prefix
+from tests.controller.support import rand_keys, unique_prefix, valkey_url  # noqa: F401
+
+L1, GPU = IndexTier.L1, IndexTier.GPU
+UNIVERSE = [bytes([i]) * 16 for i in range(10)]
+
+
+def _reference(index: ChunkIndex, query: list[bytes], eligible: np.ndarray, max_pods: int) -> tuple:
+    view = index.lookup(query)
+    mask = sum(1 << int(s) for s in np.flatnonzero(eligible))
+    ref = match_prefix(view, mask)
+    pods = ref.pods[:max_pods] if max_pods else ref.pods
+    return [(view.slots[p.slot], p.gpu, p.l1, p.peer) for p in pods], ref.peer_fetchable
+
+
+def _named(m: BatchMatch, holders: dict[int, str], b: int) -> tuple:
+    q = m.query(b)
+    return [(holders[p.slot], p.gpu, p.l1, p.peer) for p in q.pods], q.peer_fetchable
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    width=st.sampled_from([1, 4, 64]),
+    holders=st.sampled_from([1, 3, 9, 70]),
+    data=st.data(),
+)
+def test_batch_matches_reference_memory(width: int, holders: int, data: st.DataObject) -> None:
+    index = MemoryIndex(width=width)
+    for h in range(holders):
+        for tier in (L1, GPU):
+            keys = data.draw(st.lists(st.sampled_from(UNIVERSE), max_size=8), label=f"h{h} {tier.name}")
+            index.add(f"pod{h}/1", tier, keys)
+    if data.draw(st.booleans(), label="speculative"):
+        index.add_speculative(f"pod{holders - 1}/1", UNIVERSE[:3], 60_000)
+    queries = data.draw(st.lists(st.lists(st.sampled_from(UNIVERSE), max_size=10), min_size=1, max_size=5))
+    view = index.lookup_batch(queries)
+    nslots = 64 * view.nwords
+    eligible = np.array(
+        data.draw(st.lists(st.booleans(), min_size=len(queries) * nslots, max_size=len(queries) * nslots)),
+        dtype=bool,
+    ).reshape(len(queries), nslots)
+    max_pods = data.draw(st.lists(st.integers(0, 3), min_size=len(queries), max_size=len(queries)))
+    m = match_batch(view.words, eligible, max_pods)
+    packed = batch_view_from_prefix_views([index.lookup(q) for q in queries])  # the other backends' path
+    m2 = match_batch(packed.words, eligible[:, : 64 * packed.nwords], max_pods)
+    for b, q in enumerate(queries):
+        want = _reference(index, q, eligible[b], max_pods[b])
+        assert _named(m, view.holders, b) == want
+        assert _named(m2, packed.holders, b) == want
+        assert m.pods.tolist() == sorted(set(m.pods.tolist()))
+
+
+@pytest.fixture(params=["memory", "redis"])
+def index(request: pytest.FixtureRequest, valkey_url: str) -> Iterator[ChunkIndex]:  # noqa: F811
+    idx: ChunkIndex = (
+        MemoryIndex() if request.param == "memory" else RedisIndex(valkey_url, prefix=unique_prefix())
+    )
+    yield idx
+    if isinstance(idx, RedisIndex):
+        idx.flush()
+    idx.close()
+
+
+def test_lookup_batch_every_backend(index: ChunkIndex) -> None:
+    k = rand_keys(6)
+    index.add("gpu/1", GPU, k[:2])
+    index.add("l1/1", L1, k[:4])
+    index.add("deep/1", GPU, k[:6])
+    index.add_speculative("spec/1", k[:1], 60_000)
+    queries = [k, k[:3], [rand_keys(1)[0], *k], []]
+    view = index.lookup_batch(queries)
+    # rows: at least up to the first unheld chunk (backends may pad or truncate past it)
+    assert view.words.shape[0] >= 6 and view.words.shape[1] == 4 and view.words.dtype == np.uint64
+    eligible = np.ones((4, 64 * view.nwords), dtype=bool)
+    m = match_batch(view.words, eligible)
+    got = _named(m, view.holders, 0)
+    assert got == (
+        # equal totals (4): more GPU first, so the speculative GPU chunk beats own L1
+        [("deep/1", 6, 0, 0), ("gpu/1", 2, 0, 2), ("spec/1", 1, 0, 3), ("l1/1", 0, 4, 0)],
+        4,
+    )
+    assert _named(m, view.holders, 1)[0][0] == ("deep/1", 3, 0, 0)
+    assert _named(m, view.holders, 2) == ([], 0)  # first chunk held by nobody
+    assert _named(m, view.holders, 3) == ([], 0)
+    assert m.offsets.tolist() == [0, 4, 8, 8, 8] and len(m.pod_index) == 8
+
+
+def test_match_batch_rules() -> None:
+    # Hand-made words: 3 chunks, 2 queries, slots 0..2.
+    words = np.zeros((3, 2, 2), dtype=np.uint64)
+    words[:, 0, 1] = [0b011, 0b001, 0b001]  # query 0: GPU of slot 0 (3 chunks), slot 1 (1 chunk)
+    words[:, 0, 0] = [0, 0b100, 0]  # slot 2 holds chunk 1 in L1 (peers may fetch it)
+    words[0, 1, 0] = 0b010  # query 1: one L1 chunk on slot 1
+    eligible = np.ones((2, 64), dtype=bool)
+    m = match_batch(words, eligible)
+    assert m.query(0).pods == [PodPrefix(0, 3, 0, 0), PodPrefix(1, 1, 0, 1)]
+    assert m.query(0).peer_fetchable == 0
+    assert m.query(1).pods == [PodPrefix(1, 0, 1, 0)] and m.query(1).peer_fetchable == 1
+    eligible[0, 0] = False
+    assert [p.slot for p in match_batch(words, eligible, [1, 0]).query(0).pods] == [1]
+    assert match_batch(words, eligible, [1, 0]).pods.tolist() == [1]
+    with pytest.raises(ValueError, match=r"eligible: shape \(2, 63\), expected \(2, 64\)"):
+        match_batch(words, np.ones((2, 63), dtype=bool))
+    with pytest.raises(ValueError, match="max_pods: 1 limits, expected one per query"):
+        match_batch(words, eligible, [1])
+
+
+def test_long_queries_use_wide_counters() -> None:
+    index = MemoryIndex()
+    keys = rand_keys(300)  # > 255 chunks: counts no longer fit a byte
+    index.add("a/1", GPU, keys)
+    index.add("b/1", L1, keys[:299])
+    view = index.lookup_batch([keys])
+    m = match_batch(view.words, np.ones((1, 64), dtype=bool))
+    got = _named(m, view.holders, 0)
+    assert got == ([("a/1", 300, 0, 0), ("b/1", 0, 299, 0)], 299)  # chunk 299: a's GPU only
