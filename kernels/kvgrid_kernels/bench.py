@@ -114,7 +114,7 @@ def _make_groups(
             t.view(torch.uint8).random_(0, 256)  # random bytes, never zeros
             keep.append(t)
             views.append(page_view(t, gg.block_dim, gg.plane_dim))
-        groups.append(KernelGroupPages(tuple(views), gg.tokens_per_block, name=f"g{i}"))
+        groups.append(KernelGroupPages.from_views(views, tokens_per_block=gg.tokens_per_block, name=f"g{i}"))
     return groups, keep
 
 

@@ -1,4 +1,5 @@
-"""Paged KV tensors seen as opaque byte pages, and the per-kernel-group descriptor the copies run on.
+"""Paged KV tensors seen as opaque byte pages, the kernel groups the copies run on, and the byte
+layout of a chunk buffer.
 
 The transfer kernels never interpret KV bytes. Every layer tensor of a kernel group is reduced to a
 *page view*: a ``uint8`` tensor of shape ``[planes, num_blocks, page_bytes]`` whose last axis is
@@ -13,10 +14,13 @@ fewer slots) and padded block strides.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .geometry import KernelGroupGeometry
 
 
 def page_view(tensor: torch.Tensor, block_dim: int, plane_dim: int | None = None) -> torch.Tensor:
@@ -85,18 +89,26 @@ def _check_page_view(view: torch.Tensor, where: str) -> None:
         )
 
 
+def alignment(*values: int) -> int:
+    """Largest power of two <= 16 dividing every value (addresses, strides, sizes in bytes): the
+    widest vector access a copy over them may use."""
+    a = 16
+    for v in values:
+        a = math.gcd(a, int(v))
+    return a
+
+
 @dataclass(frozen=True, eq=False)
 class KernelGroupPages:
-    """One kernel group as the copies see it: same-shaped page views of its layers.
+    """One kernel group as the copies see it: its geometry and the same-shaped page views of its
+    layers (``geometry.num_layers`` of them, ``geometry.num_blocks`` blocks each).
 
-    ``tokens_per_block`` is the number of logical tokens one block id covers; ``slots_per_block`` the
-    physical slots in a block (smaller for compressed groups). Neither changes the bytes moved per
-    block (the page), only how many blocks a chunk spans.
+    The views must hold exactly ``geometry.bytes_per_block`` bytes per block (``planes *
+    page_bytes``), so a chunk's bytes are ``geometry.bytes_per_chunk`` whichever side computes them.
     """
 
     layers: tuple[torch.Tensor, ...]
-    tokens_per_block: int
-    slots_per_block: int = 0  # 0 = same as tokens_per_block
+    geometry: KernelGroupGeometry
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -110,15 +122,17 @@ class KernelGroupPages:
                     f"kernel group {self.name!r} layer {i} has page view shape {tuple(view.shape)} on "
                     f"{view.device}; expected {tuple(first.shape)} on {first.device} like layer 0"
                 )
-        if self.tokens_per_block <= 0:
+        geo = self.geometry
+        planes, num_blocks, page_bytes = (int(s) for s in first.shape)
+        if (len(self.layers), num_blocks, planes * page_bytes) != (
+            geo.num_layers,
+            geo.num_blocks,
+            geo.bytes_per_block,
+        ):
             raise ValueError(
-                f"kernel group {self.name!r}: tokens_per_block must be > 0, got {self.tokens_per_block}"
-            )
-        slots = self.slots_per_block or self.tokens_per_block
-        if slots <= 0 or self.tokens_per_block % slots != 0:
-            raise ValueError(
-                f"kernel group {self.name!r}: tokens_per_block {self.tokens_per_block} must be a "
-                f"multiple of slots_per_block {slots}"
+                f"kernel group {self.name!r}: {len(self.layers)} page views of {num_blocks} blocks x "
+                f"{planes * page_bytes} bytes; its geometry expects {geo.num_layers} x {geo.num_blocks} x "
+                f"{geo.bytes_per_block} (padded or non-dense KV pages are not supported)"
             )
 
     @classmethod
@@ -132,9 +146,35 @@ class KernelGroupPages:
         slots_per_block: int = 0,
         name: str = "",
     ) -> KernelGroupPages:
-        """Build a group from per-layer KV tensors of one layout (see :func:`page_view`)."""
-        views = tuple(page_view(t, block_dim, plane_dim) for t in tensors)
-        return cls(views, tokens_per_block, slots_per_block, name)
+        """Build a group of opaque pages from per-layer tensors of one layout (see :func:`page_view`)."""
+        return cls.from_views(
+            tuple(page_view(t, block_dim, plane_dim) for t in tensors),
+            tokens_per_block=tokens_per_block,
+            slots_per_block=slots_per_block,
+            name=name,
+        )
+
+    @classmethod
+    def from_views(
+        cls,
+        views: Sequence[torch.Tensor],
+        *,
+        tokens_per_block: int,
+        slots_per_block: int = 0,
+        name: str = "",
+    ) -> KernelGroupPages:
+        """A group of opaque pages (:meth:`KernelGroupGeometry.of_pages`) over page views."""
+        if not views:
+            raise ValueError(f"kernel group {name!r} has no layers")
+        _check_page_view(views[0], f"kernel group {name!r} layer 0")
+        planes, num_blocks, page_bytes = (int(s) for s in views[0].shape)
+        try:
+            geometry = KernelGroupGeometry.of_pages(
+                len(views), num_blocks, planes * page_bytes, tokens_per_block, slots_per_block
+            )
+        except ValueError as e:
+            raise ValueError(f"kernel group {name!r}: {e}") from None
+        return cls(tuple(views), geometry, name)
 
     @property
     def num_layers(self) -> int:
@@ -146,31 +186,28 @@ class KernelGroupPages:
 
     @property
     def num_blocks(self) -> int:
-        return int(self.layers[0].shape[1])
+        return self.geometry.num_blocks
 
     @property
     def page_bytes(self) -> int:
         return int(self.layers[0].shape[2])
 
     @property
-    def bytes_per_block(self) -> int:
-        """Bytes of one block of one layer (all planes)."""
-        return self.planes * self.page_bytes
+    def tokens_per_block(self) -> int:
+        return self.geometry.tokens_per_block
 
     @property
     def device(self) -> torch.device:
         return self.layers[0].device
 
-    def blocks_per_chunk(self, tokens_per_chunk: int) -> int:
-        if tokens_per_chunk <= 0 or tokens_per_chunk % self.tokens_per_block != 0:
-            raise ValueError(
-                f"tokens_per_chunk {tokens_per_chunk} must be a positive multiple of kernel group "
-                f"{self.name!r}'s tokens_per_block {self.tokens_per_block}"
-            )
-        return tokens_per_chunk // self.tokens_per_block
-
-    def bytes_per_chunk(self, tokens_per_chunk: int) -> int:
-        return self.num_layers * self.bytes_per_block * self.blocks_per_chunk(tokens_per_chunk)
+    def page_alignment(self) -> int:
+        """:func:`alignment` of every page address and stride of the group (bytes)."""
+        return alignment(
+            self.page_bytes,
+            *(v.data_ptr() for v in self.layers),
+            *(v.stride(0) for v in self.layers),
+            *(v.stride(1) for v in self.layers),
+        )
 
 
 @dataclass(frozen=True)
@@ -198,17 +235,26 @@ class ChunkLayout:
 
     @classmethod
     def of(cls, groups: Sequence[KernelGroupPages], tokens_per_chunk: int) -> ChunkLayout:
-        offsets, sizes = [], []
+        if tokens_per_chunk <= 0:
+            raise ValueError(f"tokens_per_chunk={tokens_per_chunk}: expected > 0")
+        offsets, sizes, blocks = [], [], []
         off = 0
         for g in groups:
+            try:
+                blocks.append(g.geometry.blocks_per_chunk(tokens_per_chunk))
+            except ValueError:
+                raise ValueError(
+                    f"tokens_per_chunk={tokens_per_chunk} must be a multiple of kernel group {g.name!r}'s "
+                    f"tokens_per_block={g.tokens_per_block}"
+                ) from None
             offsets.append(off)
-            sizes.append(g.bytes_per_chunk(tokens_per_chunk))
+            sizes.append(g.geometry.bytes_per_chunk(tokens_per_chunk))
             off += sizes[-1]
         return cls(
             tokens_per_chunk=tokens_per_chunk,
             group_offsets=tuple(offsets),
             group_bytes=tuple(sizes),
-            blocks_per_chunk=tuple(g.blocks_per_chunk(tokens_per_chunk) for g in groups),
+            blocks_per_chunk=tuple(blocks),
             page_bytes=tuple(g.page_bytes for g in groups),
             planes=tuple(g.planes for g in groups),
             num_layers=tuple(g.num_layers for g in groups),
@@ -227,4 +273,4 @@ class ChunkLayout:
 
     def layer_bytes(self, group: int) -> int:
         """Bytes of one layer (all planes, all blocks) of ``group`` in a chunk."""
-        return self.planes[group] * self.blocks_per_chunk[group] * self.page_bytes[group]
+        return self.group_bytes[group] // self.num_layers[group]

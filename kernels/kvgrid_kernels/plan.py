@@ -27,7 +27,7 @@ the returned :class:`TransferHandle` carries an event that completes with the tr
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import torch_copy
-from .pages import ChunkLayout, KernelGroupPages, page_view
+from .pages import ChunkLayout, KernelGroupPages, alignment
 
 Mode = Literal["auto", "staged", "direct", "torch"]
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
@@ -124,24 +124,6 @@ class _GroupTables:
         return self._slices[key]
 
 
-def format_page_view(tensor: torch.Tensor, kv_format: Any) -> torch.Tensor:
-    """Page view (see :func:`page_view`) of a layer tensor in a ``kvgrid.common.layouts.KVFormat``.
-
-    Whole blocks are one page when they are dense (FlashInfer, unified NHD/HND, MLA, opaque pages);
-    FlashAttention's separate K/V planes become 2 planes; head-major blocks become one plane per head.
-    """
-    from kvgrid.common.layouts import block_view
-
-    view = block_view(tensor, kv_format)  # [NB, kv_size, X, Y, Z], X..Z in physical order
-    errors = []
-    for plane_dim in (None, 1, 2):
-        try:
-            return page_view(view, 0, plane_dim)
-        except ValueError as e:
-            errors.append(str(e))
-    raise ValueError(f"layer tensor in format {kv_format} has no dense pages: {errors[-1]}")
-
-
 class TransferPlan:
     """Moves chunks between paged KV memory and chunk buffers for a fixed set of kernel groups.
 
@@ -209,15 +191,7 @@ class TransferPlan:
                 self._copy_streams = [torch.cuda.Stream(self.device) for _ in range(copy_streams)]
             self._anchors: dict[int, torch.Tensor] = {}
             self._tables: dict[int, list[_GroupTables]] = {}
-            self._page_align = [
-                _align(
-                    g.page_bytes,
-                    *(v.data_ptr() for v in g.layers),
-                    *(v.stride(0) for v in g.layers),
-                    *(v.stride(1) for v in g.layers),
-                )
-                for g in self.groups
-            ]
+            self._page_align = [g.page_alignment() for g in self.groups]
             self._staging: torch.Tensor | None = None
             self._slot_free = [torch.cuda.Event() for _ in range(staging_slots)]
             self._slot_ready = [torch.cuda.Event() for _ in range(staging_slots)]
@@ -230,40 +204,6 @@ class TransferPlan:
             self._slot_word_off: dict[tuple[int, int], np.ndarray] = {}
 
     # ------------------------------------------------------------------ construction
-
-    @classmethod
-    def from_manager(
-        cls,
-        manager: Any,
-        kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
-        *,
-        tokens_per_chunk: int | None = None,
-        **kwargs: Any,
-    ) -> TransferPlan:
-        """A plan for every kernel group of a ``kvgrid.common.layer_groups.KVLayerGroupsManager``
-        built over ``kv_caches`` (the same registered layer tensors, a list or a name -> tensor
-        mapping in registration order). ``tokens_per_chunk`` defaults to the manager's."""
-        tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
-        groups = []
-        for i, info in enumerate(manager.kernel_groups):
-            if info.kv_format is None:
-                raise ValueError(f"kernel group {i} has no kv_format: expected a manager built from tensors")
-            views = tuple(format_page_view(tensors[layer], info.kv_format) for layer in info.layer_indices)
-            group = KernelGroupPages(
-                views,
-                tokens_per_block=int(info.tokens_per_block),
-                slots_per_block=int(info.slots_per_block),
-                name=f"kernel group {i} (engine group {info.engine_group_idx})",
-            )
-            if group.bytes_per_block != info.shape.bytes_per_block:
-                raise ValueError(
-                    f"kernel group {i}: pages hold {group.bytes_per_block} bytes per block but the "
-                    f"manager expects {info.shape.bytes_per_block}"
-                )
-            groups.append(group)
-        if tokens_per_chunk is None:
-            tokens_per_chunk = int(getattr(manager, "tokens_per_chunk", 256))
-        return cls(groups, tokens_per_chunk, **kwargs)
 
     # ------------------------------------------------------------------ properties
 
@@ -525,7 +465,7 @@ class TransferPlan:
     def _run_direct(
         self, chunks: list[torch.Tensor], ids: list[np.ndarray], to_chunk: bool
     ) -> tuple[Any, ...]:
-        from .triton_copy import alignment, launch, word_bytes_for
+        from .triton_copy import launch, word_bytes_for
 
         raw_ks = self._kernel_stream.cuda_stream
         plans = []
@@ -694,15 +634,6 @@ class TransferPlan:
             addr = self._staging.data_ptr() + slot * self._slot_bytes
             self._slot_word_off[key] = np.array([(addr - anchor.data_ptr()) // word], np.int64)
         return self._slot_word_off[key]
-
-
-def _align(*values: int) -> int:
-    from math import gcd
-
-    a = 16
-    for v in values:
-        a = gcd(a, int(v))
-    return a
 
 
 def _round_up(n: int, m: int) -> int:

@@ -27,7 +27,7 @@ def gather_group(
     are skipped: their pages in the section are left as they were.
     """
     dev = group.device
-    bpc = group.blocks_per_chunk(tokens_per_chunk)
+    bpc = group.geometry.blocks_per_chunk(tokens_per_chunk)
     for sec, ids in zip(sections, ids_per_chunk, strict=True):
         pos = np.flatnonzero(ids >= 0)
         if pos.size == 0:
@@ -57,7 +57,7 @@ def scatter_group(
 ) -> None:
     """Copy ``sections[c]`` into blocks ``ids_per_chunk[c]`` of every layer; negative ids are skipped."""
     dev = group.device
-    bpc = group.blocks_per_chunk(tokens_per_chunk)
+    bpc = group.geometry.blocks_per_chunk(tokens_per_chunk)
     for sec, ids in zip(sections, ids_per_chunk, strict=True):
         pos = np.flatnonzero(ids >= 0)
         if pos.size == 0:

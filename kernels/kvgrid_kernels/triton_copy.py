@@ -13,7 +13,6 @@ block, which is also the byte order of a chunk section (``ChunkLayout``).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -84,14 +83,6 @@ def word_bytes_for(align: int) -> int:
         if align % w == 0:
             return w
     return 1
-
-
-def alignment(*values: int) -> int:
-    """Largest power of two <= 16 dividing every value (addresses, strides, sizes in bytes)."""
-    g = 16
-    for v in values:
-        g = math.gcd(g, int(v))
-    return g
 
 
 # Compiled kernels by everything Triton specializes on (see ``_launch_key``), so a repeat launch skips

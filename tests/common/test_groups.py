@@ -1,4 +1,4 @@
-"""kvgrid.common.groups: the engine-group view (seed 000)."""
+"""kvgrid.common.groups: the engine-group view (docs/hybrid-groups.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from kvgrid.common.groups import (
     to_proto,
 )
 
-# The seed's worked example: engine group 0 = layers [0, 2, 4], group 1 = [1, 3]; layers 0-3 share
-# a shape and layer 4 differs, so group 0 splits into two infos.
+# The worked example of docs/hybrid-groups.md: engine group 0 = layers [0, 2, 4], group 1 = [1, 3];
+# layers 0-3 share a shape and layer 4 differs, so group 0 splits into two infos.
 WORKED = [
     EngineGroupInfo(0, (0, 2), tokens_per_block=16),
     EngineGroupInfo(1, (1, 3), tokens_per_block=16),

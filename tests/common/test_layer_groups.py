@@ -1,4 +1,5 @@
-"""kvgrid.common.layer_groups: kernel groups from real tensors, validated against infos (seed 000)."""
+"""kvgrid.common.layer_groups: kernel groups from real tensors, validated against infos
+(docs/hybrid-groups.md)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from kvgrid.common.layer_groups import (
     KernelGroupIdentity,
     KVLayerGroupInfo,
     KVLayerGroupsManager,
-    KVShapeDesc,
     format_kvcache_shape_spec,
     group_layers_by_identity,
     parse_kvcache_shape_spec,
 )
 from kvgrid.common.layouts import KVFormat, detect_kv_format, empty_kv_cache
+from kvgrid_kernels import KernelGroupGeometry
 
 NB = 8
 FI = KVFormat.FLASHINFER_NHD
@@ -40,7 +41,7 @@ def detect_all(caches: list[torch.Tensor]) -> list[KVFormat]:
     return [detect_kv_format(t, {"kv_layout": "NHD"}) for t in caches]
 
 
-# The seed's worked example: engine group 0 = layers [0, 2, 4], group 1 = [1, 3]; layers 0-3
+# The worked example of docs/hybrid-groups.md: engine group 0 = layers [0, 2, 4], group 1 = [1, 3]; layers 0-3
 # share a shape, layer 4 (a key-only MLA-like cache) differs.
 WORKED_INFOS = [
     EngineGroupInfo(0, (0, 2), tokens_per_block=16),
@@ -62,8 +63,12 @@ def test_worked_example_through_the_manager() -> None:
     assert [g.layer_indices for g in m.kernel_groups] == [(0, 2), (1, 3), (4,)]
     assert [g.engine_group_idx for g in m.kernel_groups] == [0, 1, 0]
     assert [g.kv_format for g in m.kernel_groups] == [FI, FI, KVFormat.MLA]
-    assert m.kernel_groups[0].shape == KVShapeDesc(2, 2, NB, 16, 2, 8, 2, block_stride=2 * 16 * 2 * 8)
-    assert m.kernel_groups[2].shape == KVShapeDesc(1, 1, NB, 16, 1, 32, 2, block_stride=16 * 32)
+    assert m.kernel_groups[0].shape == KernelGroupGeometry(
+        2, 2, NB, 16, 2, 8, torch.float16, tokens_per_block=16, block_stride=2 * 16 * 2 * 8
+    )
+    assert m.kernel_groups[2].shape == KernelGroupGeometry(
+        1, 1, NB, 16, 1, 32, torch.float16, tokens_per_block=16, block_stride=16 * 32
+    )
     # block ids arrive per info, i.e. per kernel group: info 0 and info 2 share engine group 0's ids
     per_group = expand_engine_block_ids(WORKED_INFOS, [[10, 11], [20, 21]])
     assert per_group == [[10, 11], [20, 21], [10, 11]]
@@ -243,15 +248,16 @@ def test_compression_is_derived_never_stored() -> None:
     infos = [EngineGroupInfo(0, (0,), tokens_per_block=256), EngineGroupInfo(1, (1,), tokens_per_block=64)]
     m = KVLayerGroupsManager(caches, detect_all(caches), infos, tokens_per_chunk=256)
     packed, plain = m.kernel_groups
-    assert (packed.tokens_per_block, packed.slots_per_block, packed.compression) == (256, 64, 4)
-    assert packed.is_compressed and not plain.is_compressed and plain.compression == 1
+    assert (packed.tokens_per_block, packed.slots_per_block, packed.shape.compression) == (256, 64, 4)
+    assert plain.shape.compression == 1
     assert "compression" not in {f.name for f in dataclasses.fields(KVLayerGroupInfo)}
-    assert packed.calculate_slots(256) == 64 and plain.calculate_slots(256) == 256
-    # the seed: the same 256 tokens are 1 block id of a 256-token group and 4 of a 64-token group
+    assert "compression" not in {f.name for f in dataclasses.fields(KernelGroupGeometry)}
+    assert packed.shape.slots_per_chunk(256) == 64 and plain.shape.slots_per_chunk(256) == 256
+    # the same 256 tokens are 1 block id of a 256-token group and 4 of a 64-token group
     assert packed.calculate_num_blocks(256) == 1 and plain.calculate_num_blocks(256) == 4
     assert m.blocks_per_chunk(1) == 4 and m.slots_per_chunk(0) == 64
     with pytest.raises(ValueError, match="num_tokens=6"):
-        packed.calculate_slots(6)
+        packed.shape.slots_per_chunk(6)
     with pytest.raises(
         ValueError, match="num_tokens=100: expected a non-negative multiple of tokens_per_block=64"
     ):
@@ -265,7 +271,7 @@ def test_no_infos_means_one_uncompressed_engine_group() -> None:
     caches = [attn(), attn()]
     m = KVLayerGroupsManager(caches, detect_all(caches))
     (g,) = m.kernel_groups
-    assert g.layer_indices == (0, 1) and g.tokens_per_block == 16 and g.compression == 1
+    assert g.layer_indices == (0, 1) and g.tokens_per_block == 16 and g.shape.compression == 1
     assert g.engine_group_idx == 0 and g.sw_size_tokens == -1 and not g.recurrent_state
     info_zero_tpb = KVLayerGroupsManager(caches, detect_all(caches), [EngineGroupInfo(0, (0, 1))])
     assert info_zero_tpb.kernel_groups[0].tokens_per_block == 16  # 0 = unknown -> slots
@@ -326,7 +332,7 @@ def test_object_groups_separated_by_window_recurrence_and_tag() -> None:
     assert [g.object_group for g in m.kernel_groups] == [0, 1, 2, 1, 3, 4]
     mamba = m.kernel_groups[4]
     assert mamba.kv_format is KVFormat.OPAQUE_PAGES and mamba.slots_per_block == 1
-    assert mamba.compression == 16 and mamba.calculate_num_blocks(256) == 16
+    assert mamba.shape.compression == 16 and mamba.calculate_num_blocks(256) == 16
 
 
 def test_empty_registration_has_no_groups() -> None:
@@ -341,7 +347,7 @@ def test_shape_spec_example() -> None:
     spec = "(2,1024,16,8,128):float16:30;(1,1024,16,4,64):bfloat16:2"
     groups = parse_kvcache_shape_spec(spec)
     assert [g.layer_indices for g in groups] == [tuple(range(30)), (30, 31)]
-    assert groups[0].shape == KVShapeDesc(2, 30, 1024, 16, 8, 128, 2)
+    assert groups[0].shape == KernelGroupGeometry(2, 30, 1024, 16, 8, 128, torch.float16)
     assert groups[1].dtype == torch.bfloat16 and groups[1].kv_format is None
     assert format_kvcache_shape_spec(groups) == spec
     # lenient input, canonical output
@@ -385,7 +391,9 @@ def test_format_errors() -> None:
         format_kvcache_shape_spec([])
     g = parse_kvcache_shape_spec("(1,4,4,1,4):float32:1")[0]
     with pytest.raises(ValueError, match="no shape-spec name"):
-        format_kvcache_shape_spec([dataclasses.replace(g, dtype=torch.complex64)])
+        format_kvcache_shape_spec(
+            [dataclasses.replace(g, shape=dataclasses.replace(g.shape, dtype=torch.complex64))]
+        )
 
 
 positive = st.integers(1, 100_000)

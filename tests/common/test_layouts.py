@@ -1,4 +1,5 @@
-"""kvgrid.common.layouts: physical KV layouts detected from real tensors (seed 000, vllm.md §3.2)."""
+"""kvgrid.common.layouts: physical KV layouts detected from real tensors
+(docs/hybrid-groups.md, "Layouts")."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 NB, BS, NH, HS = 6, 16, 4, 8
 
 # Legacy vLLM (0.14-0.22): logical shape from get_kv_cache_shape, physical order from
-# get_kv_cache_stride_order (vllm.md §3.2 table). The engine hands over the *logical* view.
+# get_kv_cache_stride_order (the table in docs/hybrid-groups.md, "Layouts"). The engine hands over
+# the *logical* view.
 LEGACY = {
     ("FLASH_ATTN", "NHD"): ((2, NB, BS, NH, HS), (0, 1, 2, 3, 4), KVFormat.FLASH_ATTN_NHD),
     ("FLASH_ATTN", "HND"): ((2, NB, BS, NH, HS), (0, 1, 3, 2, 4), KVFormat.FLASH_ATTN_HND),

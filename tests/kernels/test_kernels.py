@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvgrid.agent.transfer import format_page_view, kernel_group_pages
 from kvgrid.common.layouts import KVFormat, block_view, empty_kv_cache
-from kvgrid_kernels import ChunkLayout, KernelGroupPages, TransferPlan, format_page_view, page_view
+from kvgrid_kernels import ChunkLayout, KernelGroupPages, TransferPlan, page_view
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -90,7 +91,14 @@ def build_plan(
         layers = make_layers(spec, device, gen)
         tensors.append(layers)
         views = tuple(format_page_view(t, spec.fmt) for t in layers)
-        groups.append(KernelGroupPages(views, spec.tokens_per_block or spec.slots, spec.slots, name=f"g{i}"))
+        groups.append(
+            KernelGroupPages.from_views(
+                views,
+                tokens_per_block=spec.tokens_per_block or spec.slots,
+                slots_per_block=spec.slots,
+                name=f"g{i}",
+            )
+        )
     return TransferPlan(groups, tokens_per_chunk, mode=mode, pipeline_bytes=1000), tensors  # type: ignore[arg-type]
 
 
@@ -339,8 +347,8 @@ def test_cross_layer_and_padded_strides_cpu() -> None:
 
 
 def test_chunk_layout_offsets() -> None:
-    a = KernelGroupPages((torch.zeros(2, 5, 32, dtype=torch.uint8),), tokens_per_block=4)
-    b = KernelGroupPages(
+    a = KernelGroupPages.from_views((torch.zeros(2, 5, 32, dtype=torch.uint8),), tokens_per_block=4)
+    b = KernelGroupPages.from_views(
         tuple(torch.zeros(1, 3, 10, dtype=torch.uint8) for _ in range(3)),
         tokens_per_block=8,
         slots_per_block=2,
@@ -366,7 +374,9 @@ def test_page_view_rejects_non_dense_pages_and_bad_axes() -> None:
 
 
 def test_plan_validates_inputs() -> None:
-    g = KernelGroupPages((torch.zeros(1, 6, 16, dtype=torch.uint8),), tokens_per_block=4, name="full")
+    g = KernelGroupPages.from_views(
+        (torch.zeros(1, 6, 16, dtype=torch.uint8),), tokens_per_block=4, name="full"
+    )
     plan = TransferPlan([g], tokens_per_chunk=8)
     buf = torch.zeros(plan.bytes_per_chunk, dtype=torch.uint8)
     with pytest.raises(ValueError, match="expected 2"):
@@ -383,10 +393,12 @@ def test_plan_validates_inputs() -> None:
         plan.store([torch.zeros(8, dtype=torch.float32)], [[1, 2]])
     with pytest.raises(ValueError, match="skip_first_n_tokens"):
         plan.retrieve([buf], [[1, 2]], skip_first_n_tokens=-1)
-    with pytest.raises(ValueError, match="multiple of kernel group 'full'"):
+    with pytest.raises(ValueError, match="multiple of kernel group 'full''s tokens_per_block=4"):
         TransferPlan([g], tokens_per_chunk=6)
     with pytest.raises(ValueError, match="multiple of slots_per_block"):
-        KernelGroupPages((torch.zeros(1, 6, 16, dtype=torch.uint8),), tokens_per_block=6, slots_per_block=4)
+        KernelGroupPages.from_views(
+            (torch.zeros(1, 6, 16, dtype=torch.uint8),), tokens_per_block=6, slots_per_block=4
+        )
     plan.store([buf], [np.array([1, 2])])  # duplicates allowed in store; numpy ids accepted
     plan.store(buf.view(1, -1), [torch.tensor([3, 3])])
 
@@ -444,10 +456,10 @@ def test_back_to_back_async_stores_keep_their_own_block_ids(mode: str) -> None:
 
 def test_pipeline_pieces_lead_with_a_small_piece_and_cover_every_layer_once() -> None:
     # 10 layers of 4 blocks x 256 B pages = 1 KiB per layer per chunk; pieces <= 4 KiB, lead 1.5 KiB
-    g = KernelGroupPages(
+    g = KernelGroupPages.from_views(
         tuple(torch.zeros(1, 9, 256, dtype=torch.uint8) for _ in range(10)), tokens_per_block=4
     )
-    h = KernelGroupPages(
+    h = KernelGroupPages.from_views(
         tuple(torch.zeros(2, 9, 64, dtype=torch.uint8) for _ in range(3)), tokens_per_block=8
     )
     plan = TransferPlan([g, h], tokens_per_chunk=16, pipeline_bytes=4096, lead_bytes=1536)
@@ -469,9 +481,9 @@ def test_pipeline_pieces_lead_with_a_small_piece_and_cover_every_layer_once() ->
 
 
 @pytest.mark.parametrize(("device", "mode", "on_device"), TARGETS)
-def test_from_manager_hybrid_engine_groups_round_trip(device: str, mode: str, on_device: bool) -> None:
-    # The seed's worked example: engine group 0 = layers [0, 2, 4], group 1 = [1, 3]; layer 4 has
-    # another shape, so three kernel groups: (g0, [0, 2]), (g1, [1, 3]), (g0, [4]).
+def test_manager_kernel_groups_round_trip(device: str, mode: str, on_device: bool) -> None:
+    # The worked example of docs/hybrid-groups.md: engine group 0 = layers [0, 2, 4], group 1 =
+    # [1, 3]; layer 4 has another shape, so three kernel groups: (g0, [0, 2]), (g1, [1, 3]), (g0, [4]).
     from kvgrid.common.groups import EngineGroupInfo, expand_engine_block_ids
     from kvgrid.common.layer_groups import KVLayerGroupsManager
 
@@ -488,7 +500,7 @@ def test_from_manager_hybrid_engine_groups_round_trip(device: str, mode: str, on
         EngineGroupInfo(engine_group_id=0, layer_indices=(4,), tokens_per_block=4),
     ]
     manager = KVLayerGroupsManager(caches, formats, infos, tokens_per_chunk=8)
-    plan = TransferPlan.from_manager(manager, caches, mode=mode)
+    plan = TransferPlan(kernel_group_pages(manager, caches), manager.tokens_per_chunk, mode=mode)
     assert plan.num_groups == 3 and plan.blocks_per_chunk == (2, 2, 2)
     assert plan.bytes_per_chunk == manager.bytes_per_chunk()
     src = expand_engine_block_ids(infos, [[7, 3, 5, 0], [9, 1, 2, 8]])

@@ -71,6 +71,7 @@ def _sync(device: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvgrid.agent.client import AgentClient
     from kvgrid.agent.tensors import allocate_shared_tensor
+    from kvgrid.agent.transfer import kernel_group_pages
     from kvgrid.common.hashing import KeyNamespace, chunk_keys
     from kvgrid.common.layer_groups import KVLayerGroupsManager
     from kvgrid.common.layouts import detect_kv_format
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             tmp.rmdir()
 
     # Kernel alone: the same plan the agent builds, into an L1-like buffer.
-    plan = TransferPlan.from_manager(manager, tensors, tokens_per_chunk=args.tokens_per_chunk)
+    plan = TransferPlan(kernel_group_pages(manager, tensors), args.tokens_per_chunk)
     l1 = torch.empty(total, dtype=torch.uint8, pin_memory=args.device == "cuda")
     bufs = list(l1.view(args.chunks, chunk_bytes).unbind(0))
     kernel: dict[str, list[float]] = {"store": [], "retrieve": []}

@@ -1,7 +1,8 @@
 """The agent's bridge to the transfer kernels: one :class:`ChunkMover` per registered instance.
 
 It detects each layer's physical layout, rebuilds the kernel groups with
-``KVLayerGroupsManager`` (which rejects infos that contradict the tensors), and copies between the
+``KVLayerGroupsManager`` (which rejects infos that contradict the tensors), hands the kernels each
+group's geometry with the page views of its layers (``kernel_group_pages``), and copies between the
 engine's paged KV and L1 chunk buffers (uint8 views into the pool, ``bytes_per_chunk`` each, laid
 out as ``kvgrid_kernels.pages.ChunkLayout`` says).
 """
@@ -11,17 +12,24 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
 from kvgrid.common.groups import EngineGroupInfo
-from kvgrid.common.layer_groups import KVLayerGroupsManager
-from kvgrid.common.layouts import KVFormat, detect_kv_format
-from kvgrid_kernels import TransferPlan
+from kvgrid.common.layer_groups import KVLayerGroupInfo, KVLayerGroupsManager
+from kvgrid.common.layouts import KVFormat, block_view, detect_kv_format
+from kvgrid_kernels import KernelGroupPages, TransferPlan, page_view
 
-__all__ = ["ChunkMover", "KernelGroupSummary", "build_mover", "parse_layout_hints"]
+__all__ = [
+    "ChunkMover",
+    "KernelGroupSummary",
+    "build_mover",
+    "format_page_view",
+    "kernel_group_pages",
+    "parse_layout_hints",
+]
 
 _INT_HINTS = ("num_kv_heads", "block_size", "num_blocks")
 
@@ -45,8 +53,10 @@ def parse_layout_hints(hint: str, hints: Mapping[str, str]) -> dict[str, object]
     return out or None
 
 
-@dataclass(frozen=True)
-class KernelGroupSummary:
+class KernelGroupSummary(msgspec.Struct, frozen=True):
+    """What the agent reports about one kernel group (``RegisterKVCachesResponse.kernel_groups``),
+    read off a ``KVLayerGroupInfo`` by :meth:`of`: nothing here is computed twice."""
+
     info_index: int
     """Which per-info block-id list this kernel group reads (kernel group i <-> info i)."""
     layer_indices: tuple[int, ...]
@@ -58,6 +68,57 @@ class KernelGroupSummary:
     blocks_per_chunk: int
     num_blocks: int
     bytes_per_chunk: int
+
+    @classmethod
+    def of(cls, info_index: int, group: KVLayerGroupInfo, tokens_per_chunk: int) -> KernelGroupSummary:
+        return cls(
+            info_index=info_index,
+            layer_indices=group.layer_indices,
+            kv_format=str(group.kv_format),
+            dtype=str(group.dtype).removeprefix("torch."),
+            engine_group_idx=group.engine_group_idx,
+            tokens_per_block=group.tokens_per_block,
+            slots_per_block=group.slots_per_block,
+            blocks_per_chunk=group.shape.blocks_per_chunk(tokens_per_chunk),
+            num_blocks=group.shape.num_blocks,
+            bytes_per_chunk=group.shape.bytes_per_chunk(tokens_per_chunk),
+        )
+
+
+def format_page_view(tensor: torch.Tensor, kv_format: KVFormat) -> torch.Tensor:
+    """Page view (``kvgrid_kernels.page_view``) of a layer tensor in ``kv_format``.
+
+    Whole blocks are one page when they are dense (FlashInfer, unified NHD/HND, MLA, opaque pages);
+    FlashAttention's separate K/V planes become 2 planes; head-major blocks become one plane per head.
+    """
+    view = block_view(tensor, kv_format)  # [NB, kv_size, X, Y, Z], X..Z in physical order
+    errors = []
+    for plane_dim in (None, 1, 2):
+        try:
+            return page_view(view, 0, plane_dim)
+        except ValueError as e:
+            errors.append(str(e))
+    raise ValueError(f"layer tensor in format {kv_format} has no dense pages: {errors[-1]}")
+
+
+def kernel_group_pages(
+    manager: KVLayerGroupsManager, kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+) -> list[KernelGroupPages]:
+    """The kernels' view of every kernel group of ``manager``, built over the same registered layer
+    tensors (a list, or a name -> tensor mapping in registration order). Each group keeps the
+    manager's geometry, so plan and manager agree on every chunk size by construction."""
+    tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
+    groups = []
+    for i, info in enumerate(manager.kernel_groups):
+        if info.kv_format is None:
+            raise ValueError(f"kernel group {i} has no kv_format: expected a manager built from tensors")
+        views = tuple(format_page_view(tensors[layer], info.kv_format) for layer in info.layer_indices)
+        groups.append(
+            KernelGroupPages(
+                views, info.shape, name=f"kernel group {i} (engine group {info.engine_group_idx})"
+            )
+        )
+    return groups
 
 
 class ChunkMover:
@@ -72,28 +133,12 @@ class ChunkMover:
     ) -> None:
         self.manager = manager
         self.tokens_per_chunk = tokens_per_chunk
-        self.plan = TransferPlan.from_manager(manager, list(tensors), tokens_per_chunk=tokens_per_chunk)
+        self.plan = TransferPlan(kernel_group_pages(manager, tensors), tokens_per_chunk)
         # A plan serves one call at a time (it owns staging buffers and streams).
         self._lock = threading.Lock()
         self.layout = self.plan.layout
-        if self.layout.bytes_per_chunk != manager.bytes_per_chunk():
-            raise ValueError(
-                f"kernel page views hold {self.layout.bytes_per_chunk} bytes per chunk but the kernel groups "
-                f"say {manager.bytes_per_chunk()}; padded or non-dense KV pages are not supported"
-            )
         self.summaries = [
-            KernelGroupSummary(
-                info_index=i if manager.engine_group_infos else 0,
-                layer_indices=tuple(kg.layer_indices),
-                kv_format=str(kg.kv_format),
-                dtype=str(kg.dtype).removeprefix("torch."),
-                engine_group_idx=kg.engine_group_idx,
-                tokens_per_block=kg.tokens_per_block,
-                slots_per_block=kg.slots_per_block,
-                blocks_per_chunk=manager.blocks_per_chunk(i),
-                num_blocks=kg.shape.num_blocks,
-                bytes_per_chunk=manager.bytes_per_chunk(i),
-            )
+            KernelGroupSummary.of(i if manager.engine_group_infos else 0, kg, tokens_per_chunk)
             for i, kg in enumerate(manager.kernel_groups)
         ]
         desc = repr(

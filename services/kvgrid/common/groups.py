@@ -1,4 +1,4 @@
-"""Engine-neutral view of an engine's KV cache groups (seed 000, "hybrid KV cache groups").
+"""Engine-neutral view of an engine's KV cache groups (``docs/hybrid-groups.md``).
 
 Three levels, from the engine down to the transfer kernels:
 

@@ -3,8 +3,10 @@
 The engine describes its groups as ``list[EngineGroupInfo]`` (``kvgrid.common.groups``, the wire
 contract). The agent rebuilds the split from the registered tensors with the *same*
 :func:`group_layers_by_identity` the connector used, then :class:`KVLayerGroupsManager` checks
-that both sides agree (seed 000): info i covers exactly the layers of kernel group i, so block
-ids sent per info are the block ids of kernel group i. Nothing here goes on the wire.
+that both sides agree (``docs/hybrid-groups.md``): info i covers exactly the layers of kernel
+group i, so block ids sent per info are the block ids of kernel group i. Nothing here goes on
+the wire. Each group's shape is a ``kvgrid_kernels.KernelGroupGeometry``, the descriptor the
+transfer kernels run on, so chunk sizes are computed in one place.
 
 Each group has two ground-truth quantities: ``tokens_per_block`` (logical tokens one block id
 covers, from the engine) and ``slots_per_block`` (physical slots per block, from the tensor).
@@ -27,13 +29,13 @@ from kvgrid.common.groups import (
     engine_group_tokens_per_block,
     get_engine_group_indices,
 )
-from kvgrid.common.layouts import KVFormat, kv_geometry
+from kvgrid.common.layouts import KVFormat, KVGeometry, kv_geometry
+from kvgrid_kernels import KernelGroupGeometry
 
 __all__ = [
     "DTYPES",
     "KVLayerGroupInfo",
     "KVLayerGroupsManager",
-    "KVShapeDesc",
     "KernelGroupIdentity",
     "ObjectGroupInfo",
     "format_kvcache_shape_spec",
@@ -119,33 +121,6 @@ def group_layers_by_identity(
     return list(groups.items())
 
 
-class KVShapeDesc(NamedTuple):
-    """Shape of one kernel group's paged buffers (every layer alike)."""
-
-    kv_size: int
-    """2 for separate K and V planes, else 1."""
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    """Physical slots per block (``slots_per_block``)."""
-    num_heads: int
-    head_size: int
-    element_size: int
-    """Bytes per element."""
-    block_stride: int = 0
-    """Elements between block b and b+1 of one layer (``block_view(t, fmt).stride(0)``, the same
-    for every layer of the group); 0 = unknown (shape spec), read it as tight."""
-
-    @property
-    def hidden_dim_size(self) -> int:
-        return self.num_heads * self.head_size
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Payload bytes of one block of one layer (K and V together)."""
-        return self.kv_size * self.block_size * self.num_heads * self.head_size * self.element_size
-
-
 @dataclass(frozen=True)
 class KVLayerGroupInfo:
     """One kernel group: layers transferred by one launch with one block-id list.
@@ -158,12 +133,10 @@ class KVLayerGroupInfo:
 
     layer_indices: tuple[int, ...]
     """Registered layer indices, ascending; the kernel iterates layers in this order."""
-    shape: KVShapeDesc
-    dtype: torch.dtype
-    """Kernel template dtype (element_size alone cannot tell bfloat16 from float16)."""
+    shape: KernelGroupGeometry
+    """Shape, dtype, ``tokens_per_block`` and the chunk arithmetic (``shape.num_layers`` equals
+    ``len(layer_indices)``)."""
     kv_format: KVFormat | None
-    tokens_per_block: int
-    """Logical tokens per block id (engine); defaults to ``slots_per_block`` when unknown."""
     engine_group_idx: int = 0
     """Engine block-id space this group reads block ids from."""
     sw_size_tokens: int = -1
@@ -175,11 +148,6 @@ class KVLayerGroupInfo:
     """Index into :attr:`KVLayerGroupsManager.object_groups`."""
 
     def __post_init__(self) -> None:
-        if self.shape.block_size <= 0 or self.tokens_per_block <= 0:
-            raise ValueError(
-                f"kernel group of layers {list(self.layer_indices)}: slots_per_block={self.shape.block_size} "
-                f"and tokens_per_block={self.tokens_per_block}; expected both > 0"
-            )
         if self.shape.num_layers != len(self.layer_indices):
             raise ValueError(
                 f"kernel group of layers {list(self.layer_indices)}: shape.num_layers="
@@ -191,43 +159,27 @@ class KVLayerGroupInfo:
         return len(self.layer_indices)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """Kernel template dtype (``shape.dtype``)."""
+        return self.shape.dtype
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Logical tokens per block id (engine); ``slots_per_block`` when the engine did not say."""
+        return self.shape.tokens_per_block
+
+    @property
     def slots_per_block(self) -> int:
         """Physical slots per block, read from the tensor (``shape.block_size``)."""
         return self.shape.block_size
 
-    @property
-    def compression(self) -> int:
-        """Logical tokens packed in one slot: ``tokens_per_block // slots_per_block`` (1 = none)."""
-        return self.tokens_per_block // self.slots_per_block
-
-    @property
-    def is_compressed(self) -> bool:
-        return self.tokens_per_block != self.slots_per_block
-
-    def calculate_slots(self, num_tokens: int) -> int:
-        """Physical slots holding ``num_tokens`` tokens: ``num_tokens * slots / tokens_per_block``.
-
-        Raises ValueError if that is not a whole number of slots.
-        """
-        if num_tokens < 0 or (num_tokens * self.slots_per_block) % self.tokens_per_block:
-            raise ValueError(
-                f"num_tokens={num_tokens}: expected a non-negative multiple of the compression "
-                f"{self.tokens_per_block}/{self.slots_per_block} tokens per slot"
-            )
-        return num_tokens * self.slots_per_block // self.tokens_per_block
-
     def calculate_num_blocks(self, num_tokens: int) -> int:
         """Block ids covering ``num_tokens`` tokens; ValueError unless a whole number of blocks."""
-        if num_tokens < 0 or num_tokens % self.tokens_per_block:
-            raise ValueError(
-                f"num_tokens={num_tokens}: expected a non-negative multiple of tokens_per_block="
-                f"{self.tokens_per_block}"
-            )
-        return num_tokens // self.tokens_per_block
+        return self.shape.blocks_per_chunk(num_tokens)
 
     def bytes_per_chunk(self, tokens_per_chunk: int) -> int:
         """Payload bytes of one chunk of ``tokens_per_chunk`` tokens over all layers of the group."""
-        return self.num_layers * self.calculate_num_blocks(tokens_per_chunk) * self.shape.bytes_per_block
+        return self.shape.bytes_per_chunk(tokens_per_chunk)
 
     def subchunk_sw_size_tokens(self, tokens_per_chunk: int) -> int:
         """Tokens of a chunk the group must keep: the window if it is shorter than a chunk."""
@@ -317,20 +269,28 @@ class KVLayerGroupsManager:
                     f"{info.engine_group_id} but kernel group {i} has layers {layers} of engine group "
                     f"{ident.engine_group_idx}; expected the same layers (the tensors decide the split)"
                 )
-            shape = self._shape(tensors, layers, ident, i)
-            slots = shape.block_size
+            geo = _common_geometry(tensors, layers, ident.kv_format, i)
             tokens_per_block = (
-                info.tokens_per_block if info is not None and info.tokens_per_block > 0 else slots
+                info.tokens_per_block if info is not None and info.tokens_per_block > 0 else geo.block_size
             )
             sw = info.sw_size_tokens if info is not None else -1
-            _validate_block_chunk_size(i, slots, tokens_per_block, tokens_per_chunk, sw)
+            _validate_block_chunk_size(i, geo.block_size, tokens_per_block, tokens_per_chunk, sw)
+            shape = KernelGroupGeometry(
+                kv_size=geo.kv_size,
+                num_layers=len(layers),
+                num_blocks=geo.num_blocks,
+                block_size=geo.block_size,
+                num_heads=geo.num_heads,
+                head_size=geo.head_size,
+                dtype=ident.dtype,
+                tokens_per_block=tokens_per_block,
+                block_stride=geo.block_stride,
+            )
             draft.append(
                 KVLayerGroupInfo(
                     layer_indices=tuple(layers),
                     shape=shape,
-                    dtype=ident.dtype,
                     kv_format=ident.kv_format,
-                    tokens_per_block=tokens_per_block,
                     engine_group_idx=ident.engine_group_idx,
                     sw_size_tokens=sw,
                     recurrent_state=info.recurrent_state if info is not None else False,
@@ -345,30 +305,6 @@ class KVLayerGroupsManager:
             _replace_object_group(g, owner[k]) for k, g in enumerate(draft)
         ]
 
-    @staticmethod
-    def _shape(
-        tensors: list[torch.Tensor], layers: list[int], ident: KernelGroupIdentity, group: int
-    ) -> KVShapeDesc:
-        geos = [kv_geometry(tensors[layer], ident.kv_format) for layer in layers]
-        first = geos[0]
-        for layer, geo in zip(layers, geos, strict=True):
-            if (geo.num_blocks, geo.block_stride) != (first.num_blocks, first.block_stride):
-                raise ValueError(
-                    f"kernel group {group}: layer {layer} has {geo.num_blocks} blocks with block stride "
-                    f"{geo.block_stride} but layer {layers[0]} has {first.num_blocks} with "
-                    f"{first.block_stride}; expected every layer of a kernel group alike"
-                )
-        return KVShapeDesc(
-            kv_size=first.kv_size,
-            num_layers=len(layers),
-            num_blocks=first.num_blocks,
-            block_size=first.block_size,
-            num_heads=first.num_heads,
-            head_size=first.head_size,
-            element_size=first.element_size,
-            block_stride=first.block_stride,
-        )
-
     @property
     def num_kernel_groups(self) -> int:
         return len(self.kernel_groups)
@@ -382,12 +318,26 @@ class KVLayerGroupsManager:
         return self.kernel_groups[group].calculate_num_blocks(self.tokens_per_chunk)
 
     def slots_per_chunk(self, group: int) -> int:
-        return self.kernel_groups[group].calculate_slots(self.tokens_per_chunk)
+        return self.kernel_groups[group].shape.slots_per_chunk(self.tokens_per_chunk)
 
     def bytes_per_chunk(self, group: int | None = None) -> int:
         """Payload bytes of one chunk for one kernel group, or for all of them (None)."""
         groups = self.kernel_groups if group is None else [self.kernel_groups[group]]
         return sum(g.bytes_per_chunk(self.tokens_per_chunk) for g in groups)
+
+
+def _common_geometry(tensors: list[torch.Tensor], layers: list[int], fmt: KVFormat, group: int) -> KVGeometry:
+    """The one geometry every layer of kernel group ``group`` shares (same blocks and block stride)."""
+    geos = [kv_geometry(tensors[layer], fmt) for layer in layers]
+    first = geos[0]
+    for layer, geo in zip(layers, geos, strict=True):
+        if (geo.num_blocks, geo.block_stride) != (first.num_blocks, first.block_stride):
+            raise ValueError(
+                f"kernel group {group}: layer {layer} has {geo.num_blocks} blocks with block stride "
+                f"{geo.block_stride} but layer {layers[0]} has {first.num_blocks} with "
+                f"{first.block_stride}; expected every layer of a kernel group alike"
+            )
+    return first
 
 
 def _replace_object_group(g: KVLayerGroupInfo, object_group: int) -> KVLayerGroupInfo:
@@ -518,10 +468,8 @@ def parse_kvcache_shape_spec(spec: str) -> list[KVLayerGroupInfo]:
         out.append(
             KVLayerGroupInfo(
                 layer_indices=layers,
-                shape=KVShapeDesc(kv_size, num_layers, nb, bs, nh, hs, dtype.itemsize),
-                dtype=dtype,
+                shape=KernelGroupGeometry(kv_size, num_layers, nb, bs, nh, hs, dtype, tokens_per_block=bs),
                 kv_format=None,
-                tokens_per_block=bs,
             )
         )
     if not out:
