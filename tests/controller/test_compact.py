@@ -151,6 +151,8 @@ def test_metrics_are_recorded() -> None:
         srv.controller.index.add(_register(stub, "pod-a", [NS_ID]), L1, k)
         stub.BatchMatchPrefix(controller_pb2.BatchMatchPrefixRequest(requests=[_req(k)] * 3, compact=True))
         stub.MatchPrefix(_req(k))
+        with pytest.raises(grpc.RpcError):
+            stub.MatchPrefix(controller_pb2.MatchPrefixRequest())  # no query: INVALID_ARGUMENT
         data = reader.get_metrics_data()
         assert data is not None
         points: dict[str, list] = {}
@@ -160,8 +162,20 @@ def test_metrics_are_recorded() -> None:
                     points[metric.name] = list(metric.data.data_points)
         queries = {p.attributes["rpc"]: p.value for p in points["kvgrid_controller_match_requests"]}
         assert queries == {"BatchMatchPrefix": 3, "MatchPrefix": 1}
-        latency = {p.attributes["rpc"]: p.count for p in points["kvgrid_controller_match_latency"]}
-        assert latency == {"BatchMatchPrefix": 1, "MatchPrefix": 1}
+        # Per-call metrics come from the server toolkit: one point per (method, status code).
+        calls = {(p.attributes["method"], p.attributes["code"]): p.value for p in points["kvgrid_rpc_server_calls"]}
+        assert calls == {
+            ("RegisterAgent", "OK"): 1,
+            ("BatchMatchPrefix", "OK"): 1,
+            ("MatchPrefix", "OK"): 1,
+            ("MatchPrefix", "INVALID_ARGUMENT"): 1,
+        }
+        duration = {(p.attributes["method"], p.attributes["code"]): p for p in points["kvgrid_rpc_server_duration"]}
+        assert duration.keys() == calls.keys()
+        assert all(0 < p.sum < 5 for p in duration.values())  # seconds, not milliseconds
+        lookups = {p.attributes["op"]: p.count for p in points["kvgrid_controller_index_lookup_duration"]}
+        assert lookups == {"lookup_batch": 2}
+        assert [p.value for p in points["kvgrid_controller_chunks"]] == [4]
         assert [p.value for p in points["kvgrid_controller_entries"]] == [4]
         assert [p.value for p in points["kvgrid_controller_agents"]] == [1]
         assert [p.value for p in points["kvgrid_controller_events_ingested"]] == [0]

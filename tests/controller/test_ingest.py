@@ -6,11 +6,9 @@ import threading
 
 import pytest
 
-from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.identity import PodIdentity
-from kvgrid.common.wire import pod_identity_to_proto
 from kvgrid.controller.index import IndexTier, MemoryIndex
-from kvgrid.controller.ingest import ChunkEvent, EventKind, Ingestor
+from kvgrid.controller.ingest import AgentSnapshot, ChunkEvent, EventKind, Ingestor
 from kvgrid.controller.registry import AgentRecord, Registry, UnknownPodError
 from tests.controller.support import rand_keys, wait_until
 
@@ -26,9 +24,9 @@ def test_events_of_a_dropped_incarnation_are_refused_and_leave_nothing() -> None
     truth: set[bytes] = set()
 
     # The agent's own answer (this test is about ordering, not transport; the gRPC pull is
-    # covered by test_controller_service).
-    def snapshot(rec: AgentRecord, timeout_s: float) -> agent_pb2.SnapshotResponse:
-        return agent_pb2.SnapshotResponse(pod=pod_identity_to_proto(rec.pod), chunk_keys=sorted(truth))
+    # covered by tests/controller/test_service.py).
+    def snapshot(rec: AgentRecord, timeout_s: float) -> AgentSnapshot:
+        return AgentSnapshot(rec.pod.pod_uid, rec.pod.epoch, sorted(truth), last_sequence=0)
 
     ingest = Ingestor(index, snapshot, retry_s=0.01)
     registry = Registry(lease_ttl_ms=60_000)
@@ -66,13 +64,11 @@ def test_events_dropped_from_a_full_resync_buffer_are_covered_by_a_newer_snapsho
 
     # The agent answers with its state at the moment the pull starts; the first pull is held back
     # while events pile up behind it.
-    def snapshot(rec: AgentRecord, timeout_s: float) -> agent_pb2.SnapshotResponse:
+    def snapshot(rec: AgentRecord, timeout_s: float) -> AgentSnapshot:
         keys, last = sorted(truth), seq
         pulls.append(last)
         release.wait(10)
-        return agent_pb2.SnapshotResponse(
-            pod=pod_identity_to_proto(rec.pod), chunk_keys=keys, last_sequence=last
-        )
+        return AgentSnapshot(rec.pod.pod_uid, rec.pod.epoch, keys, last_sequence=last)
 
     ingest = Ingestor(index, snapshot, retry_s=0.01, max_buffered_events=3)
     registry = Registry(lease_ttl_ms=60_000)

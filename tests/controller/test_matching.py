@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgrid.controller.index import ChunkIndex, IndexTier, MemoryIndex, batch_view_from_prefix_views
-from kvgrid.controller.index_redis import RedisIndex
+from kvgrid.controller.index.redis import RedisIndex
 from kvgrid.controller.matching import BatchMatch, PodPrefix, match_batch, match_prefix
 from tests.controller.support import rand_keys, unique_prefix, valkey_url  # noqa: F401
 

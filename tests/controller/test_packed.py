@@ -12,7 +12,7 @@ import pytest
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.index import ChunkIndex, IndexTier, MemoryIndex
-from kvgrid.controller.index_redis import RedisIndex
+from kvgrid.controller.index.redis import RedisIndex
 from kvgrid.controller.service import Server, serve
 from tests.controller.support import NS_ID, rand_keys, unique_prefix, valkey_url  # noqa: F401
 

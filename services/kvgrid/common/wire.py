@@ -1,8 +1,10 @@
-"""Every protobuf <-> msgspec conversion in one place; service code converts through here.
+"""The protobuf <-> msgspec conversions every service shares; service code converts through here.
 
 Protobuf is the wire, msgspec the in-process form. Conversions are lossless both ways, and a
 field the sender did not set decodes to the msgspec default (proto3 cannot tell 0 from absent for
-plain scalars, so 0 in a field whose valid values are positive means "absent").
+plain scalars, so 0 in a field whose valid values are positive means "absent"). A message that
+does not convert raises :class:`~kvgrid.common.errors.InvalidArgument` (a ValueError) naming the
+field. Conversions of one service's own messages live beside it (``kvgrid.controller.wire``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from collections.abc import Iterable, Sequence
 import msgspec
 
 from kvgrid.api.v1 import common_pb2
-from kvgrid.common.groups import from_proto as engine_group_infos_from_proto
+from kvgrid.common.errors import InvalidArgument, client_input
+from kvgrid.common.groups import EngineGroupInfo
+from kvgrid.common.groups import from_proto as _groups_from_proto
 from kvgrid.common.groups import to_proto as engine_group_infos_to_proto
 from kvgrid.common.hashing import KeyNamespace
 from kvgrid.common.identity import PodIdentity
@@ -58,7 +62,13 @@ def key_namespace_from_proto(msg: common_pb2.KeyNamespace) -> KeyNamespace:
             kv_identity=msg.kv_identity,
         )
     except ValueError as e:
-        raise ValueError(f"namespace: {e}") from None
+        raise InvalidArgument(f"namespace: {e}") from None
+
+
+def engine_group_infos_from_proto(msgs: Iterable[common_pb2.EngineGroupInfo]) -> list[EngineGroupInfo]:
+    """:func:`kvgrid.common.groups.from_proto`; a message it rejects raises InvalidArgument."""
+    with client_input():
+        return _groups_from_proto(msgs)
 
 
 def pod_identity_to_proto(pod: PodIdentity) -> common_pb2.PodIdentity:
@@ -73,7 +83,7 @@ def pod_identity_to_proto(pod: PodIdentity) -> common_pb2.PodIdentity:
 
 
 def pod_identity_from_proto(msg: common_pb2.PodIdentity) -> PodIdentity:
-    """Raises ValueError for an unset/empty ``pod_uid`` or an epoch of 2**63 or more."""
+    """Raises InvalidArgument for an unset/empty ``pod_uid`` or an epoch of 2**63 or more."""
     try:
         return PodIdentity(
             pod_uid=msg.pod_uid,
@@ -84,7 +94,7 @@ def pod_identity_from_proto(msg: common_pb2.PodIdentity) -> PodIdentity:
             agent_address=msg.agent_address,
         )
     except ValueError as e:
-        raise ValueError(f"pod: {e}") from None
+        raise InvalidArgument(f"pod: {e}") from None
 
 
 def block_ids_to_proto(block_ids: Iterable[Sequence[int]]) -> list[common_pb2.BlockIds]:

@@ -46,6 +46,7 @@ import grpc
 
 from kvgrid.api.v1 import common_pb2, controller_pb2
 from kvgrid.common.identity import PodIdentity
+from kvgrid.controller import wire
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.index import IndexTier, MemoryIndex
 from kvgrid.controller.ingest import ChunkEvent, EventKind, Ingestor
@@ -181,7 +182,9 @@ def _dict_limit(evs: dict[int, list[tuple[IndexTier, list[bytes]]]]) -> float:
 
 def _client(addr: str, method: str, payloads: list[bytes], seconds: float, concurrency: int, q: Any) -> None:
     ch = grpc.insecure_channel(addr)
-    call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(method)  # bytes in, bytes out: no client-side protobuf work
+    call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(
+        method
+    )  # bytes in, bytes out: no client-side protobuf work
     for p in payloads[:20]:  # warm up
         call(p)
     lat: list[float] = []
@@ -386,17 +389,19 @@ def run(args: argparse.Namespace) -> int:
         pods_listed = statistics.mean(len(r.matches) for r in resp.responses)
         parse_r, parse_c = _parse_us(raw_r, args.batch), _parse_us(raw_c, args.batch)
         ctl = srv.controller
-        qs = [ctl.parse_query(r) for r in reqs[0].requests]
+        qs = [ctl.resolve(wire.prefix_query_from_proto(r)) for r in reqs[0].requests]
         inproc = {}
         for form in ("readable", "compact"):
             t0 = time.perf_counter()
             for _ in range(20):
-                ctl.batch_match_response(qs, compact=form == "compact").SerializeToString()
+                wire.batch_match_to_proto(ctl.match_queries(qs), form == "compact").SerializeToString()
             inproc[form] = 20 * len(qs) / (time.perf_counter() - t0)
         t0 = time.perf_counter()
         for _ in range(20):
             preq = controller_pb2.BatchMatchPrefixRequest.FromString(packed[0])
-            ctl.packed_match_response(ctl.parse_packed(preq), compact=True).SerializeToString()
+            wire.batch_match_to_proto(
+                ctl.match_packed(wire.packed_from_proto(preq)), True
+            ).SerializeToString()
         inproc["packed"] = 20 * len(qs) / (time.perf_counter() - t0)
         unary = _drive(srv.address, METHOD, one, args.seconds, args.concurrency)
         batch = _drive(srv.address, METHOD, readable, args.seconds, args.concurrency)

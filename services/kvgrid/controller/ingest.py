@@ -16,25 +16,23 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import msgspec
 
-from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2
+from kvgrid.common.errors import InvalidArgument, KvgridError
 from kvgrid.controller.index import ChunkIndex, IndexTier, check_keys
 from kvgrid.controller.registry import AgentRecord, UnknownPodError
 
-__all__ = ["ChunkEvent", "EventKind", "Ingestor", "events_from_proto"]
+__all__ = ["AgentSnapshot", "ChunkEvent", "EventKind", "Ingestor", "SnapshotFn", "check_events"]
 
 log = logging.getLogger(__name__)
 
 
 class EventKind(enum.IntEnum):
-    ADMIT = controller_pb2.EVENT_KIND_ADMIT
-    EVICT = controller_pb2.EVENT_KIND_EVICT
-    CLEAR = controller_pb2.EVENT_KIND_CLEAR
+    """The wire's ``EventKind`` values (``EVENT_KIND_*``; tests/common/test_wire.py keeps them equal)."""
 
-
-_TIERS = {common_pb2.TIER_L1: IndexTier.L1, common_pb2.TIER_GPU: IndexTier.GPU}
+    ADMIT = 1
+    EVICT = 2
+    CLEAR = 3
 
 
 class ChunkEvent(msgspec.Struct, frozen=True):
@@ -43,41 +41,33 @@ class ChunkEvent(msgspec.Struct, frozen=True):
     tier: IndexTier | None
     """None only for CLEAR without a tier (every tier)."""
     keys: tuple[bytes, ...]
+    namespace: str = ""
+    """The namespace id the agent named for the keys ("" = not named)."""
 
 
-def events_from_proto(
-    msgs: Sequence[controller_pb2.ChunkEvent], namespaces: Sequence[str], max_keys: int
-) -> list[ChunkEvent]:
-    """Validate a whole message before anything is applied (bad input changes nothing)."""
-    out: list[ChunkEvent] = []
+def check_events(events: Sequence[ChunkEvent], namespaces: Sequence[str], max_keys: int) -> None:
+    """What the wire form cannot check: each event's namespace is one the pod registered (when it
+    named any), and one message carries at most ``max_keys`` keys. Raises before anything is applied."""
     total = 0
-    prev = -1
-    for i, e in enumerate(msgs):
-        if e.sequence <= prev:
-            raise ValueError(
-                f"events[{i}].sequence={e.sequence}: expected strictly increasing sequences (previous {prev})"
-            )
-        prev = e.sequence
-        if e.kind not in (1, 2, 3):
-            raise ValueError(f"events[{i}].kind={e.kind}: expected ADMIT, EVICT or CLEAR")
-        kind = EventKind(e.kind)
-        if e.tier == common_pb2.TIER_UNSPECIFIED and kind is EventKind.CLEAR:
-            tier = None
-        elif e.tier in _TIERS:
-            tier = _TIERS[e.tier]
-        else:
-            raise ValueError(f"events[{i}].tier={e.tier}: expected TIER_L1 or TIER_GPU")
+    for i, e in enumerate(events):
         if e.namespace and namespaces and e.namespace not in namespaces:
-            raise ValueError(
+            raise InvalidArgument(
                 f"events[{i}].namespace={e.namespace!r}: not one of the pod's registered namespaces"
             )
-        keys = tuple(e.chunk_keys)
-        check_keys(keys, f"events[{i}].chunk_keys")
-        total += len(keys)
+        total += len(e.keys)
         if total > max_keys:
-            raise ValueError(f"message carries more than max_event_keys={max_keys} chunk keys")
-        out.append(ChunkEvent(sequence=e.sequence, kind=kind, tier=tier, keys=keys))
-    return out
+            raise InvalidArgument(f"message carries more than max_event_keys={max_keys} chunk keys")
+
+
+class AgentSnapshot(msgspec.Struct, frozen=True):
+    """An agent's answer to a snapshot pull (``AgentService.Snapshot``): its L1 keys as of
+    ``last_sequence`` and the namespaces it serves."""
+
+    pod_uid: str
+    epoch: int
+    keys: list[bytes]
+    last_sequence: int
+    namespaces: list[str] = []
 
 
 class _PodState:
@@ -93,25 +83,9 @@ class _PodState:
         self.generation = 0
 
 
-SnapshotFn = Callable[[AgentRecord, float], agent_pb2.SnapshotResponse]
-
-
-def grpc_snapshot(channels: dict[str, grpc.Channel], lock: threading.Lock) -> SnapshotFn:
-    """Pull ``AgentService.Snapshot`` from ``record.pod.agent_address`` (channels cached per address)."""
-
-    def pull(record: AgentRecord, timeout_s: float) -> agent_pb2.SnapshotResponse:
-        addr = record.pod.agent_address
-        if not addr:
-            raise ValueError(f"pod {record.pod.pod_uid!r} registered without agent_address; cannot pull")
-        with lock:
-            ch = channels.get(addr)
-            if ch is None:
-                ch = channels[addr] = grpc.insecure_channel(
-                    addr, options=[("grpc.max_receive_message_length", 256 << 20)]
-                )
-        return agent_pb2_grpc.AgentServiceStub(ch).Snapshot(agent_pb2.SnapshotRequest(), timeout=timeout_s)
-
-    return pull
+SnapshotFn = Callable[[AgentRecord, float], AgentSnapshot]
+"""Pull a snapshot from the record's agent within the timeout; raises :class:`KvgridError`
+(e.g. ``Unavailable``) or ValueError when it cannot."""
 
 
 class Ingestor:
@@ -242,14 +216,14 @@ class Ingestor:
         while not self._closed.is_set():
             try:
                 snap = self._snapshot(rec, self._timeout)
-                if snap.pod.pod_uid != rec.pod.pod_uid or snap.pod.epoch != rec.pod.epoch:
+                if snap.pod_uid != rec.pod.pod_uid or snap.epoch != rec.pod.epoch:
                     raise ValueError(
-                        f"agent at {rec.pod.agent_address} is {snap.pod.pod_uid}/{snap.pod.epoch}, "
+                        f"agent at {rec.pod.agent_address} is {snap.pod_uid}/{snap.epoch}, "
                         f"expected {rec.holder}"
                     )
-                keys = list(snap.chunk_keys)
+                keys = snap.keys
                 check_keys(keys, "snapshot.chunk_keys")
-            except (grpc.RpcError, ValueError) as exc:
+            except (KvgridError, ValueError) as exc:
                 log.warning("snapshot pull from %s failed: %s", rec.holder, exc)
                 if self._closed.wait(self._retry):
                     return

@@ -1,9 +1,10 @@
 """OpenTelemetry metrics of the controller (``kvgrid_controller_*``): a thin wrapper over its stats.
 
-Counters that already exist as plain numbers (events ingested, resyncs, entries, agents...) are
-exported through observable instruments read at collection time, so ingest pays nothing. The match
-RPCs record one counter add and one histogram point per *call* (not per query), so a batch of 32
-queries costs the same few microseconds as one.
+Counters that already exist as plain numbers (events ingested, resyncs, agents...) are exported
+through observable instruments read at collection time, so ingest pays nothing. The match RPCs add
+their number of queries once per *call*. Per-call counts and latency of every RPC are the server
+toolkit's (``kvgrid_rpc_server_*``, :mod:`kvgrid.common.rpc`); the index's gauges come from
+wrapping it (:class:`kvgrid.controller.index.instrumented.InstrumentedIndex`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ from collections.abc import Callable, Iterable
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
-__all__ = ["ControllerMetrics", "MatchRpc", "StatsSource"]
+__all__ = ["ControllerMetrics", "MatchRpc", "StatsSource", "observe"]
 
 log = logging.getLogger(__name__)
 
 MatchRpc = str  # "MatchPrefix", "BatchMatchPrefix", "Score", "BatchScore"
-
-# Match latency buckets (ms): the goal is p99 <= 3 ms per call.
-LATENCY_BUCKETS_MS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0)
 
 
 class StatsSource:
@@ -30,8 +28,6 @@ class StatsSource:
     def __init__(
         self,
         *,
-        entries: Callable[[], int],
-        chunks: Callable[[], int],
         agents: Callable[[], int],
         events_ingested: Callable[[], int],
         resyncs: Callable[[], int],
@@ -39,8 +35,6 @@ class StatsSource:
         vllm_events: Callable[[], int],
         expired_leases: Callable[[], int],
     ) -> None:
-        self.entries = entries
-        self.chunks = chunks
         self.agents = agents
         self.events_ingested = events_ingested
         self.resyncs = resyncs
@@ -49,7 +43,9 @@ class StatsSource:
         self.expired_leases = expired_leases
 
 
-def _observe(read: Callable[[], int], what: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+def observe(read: Callable[[], int], what: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    """An observable-instrument callback reading ``read()``; a failed read skips the point."""
+
     def callback(_options: CallbackOptions) -> Iterable[Observation]:
         try:
             return [Observation(read())]
@@ -69,24 +65,13 @@ class ControllerMetrics:
             unit="{query}",
             description="Queries answered by MatchPrefix/Score (a batch counts each of its queries)",
         )
-        self.latency = meter.create_histogram(
-            "kvgrid_controller_match_latency",
-            unit="ms",
-            description="Server time of one match RPC call (a whole batch), milliseconds",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_MS,
+        name = "kvgrid_controller_agents"
+        meter.create_observable_gauge(
+            name,
+            [observe(stats.agents, name)],
+            unit="{agent}",
+            description="registered agents with a live lease",
         )
-        gauges = (
-            (
-                "kvgrid_controller_entries",
-                "{entry}",
-                "(chunk, holder, tier) entries in the index",
-                stats.entries,
-            ),
-            ("kvgrid_controller_chunks", "{chunk}", "distinct chunk keys in the index", stats.chunks),
-            ("kvgrid_controller_agents", "{agent}", "registered agents with a live lease", stats.agents),
-        )
-        for name, unit, desc, read in gauges:
-            meter.create_observable_gauge(name, [_observe(read, name)], unit=unit, description=desc)
         counters = (
             (
                 "kvgrid_controller_events_ingested",
@@ -115,13 +100,12 @@ class ControllerMetrics:
             ),
         )
         for name, unit, desc, read in counters:
-            meter.create_observable_counter(name, [_observe(read, name)], unit=unit, description=desc)
+            meter.create_observable_counter(name, [observe(read, name)], unit=unit, description=desc)
         self._attrs: dict[MatchRpc, dict[str, str]] = {}
 
-    def match_call(self, rpc: MatchRpc, queries: int, seconds: float) -> None:
-        """One match RPC call answered ``queries`` queries in ``seconds`` (server time)."""
+    def answered(self, rpc: MatchRpc, queries: int) -> None:
+        """One successful match RPC call answered ``queries`` queries."""
         attrs = self._attrs.get(rpc)
         if attrs is None:
             attrs = self._attrs.setdefault(rpc, {"rpc": rpc})
         self.queries.add(queries, attrs)
-        self.latency.record(seconds * 1000.0, attrs)

@@ -20,16 +20,17 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from kvgrid.common.errors import FailedPrecondition, NotFound, check_namespace_id
 from kvgrid.common.identity import PodIdentity
 
 __all__ = ["AgentLoad", "AgentRecord", "RegisterOutcome", "Registry", "StaleEpochError", "UnknownPodError"]
 
 
-class StaleEpochError(Exception):
+class StaleEpochError(FailedPrecondition):
     """A request carries an older epoch than the registered one (FAILED_PRECONDITION)."""
 
 
-class UnknownPodError(Exception):
+class UnknownPodError(NotFound):
     """No live registration for this pod UID / epoch (NOT_FOUND or FAILED_PRECONDITION)."""
 
 
@@ -66,12 +67,7 @@ class RegisterOutcome(msgspec.Struct, frozen=True):
 
 
 def _check_namespace_ids(namespaces: Sequence[str]) -> tuple[str, ...]:
-    out = []
-    for i, ns in enumerate(namespaces):
-        if len(ns) != 32 or any(c not in "0123456789abcdef" for c in ns):
-            raise ValueError(f"namespaces[{i}]={ns!r:.60}: expected a 32-char lowercase hex namespace id")
-        out.append(ns)
-    return tuple(out)
+    return tuple(check_namespace_id(ns, f"namespaces[{i}]") for i, ns in enumerate(namespaces))
 
 
 class Registry:

@@ -1,182 +1,24 @@
-"""The controller's chunk index: which holder (pod incarnation) has which chunk key in which tier.
+"""In-memory backend of :class:`~kvgrid.controller.index.base.ChunkIndex` (the default).
 
-One small interface (:class:`ChunkIndex`) with backends side by side: :class:`MemoryIndex` here
-(default, embedded) and ``kvgrid.controller.index_redis.RedisIndex`` (several controller replicas
-share one Valkey/Redis). Every backend passes the same conformance suite
-(``tests/test_controller_index.py``).
-
-The index stores facts and answers lookups; it never scores (``scoring.py`` does) and never
-decides who is alive (``registry.py`` does). A *holder* is the text ``<pod_uid>/<epoch>``
-(:attr:`kvgrid.common.identity.PodIdentity.holder_id`); inside a backend each live holder gets a
-small integer *slot*, and a lookup returns per chunk two bitmasks over slots (GPU holders, L1
-holders), so prefix matching (:mod:`kvgrid.controller.matching`) is a handful of integer ops per
-chunk whatever the number of pods.
+One process, no dependencies: an open-addressing hash table over flat numpy arrays whose rows are
+already in the :class:`~kvgrid.controller.index.base.BatchView` layout, so a batch lookup is a few
+vectorized gathers (see :class:`MemoryIndex`).
 """
 
 from __future__ import annotations
 
-import enum
 import struct
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from itertools import chain, repeat
 
-import msgspec
 import numpy as np
 
-from kvgrid.common.hashing import CHUNK_KEY_BYTES, check_chunk_keys
+from kvgrid.common.hashing import CHUNK_KEY_BYTES
+from kvgrid.controller.index.base import BatchView, ChunkIndex, IndexTier, PrefixView, check_keys
 
-__all__ = [
-    "BatchView",
-    "ChunkIndex",
-    "IndexTier",
-    "MemoryIndex",
-    "PrefixView",
-    "batch_view_from_prefix_views",
-    "check_keys",
-]
-
-
-class IndexTier(enum.IntEnum):
-    """Tiers the index stores (peer-fetchable is derived at match time, never stored)."""
-
-    L1 = 0
-    GPU = 1
-
-
-class PrefixView(msgspec.Struct, frozen=True):
-    """What the index knows about the leading chunks of one query.
-
-    ``l1[i]`` / ``gpu[i]``: bitmask over slots of the holders of chunk ``i`` in that tier
-    (speculative entries are folded into ``gpu``). The lists stop at the first chunk nobody holds:
-    a prefix cannot continue past it. ``slots`` maps slot number -> holder id for every slot set
-    in any mask.
-    """
-
-    l1: list[int]
-    gpu: list[int]
-    slots: dict[int, str]
-
-
-class BatchView(msgspec.Struct, frozen=True):
-    """What the index knows about the chunks of a batch of queries, as machine words.
-
-    ``words[j, b]`` (uint64, shape ``[n, B, 2 * nwords]``, ``n`` = longest query): the L1 holder
-    bitmask of chunk ``j`` of query ``b`` in words ``[0, nwords)`` (little-endian: slot ``s`` is bit
-    ``s % 64`` of word ``s // 64``), then its GPU holder bitmask (speculative entries folded in).
-    Chunks past a query's end, or that nobody holds, are all zeros (a prefix cannot continue past
-    them, so rows after the first zero row are irrelevant and may be zero too).
-    ``holders``: slot -> holder id for every slot that may be set. ``slots_version``: a number that
-    changes whenever the slot table does, or None when the backend cannot promise that (callers
-    then must not cache anything derived from ``holders``).
-    """
-
-    words: np.ndarray
-    holders: dict[int, str]
-    slots_version: int | None = None
-
-    @property
-    def nwords(self) -> int:
-        return int(self.words.shape[2]) // 2
-
-
-def batch_view_from_prefix_views(views: Sequence[PrefixView]) -> BatchView:
-    """Pack per-query :class:`PrefixView` masks into a :class:`BatchView` (any backend)."""
-    holders: dict[int, str] = {}
-    for v in views:
-        holders.update(v.slots)
-    nwords = max(1, -(-(max(holders, default=0) + 1) // 64))
-    nb = 8 * nwords
-    n = max((len(v.l1) for v in views), default=0)
-    words = np.zeros((len(views), n, 2 * nwords), dtype=np.uint64)
-    for b, v in enumerate(views):
-        if v.l1:
-            raw = b"".join(
-                m.to_bytes(nb, "little") + g.to_bytes(nb, "little") for m, g in zip(v.l1, v.gpu, strict=True)
-            )
-            words[b, : len(v.l1)] = np.frombuffer(raw, dtype="<u8").reshape(len(v.l1), 2 * nwords)
-    return BatchView(words=np.ascontiguousarray(words.transpose(1, 0, 2)), holders=holders)
-
-
-def check_keys(keys: Sequence[bytes], what: str = "chunk_keys") -> None:
-    """Raise ValueError unless every key is a CHUNK_KEY_BYTES-byte chunk key."""
-    check_chunk_keys(keys, what)
-
-
-class ChunkIndex(ABC):
-    """Chunk key -> holders, per tier. Thread-safe. Keys are 16-byte chunk keys."""
-
-    backend: str = "abstract"
-
-    @abstractmethod
-    def add(self, holder: str, tier: IndexTier, keys: Sequence[bytes]) -> None:
-        """Record that ``holder`` holds ``keys`` in ``tier`` (idempotent)."""
-
-    @abstractmethod
-    def remove(self, holder: str, tier: IndexTier, keys: Sequence[bytes]) -> None:
-        """Forget ``keys`` in ``tier`` of ``holder`` (missing entries are ignored)."""
-
-    @abstractmethod
-    def replace(self, holder: str, tier: IndexTier, keys: Iterable[bytes]) -> None:
-        """Make ``holder``'s entries in ``tier`` exactly ``keys``, atomically for readers."""
-
-    @abstractmethod
-    def drop_holder(self, holder: str) -> int:
-        """Remove every entry (all tiers, speculative too) of ``holder``; returns entries removed."""
-
-    @abstractmethod
-    def lookup(self, keys: Sequence[bytes]) -> PrefixView:
-        """Holder masks of the leading chunks of ``keys`` (see :class:`PrefixView`)."""
-
-    def lookup_batch(self, queries: Sequence[Sequence[bytes]]) -> BatchView:
-        """Holder masks of the chunks of every query as machine words (see :class:`BatchView`).
-
-        The default packs :meth:`lookup` per query; backends override it with something faster.
-        """
-        return batch_view_from_prefix_views([self.lookup(q) for q in queries])
-
-    def lookup_packed(self, keys: np.ndarray, counts: np.ndarray) -> BatchView:
-        """:meth:`lookup_batch` of packed queries: ``keys`` uint64 ``[total, 2]`` (each row a key's
-        two little-endian words, query after query), ``counts`` the keys of each query (int64,
-        summing to ``total``). The default turns them into bytes keys; backends that can probe
-        words directly override it.
-        """
-        raw = np.ascontiguousarray(keys, dtype="<u8").tobytes()
-        kb = CHUNK_KEY_BYTES
-        ends = np.cumsum(counts).tolist()
-        starts = [0, *ends][:-1]
-        return self.lookup_batch(
-            [[raw[i * kb : (i + 1) * kb] for i in range(a, b)] for a, b in zip(starts, ends, strict=True)]
-        )
-
-    @abstractmethod
-    def add_speculative(self, holder: str, keys: Sequence[bytes], ttl_ms: int) -> None:
-        """Short-lived GPU-tier entries for a pod a router just chose (cover the event blind window)."""
-
-    @abstractmethod
-    def holder_keys(self, holder: str, tier: IndexTier) -> set[bytes]:
-        """Every key ``holder`` holds in ``tier`` (resync checks, debugging; may be slow)."""
-
-    @abstractmethod
-    def holder_entries(self, holder: str) -> int:
-        """Number of (chunk, tier) entries of ``holder``."""
-
-    @abstractmethod
-    def holders(self) -> list[str]:
-        """Holders that have a slot (hold, or held, entries and were not dropped)."""
-
-    @abstractmethod
-    def num_entries(self) -> int:
-        """Number of (chunk, holder, tier) entries, speculative ones excluded."""
-
-    @abstractmethod
-    def num_chunks(self) -> int:
-        """Number of distinct chunk keys with at least one holder."""
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections."""
+__all__ = ["MemoryIndex"]
 
 
 class _Slots:

@@ -1,0 +1,586 @@
+"""The controller's state and operations, gRPC-free: msgspec types and plain Python in and out.
+
+:class:`Controller` ties the registry (who is alive), the ingestor (agent events and resyncs), the
+index (who holds what) and scoring together. It never sees protobuf: :mod:`kvgrid.controller.wire`
+converts requests to the types here and results back, :mod:`kvgrid.controller.service` serves it
+over gRPC. Errors the caller caused are :mod:`kvgrid.common.errors` types naming the bad value;
+nothing is applied from a request that fails validation.
+
+Queries come in two forms: :class:`PrefixQuery` (as asked: token ids, or chunk keys, with the
+namespace) is resolved into :class:`Query` (chunk keys, namespace id, sizes) once; packed batches
+arrive as :class:`PackedQueries` (one key buffer for the whole batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from kvgrid.common.errors import (
+    InvalidArgument,
+    Unavailable,
+    check_namespace_id,
+    client_input,
+    is_namespace_id,
+    within,
+)
+from kvgrid.common.hashing import CHUNK_KEY_BYTES, DEFAULT_TOKENS_PER_CHUNK, KeyNamespace, chunk_keys
+from kvgrid.common.identity import PodIdentity
+from kvgrid.controller.config import ControllerConfig
+from kvgrid.controller.index import BatchView, ChunkIndex, IndexTier, check_keys, make_index
+from kvgrid.controller.index.instrumented import InstrumentedIndex
+from kvgrid.controller.ingest import AgentSnapshot, ChunkEvent, Ingestor, SnapshotFn, check_events
+from kvgrid.controller.matching import BatchMatch, match_batch
+from kvgrid.controller.metrics import ControllerMetrics, StatsSource
+from kvgrid.controller.registry import AgentLoad, AgentRecord, Registry, StaleEpochError, UnknownPodError
+from kvgrid.controller.scoring import Candidate, Estimate, ScoreParams, rank
+from kvgrid.controller.slots import SlotTable
+from kvgrid.controller.vllm_events import VllmEventSubscriber
+
+if TYPE_CHECKING:
+    from kvgrid.common.telemetry import Telemetry
+
+__all__ = [
+    "AgentInfo",
+    "Controller",
+    "ControllerStats",
+    "EventMessage",
+    "HolderSnapshot",
+    "Lease",
+    "MatchResult",
+    "PackedQueries",
+    "PrefixQuery",
+    "PublishAck",
+    "Query",
+    "Registration",
+    "ScoreQuery",
+    "ScoreResult",
+]
+
+log = logging.getLogger(__name__)
+
+_NO_CANDIDATES: frozenset[str] = frozenset()
+_KEY_LEN = {CHUNK_KEY_BYTES}
+
+
+# --- what goes in ------------------------------------------------------------------------------
+class PrefixQuery(msgspec.Struct, frozen=True):
+    """One MatchPrefix query as asked: ``token_ids`` with ``namespace``, or ``chunk_keys`` with
+    ``namespace`` or ``namespace_id``; neither set is an error."""
+
+    token_ids: list[int] | None = None
+    chunk_keys: list[bytes] | None = None
+    namespace: KeyNamespace | None = None
+    namespace_id: str = ""
+    candidates: frozenset[str] = _NO_CANDIDATES
+    max_pods: int = 0
+
+
+class Query(msgspec.Struct, frozen=True):
+    """A resolved query: the chunk keys to match and what they were computed under."""
+
+    keys: list[bytes]
+    namespace_id: str
+    tokens_per_chunk: int
+    num_tokens: int
+    candidates: frozenset[str]
+    max_pods: int
+
+
+class PackedQueries(msgspec.Struct, frozen=True):
+    """The packed form of a batch: ``keys`` uint64 ``[total, 2]`` (a view of the request's bytes),
+    ``counts`` int64 keys per query; the rest applies to every query."""
+
+    keys: np.ndarray
+    counts: np.ndarray
+    namespace_id: str
+    candidates: frozenset[str]
+    max_pods: int
+
+
+class ScoreQuery(msgspec.Struct, frozen=True):
+    match: PrefixQuery
+    reserve: bool = False
+    speculative_ttl_ms: int = 0
+    """0: the configured ``speculative_ttl_ms``."""
+    top_k: int = 0
+    """0: every candidate."""
+
+
+class EventMessage(msgspec.Struct, frozen=True):
+    """One message of an agent's event stream; ``pod`` is required on the first only."""
+
+    pod: PodIdentity | None
+    events: list[ChunkEvent]
+
+
+# --- what comes out ----------------------------------------------------------------------------
+class Registration(msgspec.Struct, frozen=True):
+    lease_ttl_ms: int
+    snapshot_requested: bool
+
+
+class Lease(msgspec.Struct, frozen=True):
+    lease_ttl_ms: int
+    reregister: bool
+
+
+class PublishAck(msgspec.Struct, frozen=True):
+    acked_sequence: int
+    resync_started: bool
+
+
+class HolderSnapshot(msgspec.Struct, frozen=True):
+    pod: PodIdentity
+    keys: list[bytes]
+    last_sequence: int
+
+
+class MatchResult(msgspec.Struct, frozen=True):
+    """Every query's matches (``match``), the slots they name (``table``) and each query's size."""
+
+    match: BatchMatch
+    table: SlotTable
+    num_chunks: list[int]
+
+
+class ScoreResult(msgspec.Struct, frozen=True):
+    num_query_chunks: int
+    ranked: list[Estimate]
+    """Best (lowest estimated TTFT) first."""
+
+
+class AgentInfo(msgspec.Struct, frozen=True):
+    pod: PodIdentity
+    load: AgentLoad
+    lease_remaining_ms: int
+    num_chunks: int
+    last_sequence: int
+
+
+class ControllerStats(msgspec.Struct, frozen=True):
+    num_entries: int
+    num_agents: int
+    events_ingested: int
+    resyncs: int
+    index_backend: str
+    rejected_requests: int
+    vllm_events_ingested: int
+    vllm_replays: int
+    expired_leases: int
+
+
+def _no_snapshots(record: AgentRecord, timeout_s: float) -> AgentSnapshot:
+    raise Unavailable(f"pod {record.pod.pod_uid!r}: this controller has no way to pull agent snapshots")
+
+
+class Controller:
+    """The controller's state and operations (thread-safe).
+
+    ``snapshots`` pulls an agent's snapshot (the transport's job: :func:`kvgrid.controller.service.serve`
+    passes a gRPC one); ``telemetry`` adds the ``kvgrid_controller_*`` metrics.
+    """
+
+    def __init__(
+        self,
+        cfg: ControllerConfig,
+        index: ChunkIndex | None = None,
+        telemetry: Telemetry | None = None,
+        *,
+        snapshots: SnapshotFn = _no_snapshots,
+    ) -> None:
+        self.cfg = cfg
+        index = index if index is not None else make_index(cfg)
+        self.index = InstrumentedIndex(index, telemetry.meter) if telemetry is not None else index
+        self.registry = Registry(cfg.lease_ttl_ms)
+        self.ingest = Ingestor(
+            self.index,
+            snapshots,
+            snapshot_timeout_s=cfg.snapshot_timeout_ms / 1000,
+            retry_s=cfg.resync_retry_ms / 1000,
+            on_namespaces=self._learn_namespaces,
+            max_buffered_events=cfg.max_resync_buffer_events,
+        )
+        self.params = ScoreParams.from_config(cfg)
+        self.rejected = 0
+        """Requests refused as invalid or stale (counted by the service)."""
+        self._holders: dict[str, AgentRecord] = {}
+        self._holders_lock = threading.Lock()
+        # Bumped after every change of _holders or of a record's namespaces (SlotTable cache key).
+        self._holders_version = 0
+        self._slot_table: tuple[tuple[int, int, int], SlotTable] | None = None
+        self._valid_ns_ids: set[str] = set()  # namespace ids already checked
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="kvgrid-lease-sweeper", daemon=True)
+        self.vllm = [VllmEventSubscriber(src, self.index, self._holder_of_uid) for src in cfg.vllm_sources]
+        self.metrics: ControllerMetrics | None = None
+        if telemetry is not None:
+            self.metrics = ControllerMetrics(
+                telemetry.meter,
+                StatsSource(
+                    agents=lambda: len(self.registry.all()),
+                    events_ingested=lambda: self.ingest.events_applied,
+                    resyncs=lambda: self.ingest.resyncs,
+                    rejected=lambda: self.rejected,
+                    vllm_events=lambda: sum(s.events for s in self.vllm),
+                    expired_leases=lambda: self.registry.expired_total,
+                ),
+            )
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._sweeper.start()
+        for s in self.vllm:
+            s.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for s in self.vllm:
+            s.stop()
+        self.ingest.close()
+        self.index.close()
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self.cfg.sweep_interval_ms / 1000):
+            try:
+                self.sweep()
+            except Exception:  # keep sweeping whatever one round hit (e.g. Redis briefly down)
+                log.exception("lease sweep failed")
+
+    def sweep(self) -> list[AgentRecord]:
+        gone = self.registry.expire()
+        for rec in gone:
+            log.info("lease of %s lapsed: dropping its entries", rec.holder)
+            self._drop(rec)
+        if gone:
+            self._refresh_holders()
+        return gone
+
+    def _drop(self, rec: AgentRecord) -> None:
+        # Order matters: fence every writer of this holder (event streams, resyncs, vLLM events)
+        # first, so none can add entries after drop_holder and leave them behind for good.
+        rec.dropped = True
+        self.ingest.forget(rec.holder)
+        for s in self.vllm:
+            if s.source.pod_uid == rec.pod.pod_uid:
+                s.rebind()
+        self.index.drop_holder(rec.holder)
+
+    def _refresh_holders(self) -> None:
+        with self._holders_lock:
+            self._holders = {r.holder: r for r in self.registry.all()}
+            self._holders_version += 1
+
+    def _holder_of_uid(self, pod_uid: str) -> str | None:
+        rec = self.registry.get(pod_uid)
+        return rec.holder if rec else None
+
+    def _learn_namespaces(self, rec: AgentRecord, namespaces: Sequence[str]) -> None:
+        good = tuple(ns for ns in namespaces if is_namespace_id(ns))
+        if good and set(good) != set(rec.namespaces):
+            rec.namespaces = tuple(dict.fromkeys((*rec.namespaces, *good)))
+            with self._holders_lock:
+                self._holders_version += 1
+
+    # --- registry -----------------------------------------------------------------------------
+    def register(self, pod: PodIdentity, namespaces: Sequence[str], l1_capacity_bytes: int) -> Registration:
+        out = self.registry.register(pod, list(namespaces), l1_capacity_bytes)
+        if out.replaced is not None:
+            log.info("pod %s: epoch %d replaces %d", pod.pod_uid, pod.epoch, out.replaced.pod.epoch)
+            self._drop(out.replaced)
+        self._refresh_holders()
+        if out.is_new:
+            for s in self.vllm:
+                if s.source.pod_uid == pod.pod_uid:
+                    s.rebind()
+            if pod.agent_address:
+                self.ingest.request_resync(out.record)
+        return Registration(self.cfg.lease_ttl_ms, snapshot_requested=out.is_new and bool(pod.agent_address))
+
+    def heartbeat(self, pod_uid: str, epoch: int, load: AgentLoad | None) -> Lease:
+        if not pod_uid:
+            raise InvalidArgument("pod_uid='': expected the pod's UID")
+        if load is not None and not 0.0 <= load.gpu_kv_usage <= 1.0:
+            raise InvalidArgument(f"load.gpu_kv_usage={load.gpu_kv_usage}: expected a fraction in [0, 1]")
+        try:
+            self.registry.heartbeat(pod_uid, epoch, load)
+        except UnknownPodError:
+            return Lease(self.cfg.lease_ttl_ms, reregister=True)
+        return Lease(self.cfg.lease_ttl_ms, reregister=False)
+
+    # --- ingest -------------------------------------------------------------------------------
+    def publish(self, messages: Iterable[EventMessage]) -> Iterator[PublishAck]:
+        """One agent's event stream: one pod incarnation, registered implicitly if unknown."""
+        rec: AgentRecord | None = None
+        first = True
+        for msg in messages:
+            if msg.pod is not None:
+                pod = msg.pod
+                if rec is not None and (pod.pod_uid, pod.epoch) != (rec.pod.pod_uid, rec.pod.epoch):
+                    raise InvalidArgument(
+                        f"pod {pod.holder_id!r}: one PublishEvents stream carries one pod incarnation "
+                        f"({rec.holder!r}); open a new stream"
+                    )
+            elif rec is None:
+                raise InvalidArgument("pod: the first PublishEvents message must carry the pod identity")
+            else:
+                pod = rec.pod
+            current = self.registry.current(pod.pod_uid, pod.epoch)  # raises StaleEpochError
+            if current is None:
+                # Unknown pod or newer epoch (e.g. this controller restarted): register implicitly;
+                # the snapshot pull brings the entries and the namespaces.
+                out = self.registry.register(pod, (), 0)
+                if out.replaced is not None:
+                    self._drop(out.replaced)
+                self._refresh_holders()
+                current = out.record
+            elif rec is not None and current is not rec:
+                raise StaleEpochError(f"pod {pod.holder_id!r} was re-registered while this stream was open")
+            rec = current
+            check_events(msg.events, rec.namespaces, self.cfg.max_event_keys)
+            acked, resync = self.ingest.publish(rec, msg.events, new_stream=first)
+            first = False
+            yield PublishAck(acked, resync)
+
+    def snapshot_index(self, pod_uid: str, tier: IndexTier) -> HolderSnapshot:
+        rec = self.registry.get(pod_uid)
+        if rec is None:
+            raise UnknownPodError(f"pod_uid={pod_uid!r}: no registered agent with this UID")
+        keys = sorted(self.index.holder_keys(rec.holder, tier))
+        return HolderSnapshot(rec.pod, keys, self.ingest.last_sequence(rec.holder))
+
+    # --- queries ------------------------------------------------------------------------------
+    def resolve(self, q: PrefixQuery) -> Query:
+        """Check ``q`` against the limits and compute its chunk keys."""
+        cands = q.candidates
+        if "" in cands:
+            raise InvalidArgument("candidate_pod_uids: contains an empty UID")
+        if q.token_ids is not None:
+            if q.namespace is None:
+                raise InvalidArgument("namespace: required with token_ids (the key namespace of the model)")
+            n = len(q.token_ids)
+            if n > self.cfg.max_query_tokens:
+                raise InvalidArgument(
+                    f"token_ids: {n} tokens, more than max_query_tokens={self.cfg.max_query_tokens}"
+                )
+            ns = q.namespace
+            if n // ns.tokens_per_chunk > self.cfg.max_query_chunks:
+                raise InvalidArgument(
+                    f"token_ids: {n // ns.tokens_per_chunk} chunks, more than max_query_chunks="
+                    f"{self.cfg.max_query_chunks}"
+                )
+            with client_input("token_ids"):
+                keys = chunk_keys(q.token_ids, ns)
+            return Query(keys, ns.namespace_id(), ns.tokens_per_chunk, n, cands, q.max_pods)
+        if q.chunk_keys is not None:
+            keys = q.chunk_keys
+            if len(keys) > self.cfg.max_query_chunks:
+                raise InvalidArgument(
+                    f"chunk_keys: {len(keys)} keys, more than max_query_chunks={self.cfg.max_query_chunks}"
+                )
+            if set(map(len, keys)) - _KEY_LEN:  # keys arrive as bytes: only lengths can be wrong
+                with client_input():
+                    check_keys(keys)
+            if q.namespace is not None:
+                ns_id, tpc = q.namespace.namespace_id(), q.namespace.tokens_per_chunk
+                if q.namespace_id and q.namespace_id != ns_id:
+                    raise InvalidArgument(
+                        f"namespace_id={q.namespace_id!r} does not match namespace ({ns_id})"
+                    )
+            else:
+                ns_id, tpc = q.namespace_id, DEFAULT_TOKENS_PER_CHUNK
+                self._check_ns_id(ns_id, "namespace_id", "with chunk_keys")
+            return Query(keys, ns_id, tpc, len(keys) * tpc, cands, q.max_pods)
+        raise InvalidArgument("query: expected token_ids or chunk_keys")
+
+    def _check_ns_id(self, ns_id: str, what: str, used_with: str) -> None:
+        if ns_id not in self._valid_ns_ids:
+            check_namespace_id(ns_id, what, used_with)
+            if len(self._valid_ns_ids) < 4096:  # bounded: ids come from requests
+                self._valid_ns_ids.add(ns_id)
+
+    def check_batch(self, n: int, what: str = "requests") -> None:
+        if n > self.cfg.max_batch:
+            raise InvalidArgument(f"{what}: {n} in one batch, more than max_batch={self.cfg.max_batch}")
+
+    def check_packed(self, p: PackedQueries) -> None:
+        self.check_batch(len(p.counts), "packed_query_chunks")
+        if len(p.counts) and int(p.counts.max()) > self.cfg.max_query_chunks:
+            b = int(p.counts.argmax())
+            raise InvalidArgument(
+                f"packed_query_chunks[{b}]: {int(p.counts[b])} keys, more than max_query_chunks="
+                f"{self.cfg.max_query_chunks}"
+            )
+        self._check_ns_id(p.namespace_id, "packed_namespace_id", "with packed_chunk_keys")
+        if "" in p.candidates:
+            raise InvalidArgument("packed_candidate_pod_uids: contains an empty UID")
+
+    def slot_table(self, view: BatchView) -> SlotTable:
+        """The :class:`SlotTable` for ``view``'s slots (cached while neither side changes)."""
+        nslots = 64 * view.nwords
+        version = self._holders_version  # read before _holders: a racing change only misses the cache
+        remote_ok = self.index.shared
+        if view.slots_version is None:
+            return SlotTable(view.holders, nslots, self._holders, remote_ok)
+        key = (view.slots_version, version, nslots)
+        cached = self._slot_table
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        table = SlotTable(view.holders, nslots, self._holders, remote_ok)
+        self._slot_table = (key, table)
+        return table
+
+    def match(self, q: PrefixQuery) -> MatchResult:
+        return self.match_queries([self.resolve(q)])
+
+    def match_batch(self, qs: Sequence[PrefixQuery]) -> MatchResult:
+        self.check_batch(len(qs))
+        resolved = []
+        for i, q in enumerate(qs):
+            with within(f"requests[{i}]"):
+                resolved.append(self.resolve(q))
+        return self.match_queries(resolved)
+
+    def match_queries(self, qs: Sequence[Query]) -> MatchResult:
+        """Match resolved queries at once: one index lookup and one set of numpy calls per batch."""
+        view = self.index.lookup_batch([q.keys for q in qs])
+        table = self.slot_table(view)
+        nslots = 64 * view.nwords
+        ns0 = qs[0].namespace_id if qs else ""
+        if all(q.namespace_id == ns0 and not q.candidates for q in qs):
+            eligible = np.broadcast_to(table.eligible(ns0), (len(qs), nslots))
+        else:
+            eligible = np.empty((len(qs), nslots), dtype=bool)
+            for b, q in enumerate(qs):
+                row = table.eligible(q.namespace_id)
+                eligible[b] = row & table.candidates(q.candidates) if q.candidates else row
+        max_pods = [q.max_pods for q in qs]
+        m = match_batch(view.words, eligible, max_pods if any(max_pods) else ())
+        return MatchResult(m, table, [len(q.keys) for q in qs])
+
+    def match_packed(self, p: PackedQueries) -> MatchResult:
+        """:meth:`match_queries` of packed queries (one namespace, candidates and max_pods for all)."""
+        self.check_packed(p)
+        view = self.index.lookup_packed(p.keys, p.counts)
+        table = self.slot_table(view)
+        nq = len(p.counts)
+        row = table.eligible(p.namespace_id)
+        if p.candidates:
+            row = row & table.candidates(p.candidates)
+        eligible = np.broadcast_to(row, (nq, 64 * view.nwords))
+        m = match_batch(view.words, eligible, [p.max_pods] * nq if p.max_pods else ())
+        return MatchResult(m, table, p.counts.tolist())
+
+    # --- scoring ------------------------------------------------------------------------------
+    def check_score(self, sq: ScoreQuery) -> None:
+        """Validate the Score-only fields (the match is checked by :meth:`resolve`)."""
+        if sq.speculative_ttl_ms > self.cfg.max_speculative_ttl_ms:
+            raise InvalidArgument(
+                f"speculative_ttl_ms={sq.speculative_ttl_ms}: expected <= "
+                f"{self.cfg.max_speculative_ttl_ms} (max_speculative_ttl_ms); reservations are short-lived"
+            )
+
+    def score(self, sq: ScoreQuery) -> ScoreResult:
+        self.check_score(sq)
+        return self._score(sq, self.resolve(sq.match))
+
+    def score_batch(self, sqs: Sequence[ScoreQuery]) -> list[ScoreResult]:
+        """Every query is validated before any is scored (or reserves anything)."""
+        self.check_batch(len(sqs))
+        qs = []
+        for i, sq in enumerate(sqs):
+            with within(f"requests[{i}]"):
+                self.check_score(sq)
+            with within(f"requests[{i}].match"):
+                qs.append(self.resolve(sq.match))
+        return [self._score(sq, q) for sq, q in zip(sqs, qs, strict=True)]
+
+    def _score(self, sq: ScoreQuery, q: Query) -> ScoreResult:
+        r = self.match_queries([q])
+        table = r.table
+        m = r.match.query(0)
+        by_uid: dict[str, Candidate] = {}
+        holder_by_uid: dict[str, str] = {}
+        local: dict[str, AgentRecord] = {}  # uid -> this replica's record (None: remote or unknown)
+        for p in m.pods:
+            rec = table.records[p.slot]
+            uid = table.uids[p.slot]
+            assert uid is not None  # only eligible (answerable) slots are listed
+            by_uid[uid] = Candidate(
+                uid, table.names[p.slot], p.gpu, p.l1, p.peer, rec.load if rec else AgentLoad()
+            )
+            holder_by_uid[uid] = table.holders[p.slot]
+            if rec is not None:
+                local[uid] = rec
+        for rec in self._holders.values():
+            uid = rec.pod.pod_uid
+            if uid in by_uid or (q.candidates and uid not in q.candidates):
+                continue
+            if rec.namespaces and q.namespace_id not in rec.namespaces:
+                continue
+            by_uid[uid] = Candidate(uid, rec.pod.pod_name, 0, 0, m.peer_fetchable, rec.load)
+            holder_by_uid[uid] = rec.holder
+            local[uid] = rec
+        for uid in q.candidates - by_uid.keys():
+            by_uid[uid] = Candidate(uid, "", 0, 0, 0, AgentLoad())  # no agent known: recompute only
+        ranked = rank(list(by_uid.values()), self.params, q.num_tokens, q.tokens_per_chunk)
+        if sq.top_k:
+            ranked = ranked[: sq.top_k]
+        if sq.reserve and ranked and q.keys:
+            self._reserve(ranked[0].candidate.pod_uid, holder_by_uid, local, q.keys, sq.speculative_ttl_ms)
+        return ScoreResult(len(q.keys), ranked)
+
+    def _reserve(
+        self,
+        uid: str,
+        holder_by_uid: dict[str, str],
+        local: dict[str, AgentRecord],
+        keys: list[bytes],
+        ttl_ms: int,
+    ) -> None:
+        """Speculative GPU entries for the chosen pod (cover the window before its events arrive)."""
+        best = holder_by_uid.get(uid)
+        if best is None:
+            return
+        self.index.add_speculative(best, keys, ttl_ms or self.cfg.speculative_ttl_ms)
+        best_rec = local.get(uid)
+        cur = self.registry.get(uid) if best_rec is not None and best_rec.dropped else None
+        if best_rec is not None and best_rec.dropped and (cur is None or cur.holder != best):
+            # Its lease lapsed meanwhile: the entry must not give the dead holder a slot.
+            self.index.drop_holder(best)
+
+    # --- introspection ------------------------------------------------------------------------
+    def list_agents(self) -> list[AgentInfo]:
+        out = []
+        for rec in sorted(self.registry.all(), key=lambda r: r.pod.pod_uid):
+            load = rec.load
+            if not load.l1_capacity_bytes and rec.l1_capacity_bytes:
+                load = msgspec.structs.replace(load, l1_capacity_bytes=rec.l1_capacity_bytes)
+            out.append(
+                AgentInfo(
+                    pod=rec.pod,
+                    load=load,
+                    lease_remaining_ms=self.registry.lease_remaining_ms(rec),
+                    num_chunks=self.index.holder_entries(rec.holder),
+                    last_sequence=self.ingest.last_sequence(rec.holder),
+                )
+            )
+        return out
+
+    def stats(self) -> ControllerStats:
+        return ControllerStats(
+            num_entries=self.index.num_entries(),
+            num_agents=len(self.registry.all()),
+            events_ingested=self.ingest.events_applied,
+            resyncs=self.ingest.resyncs,
+            index_backend=self.index.backend,
+            rejected_requests=self.rejected,
+            vllm_events_ingested=sum(s.events for s in self.vllm),
+            vllm_replays=sum(s.replays for s in self.vllm),
+            expired_leases=self.registry.expired_total,
+        )
