@@ -15,6 +15,7 @@ from kvgrid.common.config import (
     GiB,
     MiB,
     add_config_arguments,
+    check_choices,
     config_from_args,
     format_byte_size,
     load_config,
@@ -241,3 +242,49 @@ def test_literal_choices_and_empty_default_in_help(capsys: pytest.CaptureFixture
     assert load_config(Choices, env={"KVGRID_POLICY": "fifo"}).policy == "fifo"
     with pytest.raises(ConfigError, match=r"'policy' has invalid value 'mru' .*one of 'lru', 'fifo'"):
         load_config(Choices, env={"KVGRID_POLICY": "mru"})
+
+
+@pytest.mark.parametrize(
+    ("config", "field", "bad", "choices"),
+    [
+        ("agent", "eviction_policy", "random", "'lru', 'fifo'"),
+        ("agent", "l1_pin_memory", "sometimes", "'auto', 'on', 'off'"),
+        ("agent", "peer_fetch", "maybe", "'auto', 'on', 'off'"),
+        ("agent", "log_level", "loud", "'debug', 'info', 'warning', 'error'"),
+        ("controller", "index_backend", "sqlite", "'memory', 'redis'"),
+    ],
+)
+def test_service_choice_fields_refuse_other_values_naming_them(
+    config: str, field: str, bad: str, choices: str
+) -> None:
+    from kvgrid.agent.config import AgentConfig
+    from kvgrid.controller.config import ControllerConfig
+
+    cls: type[msgspec.Struct] = AgentConfig if config == "agent" else ControllerConfig
+    flag = "--" + field.replace("_", "-")
+    parser = argparse.ArgumentParser(prog="kvgrid-test")
+    add_config_arguments(parser, cls)
+    pattern = (
+        rf"config field '{field}' has invalid value '{bad}' \(from flag {flag}\): expected one of {choices}"
+    )
+    with pytest.raises(ConfigError, match=pattern):
+        config_from_args(cls, parser.parse_args([flag, bad]), env={})
+    with pytest.raises(ConfigError, match=rf"'{field}' has invalid value '{bad}' \(from env KVGRID_"):
+        load_config(cls, env={"KVGRID_" + field.upper(): bad})
+
+
+def test_choices_keep_their_spelling_and_accept_other_letter_cases() -> None:
+    from kvgrid.agent.config import AgentConfig
+
+    cfg = load_config(AgentConfig, env={"KVGRID_LOG_LEVEL": "WARNING"}, overrides={"eviction_policy": "FIFO"})
+    assert (cfg.log_level, cfg.eviction_policy) == ("warning", "fifo")
+
+
+def test_check_choices_holds_directly_built_configs_to_the_same_choices() -> None:
+    class Choices(msgspec.Struct, frozen=True):
+        mode: Literal["auto", "on", "off"] = "auto"
+        name: str = "x"
+
+    check_choices(Choices(mode="on", name="anything"))
+    with pytest.raises(ValueError, match=r"mode='sometimes': expected auto, on or off"):
+        check_choices(Choices(mode="sometimes"))  # type: ignore[arg-type]

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
-from kvgrid.common.config import ByteSize, GiB
+from kvgrid.common.config import ByteSize, GiB, check_choices
 
-__all__ = ["AgentConfig"]
+__all__ = ["AgentConfig", "EvictionPolicyName", "LogLevel", "Switch"]
+
+Switch = Literal["auto", "on", "off"]
+"""A feature that is on, off, or decided from the environment (auto)."""
+EvictionPolicyName = Literal["lru", "fifo"]
+"""The names of ``kvgrid.agent.eviction.POLICIES``."""
+LogLevel = Literal["debug", "info", "warning", "error"]
 
 
 def _d(text: str) -> msgspec.Meta:
@@ -49,12 +55,12 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         ByteSize,
         _d("Allocation unit and alignment of L1 chunks (a power of two); a chunk takes whole pages"),
     ] = 64 * 1024
-    l1_pin_memory: Annotated[str, _d("Page-lock the L1 pool: auto (when CUDA is available), on, or off")] = (
-        "auto"
-    )
-    eviction_policy: Annotated[str, _d("Which unreferenced chunks go first when L1 fills: lru or fifo")] = (
-        "lru"
-    )
+    l1_pin_memory: Annotated[
+        Switch, _d("Page-lock the L1 pool: auto (when CUDA is available), on, or off")
+    ] = "auto"
+    eviction_policy: Annotated[
+        EvictionPolicyName, _d("Which unreferenced chunks go first when L1 fills: lru or fifo")
+    ] = "lru"
     high_watermark: Annotated[
         float,
         _d("L1 usage fraction that triggers eviction before a store allocates"),
@@ -116,7 +122,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         int, _d("Longest wait between reconnect attempts (ms)"), msgspec.Meta(gt=0)
     ] = 10_000
     peer_fetch: Annotated[
-        str,
+        Switch,
         _d(
             "Fetch missing leading chunks from other agents' L1 during Lookup (asks the controller who "
             "holds them): auto (on when --controller-address is set), on, or off"
@@ -157,16 +163,15 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         str,
         _d("OTLP gRPC endpoint for metrics and traces; empty = OTEL_EXPORTER_OTLP_ENDPOINT or none"),
     ] = ""
-    log_level: Annotated[str, _d("Logging level: debug, info, warning or error")] = "info"
+    log_level: Annotated[LogLevel, _d("Logging level: debug, info, warning or error")] = "info"
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.low_watermark > self.high_watermark:
             raise ValueError(
                 f"low_watermark={self.low_watermark} > high_watermark={self.high_watermark}: "
                 "expected low <= high"
             )
-        if self.l1_pin_memory not in ("auto", "on", "off"):
-            raise ValueError(f"l1_pin_memory={self.l1_pin_memory!r}: expected auto, on or off")
         ps = self.l1_page_size
         if ps <= 0 or ps & (ps - 1):
             raise ValueError(f"l1_page_size={ps}: expected a power of two")
@@ -174,8 +179,6 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"l1_size={self.l1_size}: expected at least one page ({ps} bytes)")
         if not self.uds_path and self.tcp_port < 0:
             raise ValueError("uds_path is empty and tcp_port=-1: expected at least one listener")
-        if self.peer_fetch not in ("auto", "on", "off"):
-            raise ValueError(f"peer_fetch={self.peer_fetch!r}: expected auto, on or off")
         if self.peer_fetch == "on" and not self.controller_address:
             raise ValueError(
                 "peer_fetch='on' but controller_address is empty: peer fetch asks the controller who "

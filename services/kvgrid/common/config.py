@@ -37,6 +37,7 @@ __all__ = [
     "MiB",
     "TiB",
     "add_config_arguments",
+    "check_choices",
     "config_from_args",
     "format_byte_size",
     "load_config",
@@ -196,6 +197,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             return None
         return _coerce(value, args[0], path) if len(args) == 1 else value
     origin = get_origin(base) or base
+    if isinstance(value, str) and origin is Literal:
+        # Choices are spelled as declared; other letter cases of a choice mean the same choice.
+        return next((c for c in get_args(base) if isinstance(c, str) and c.lower() == value.lower()), value)
     if isinstance(value, str):
         if origin in (list, tuple, set, frozenset):
             value = [part.strip() for part in value.split(",") if part.strip()]
@@ -380,6 +384,23 @@ def _choices(tp: Any) -> list[Any]:
     if isinstance(base, type) and issubclass(base, enum.Enum):
         return [m.value for m in base]
     return []
+
+
+def _one_of(choices: list[Any]) -> str:
+    """``auto, on or off``."""
+    names = [str(c) for c in choices]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def check_choices(config: msgspec.Struct) -> None:
+    """ValueError naming the field, its value and the allowed choices when a ``Literal`` or enum
+    field holds another value. The loader refuses those itself; call this from ``__post_init__`` so a
+    config built directly in code is held to the same choices."""
+    for f in msgspec.structs.fields(config):
+        choices = _choices(f.type)
+        value = getattr(config, f.name)
+        if choices and value not in choices:
+            raise ValueError(f"{f.name}={value!r}: expected {_one_of(choices)}")
 
 
 def _source(sources: Mapping[str, str], dotted: str) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -29,7 +29,9 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True):
     listen: Annotated[
         str, msgspec.Meta(description="gRPC listen address host:port (port 0 = any free port)")
     ] = "127.0.0.1:50061"
-    index_backend: Annotated[str, msgspec.Meta(description="chunk index backend: memory or redis")] = "memory"
+    index_backend: Annotated[
+        Literal["memory", "redis"], msgspec.Meta(description="chunk index backend: memory or redis")
+    ] = "memory"
     redis_url: Annotated[str, msgspec.Meta(description="Redis/Valkey URL for index_backend=redis")] = ""
     redis_prefix: Annotated[str, msgspec.Meta(description="key prefix of the shared index in Redis")] = "kvg:"
     lease_ttl_ms: Annotated[int, msgspec.Meta(ge=100, description="agent lease; heartbeats renew it")] = (
