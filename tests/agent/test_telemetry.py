@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
+import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -12,7 +14,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.core import AgentCore
+from kvgrid.agent.service import AgentServer
+from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.identity import PodIdentity
+from kvgrid.common.rpc import RPC_CALLS, RPC_DURATION
 from tests.agent.helpers import GROUPS, HINTS, NAMESPACE, block_ids, keys_for, make_kv
 
 
@@ -64,3 +69,36 @@ def test_store_retrieve_lookup_are_measured_and_traced(tmp_path: Path) -> None:
     assert names == ["agent.register", "agent.store", "agent.lookup", "agent.retrieve"]
     retrieve = spans.get_finished_spans()[-1]
     assert retrieve.attributes is not None and retrieve.attributes["hit_chunks"] == 2
+
+
+def test_rpc_calls_are_counted_by_the_server_toolkit_under_the_shared_names(tmp_path: Path) -> None:
+    """Every AgentService call, failed or not, is one ``kvgrid_rpc_server_calls`` point per (method,
+    code) and a ``kvgrid_rpc_server_duration`` in seconds: the same instruments as the controller's."""
+    reader = InMemoryMetricReader()
+    cfg = AgentConfig(l1_size=1 << 20, l1_page_size=4096, uds_path=str(tmp_path / "a.sock"), tcp_port=-1)
+    server = AgentServer(
+        cfg, pod=PodIdentity(pod_uid="u"), meter=MeterProvider(metric_readers=[reader]).get_meter("t")
+    ).start()
+    try:
+        with grpc.insecure_channel(f"unix:{cfg.uds_path}") as ch:
+            stub = agent_pb2_grpc.AgentServiceStub(ch)
+            stub.Health(agent_pb2.HealthRequest(), timeout=5)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Lookup(agent_pb2.LookupRequest(instance_id="nobody"), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            call = ch.unary_unary("/kvgrid.v1.AgentService/Health")
+            with pytest.raises(grpc.RpcError) as err:
+                call(b"\xff\xff", timeout=5)  # not a HealthRequest
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed HealthRequest" in (err.value.details() or "")
+    finally:
+        server.stop(0)
+    p = points(reader)
+    calls = {(a["method"], a["code"]): v for a, v in p[RPC_CALLS]}
+    assert calls == {
+        ("Health", "OK"): 1,
+        ("Lookup", "INVALID_ARGUMENT"): 1,
+        ("Health", "INVALID_ARGUMENT"): 1,
+    }
+    seconds = {(a["method"], a["code"]): v for a, v in p[RPC_DURATION]}
+    assert seconds.keys() == calls.keys() and all(0 < s < 5 for s in seconds.values())

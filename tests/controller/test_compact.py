@@ -163,14 +163,18 @@ def test_metrics_are_recorded() -> None:
         queries = {p.attributes["rpc"]: p.value for p in points["kvgrid_controller_match_requests"]}
         assert queries == {"BatchMatchPrefix": 3, "MatchPrefix": 1}
         # Per-call metrics come from the server toolkit: one point per (method, status code).
-        calls = {(p.attributes["method"], p.attributes["code"]): p.value for p in points["kvgrid_rpc_server_calls"]}
+        calls = {
+            (p.attributes["method"], p.attributes["code"]): p.value for p in points["kvgrid_rpc_server_calls"]
+        }
         assert calls == {
             ("RegisterAgent", "OK"): 1,
             ("BatchMatchPrefix", "OK"): 1,
             ("MatchPrefix", "OK"): 1,
             ("MatchPrefix", "INVALID_ARGUMENT"): 1,
         }
-        duration = {(p.attributes["method"], p.attributes["code"]): p for p in points["kvgrid_rpc_server_duration"]}
+        duration = {
+            (p.attributes["method"], p.attributes["code"]): p for p in points["kvgrid_rpc_server_duration"]
+        }
         assert duration.keys() == calls.keys()
         assert all(0 < p.sum < 5 for p in duration.values())  # seconds, not milliseconds
         lookups = {p.attributes["op"]: p.count for p in points["kvgrid_controller_index_lookup_duration"]}

@@ -29,6 +29,7 @@ from kvgrid.agent.metrics import AgentMetrics
 from kvgrid.agent.peers import PeerFetcher, PeerMetrics
 from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
 from kvgrid.agent.transfer import ChunkMover, build_mover
+from kvgrid.common.errors import InvalidArgument, client_input
 from kvgrid.common.groups import EngineGroupInfo, expand_engine_block_ids
 from kvgrid.common.hashing import KeyNamespace, check_chunk_keys
 from kvgrid.common.identity import PodIdentity
@@ -43,8 +44,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class UnknownInstanceError(ValueError):
-    """The request names an instance id that is not registered (never was, or was cleaned up)."""
+class UnknownInstanceError(InvalidArgument):
+    """The request names an instance id that is not registered (never was, or was cleaned up);
+    INVALID_ARGUMENT on the wire (the engine passed an id it never registered)."""
 
 
 def process_start_time(pid: int) -> int | None:
@@ -143,17 +145,18 @@ class AgentCore:
     ) -> EngineInstance:
         """Rebuild kernel groups from ``tensors`` and check them against ``engine_groups``.
 
-        Raises ValueError naming what disagrees. A second registration with the same id replaces
-        the first (its pins are dropped).
+        Raises InvalidArgument (a ValueError) naming what disagrees. A second registration with the
+        same id replaces the first (its pins are dropped).
         """
         if not instance_id:
-            raise ValueError("instance_id='': expected a non-empty id chosen by the engine")
+            raise InvalidArgument("instance_id='': expected a non-empty id chosen by the engine")
         if not tensors:
-            raise ValueError("layers is empty: expected one tensor per KV cache layer")
+            raise InvalidArgument("layers is empty: expected one tensor per KV cache layer")
         with self.tracer.start_as_current_span("agent.register", attributes={"instance_id": instance_id}):
-            mover = build_mover(
-                list(tensors), list(engine_groups), namespace.tokens_per_chunk, layout_hints=layout_hints
-            )
+            with client_input():  # the layers do not fit the groups (or each other)
+                mover = build_mover(
+                    list(tensors), list(engine_groups), namespace.tokens_per_chunk, layout_hints=layout_hints
+                )
             start_time = None
             if engine_pid > 0:
                 start_time = process_start_time(engine_pid)
@@ -262,10 +265,11 @@ class AgentCore:
         that lie wholly inside the first ``skip_first_n_tokens`` tokens become -1 (not copied).
         """
         if inst.groups:
-            per_info = expand_engine_block_ids(inst.groups, [list(b) for b in block_ids])
+            with client_input():
+                per_info = expand_engine_block_ids(inst.groups, [list(b) for b in block_ids])
         else:
             if len(block_ids) != 1:
-                raise ValueError(
+                raise InvalidArgument(
                     f"block_ids has {len(block_ids)} lists; instance {inst.instance_id!r} registered a "
                     f"single non-hybrid group, so expected exactly 1"
                 )
@@ -276,7 +280,7 @@ class AgentCore:
             bpc = kg.blocks_per_chunk
             need = chunks.stop * bpc
             if len(ids) < need:
-                raise ValueError(
+                raise InvalidArgument(
                     f"block_ids for info {kg.info_index} (engine group {kg.engine_group_idx}) has "
                     f"{len(ids)} ids; "
                     f"{chunks.stop} chunks of {inst.tokens_per_chunk} tokens need {need} "
@@ -286,7 +290,7 @@ class AgentCore:
             bad = (used < 0) | (used >= kg.num_blocks)
             if bad.any():
                 j = int(np.argmax(bad))
-                raise ValueError(
+                raise InvalidArgument(
                     f"block_ids for info {kg.info_index} (engine group {kg.engine_group_idx}): id "
                     f"{int(used[j])} at position {chunks.start * bpc + j} is outside "
                     f"[0, {kg.num_blocks}) (the layer tensors' num_blocks)"
@@ -310,7 +314,8 @@ class AgentCore:
         the next ones. With ``request_id`` they stay pinned until Retrieve/Release or the TTL.
         A failing peer never fails the lookup: it answers what it has, with cause ``peer_failed``."""
         inst = self.instance(instance_id)
-        keys = check_chunk_keys(keys)
+        with client_input():
+            keys = check_chunk_keys(keys)
         ttl = (pin_ttl_ms or self.config.pin_ttl_ms) / 1000.0
         owner = (instance_id, request_id)
         with self.tracer.start_as_current_span(
@@ -373,7 +378,8 @@ class AgentCore:
     ) -> RetrieveResult:
         """Scatter the leading held chunks into the engine's blocks (prefix semantics)."""
         inst = self.instance(instance_id)
-        keys = check_chunk_keys(keys)
+        with client_input():
+            keys = check_chunk_keys(keys)
         with self.tracer.start_as_current_span(
             "agent.retrieve", attributes={"instance_id": instance_id, "chunks": len(keys)}
         ) as span:
@@ -414,9 +420,10 @@ class AgentCore:
         ids must cover every chunk of every group (else ValueError and nothing is stored), and a
         failed copy commits nothing. Under memory pressure a prefix is kept (see partial_reason)."""
         inst = self.instance(instance_id)
-        keys = check_chunk_keys(keys)
+        with client_input():
+            keys = check_chunk_keys(keys)
         if skip_first_n_chunks > len(keys):
-            raise ValueError(
+            raise InvalidArgument(
                 f"skip_first_n_chunks={skip_first_n_chunks}: expected <= {len(keys)} (chunk_keys)"
             )
         with self.tracer.start_as_current_span(

@@ -63,9 +63,6 @@ class AgentMetrics:
             [lambda _opts: [Observation(instances())]],
             description="Registered engine instances",
         )
-        self.requests = meter.create_counter(
-            "kvgrid_agent_requests", description="AgentService calls by method and gRPC status code"
-        )
         self.lookup_chunks = meter.create_counter(
             "kvgrid_agent_lookup_chunks",
             description="Chunks asked for by lookups, by result (hit, or miss with its cause)",

@@ -29,6 +29,7 @@ from kvgrid.agent.cache import ChunkCache, MissCause
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import Chunk
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.common.errors import FailedPrecondition, InvalidArgument, client_input
 from kvgrid.common.hashing import check_chunk_keys
 
 __all__ = [
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 _MESSAGE_OVERHEAD = 1024
 
 
-class LayoutMismatchError(ValueError):
+class LayoutMismatchError(FailedPrecondition):
     """The requested chunk is held in another chunk byte layout (gRPC FAILED_PRECONDITION)."""
 
 
@@ -151,8 +152,11 @@ class ChunkSender:
         metrics: PeerMetrics | None = None,
     ) -> None:
         if not req.layout_id:
-            raise ValueError("layout_id is empty: expected the caller's RegisterKVCachesResponse.layout_id")
-        keys = check_chunk_keys(req.chunk_keys)[:max_chunks]
+            raise InvalidArgument(
+                "layout_id is empty: expected the caller's RegisterKVCachesResponse.layout_id"
+            )
+        with client_input():
+            keys = check_chunk_keys(req.chunk_keys)[:max_chunks]
         if req.max_part_bytes:
             part_bytes = min(part_bytes, int(req.max_part_bytes))
         self.part_bytes = max(1, part_bytes)

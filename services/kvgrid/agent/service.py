@@ -1,9 +1,11 @@
 """AgentService over gRPC: a Unix socket for the engine, TCP for peers and the controller.
 
-Handlers receive raw bytes and parse the request themselves, so a malformed message is answered
-with INVALID_ARGUMENT naming the message type (grpcio's own deserializer would answer INTERNAL).
-ValueError/TypeError from the core become INVALID_ARGUMENT with their text; anything else is
-INTERNAL with a one-line message (the traceback goes to the agent's log, never to the client).
+:class:`AgentServicer` converts protobuf to :class:`~kvgrid.agent.core.AgentCore` calls and back;
+the shared server toolkit (:mod:`kvgrid.common.rpc`) serves it: it parses requests (a malformed
+message is INVALID_ARGUMENT naming its type), maps errors to status codes in one place (the
+:mod:`kvgrid.common.errors` types with their text: an unknown instance or bad input is
+INVALID_ARGUMENT, a chunk held in another layout FAILED_PRECONDITION; anything else is INTERNAL
+with a one-line message, the traceback going to the agent's log) and records per-call metrics.
 """
 
 from __future__ import annotations
@@ -12,33 +14,30 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError, Message
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry import metrics, trace
 
 from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.config import AgentConfig
-from kvgrid.agent.core import AgentCore, UnknownInstanceError
+from kvgrid.agent.core import AgentCore
 from kvgrid.agent.events import EventLog, EventPublisher
-from kvgrid.agent.peers import ChunkSender, LayoutMismatchError
+from kvgrid.agent.peers import ChunkSender
 from kvgrid.agent.tensors import SharedFileCache, open_layer_tensor
 from kvgrid.agent.transfer import parse_layout_hints
 from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2
+from kvgrid.common.errors import InvalidArgument, client_input
 from kvgrid.common.identity import PodIdentity
+from kvgrid.common.rpc import RpcServer, ServerOptions
 from kvgrid.common.wire import engine_group_infos_from_proto, key_namespace_from_proto, pod_identity_to_proto
 
 __all__ = ["SERVICE_NAME", "AgentServer", "AgentServicer"]
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
+_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
+SERVICE_NAME = _SERVICE.full_name
 
 
 class AgentServicer:
@@ -50,7 +49,7 @@ class AgentServicer:
 
     def RegisterKVCaches(self, req: agent_pb2.RegisterKVCachesRequest) -> agent_pb2.RegisterKVCachesResponse:
         if not req.HasField("namespace"):
-            raise ValueError("namespace is missing: expected the key namespace (model, cache salt, ...)")
+            raise InvalidArgument("namespace is missing: expected the key namespace (model, cache salt, ...)")
         ns_msg = common_pb2.KeyNamespace()
         ns_msg.CopyFrom(req.namespace)
         if not ns_msg.tokens_per_chunk:
@@ -59,13 +58,14 @@ class AgentServicer:
         groups = engine_group_infos_from_proto(req.engine_groups)
         layers = sorted(req.layers, key=lambda m: m.layer_index)
         if [m.layer_index for m in layers] != list(range(len(layers))):
-            raise ValueError(
+            raise InvalidArgument(
                 f"layers have layer_index {[m.layer_index for m in req.layers]}; "
                 f"expected each of 0..{len(layers) - 1} once"
             )
         shm = SharedFileCache(self.core.config.shm_allowed_dirs)
-        tensors = [open_layer_tensor(m, shm) for m in layers]
-        hints = [parse_layout_hints(m.layout_hint, m.layout_hints) for m in layers]
+        with client_input():  # the engine's description of its layers
+            tensors = [open_layer_tensor(m, shm) for m in layers]
+            hints = [parse_layout_hints(m.layout_hint, m.layout_hints) for m in layers]
         inst = self.core.register(
             req.instance_id,
             engine_groups=groups,
@@ -176,94 +176,6 @@ class AgentServicer:
             metrics=self.core.peer_metrics,
         )
 
-    def generic_handler(self) -> grpc.GenericRpcHandler:
-        methods = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods
-        handlers: dict[str, grpc.RpcMethodHandler] = {}
-        for m in methods:
-            req_cls = _message_class(m.input_type.name)
-            fn = getattr(self, m.name)
-            if m.server_streaming:
-                handlers[m.name] = grpc.unary_stream_rpc_method_handler(
-                    self._wrap_stream(m.name, req_cls, fn),
-                    response_serializer=lambda msg: msg.SerializeToString(),
-                )
-                continue
-            handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-                self._wrap(m.name, req_cls, fn), response_serializer=lambda msg: msg.SerializeToString()
-            )
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
-
-    def _call(self, name: str, req_cls: type[Message], fn: Callable[[Any], Any], raw: bytes) -> Any:
-        """Parse ``raw`` and call ``fn``; failures become :class:`_RpcFailure` with the status to send.
-        Every call, failed or not, is counted by method and status code."""
-        code, detail = grpc.StatusCode.OK, ""
-        try:
-            req = req_cls.FromString(raw)
-        except DecodeError as e:
-            code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"malformed {req_cls.__name__} message: {e}"
-            raise _RpcFailure(code, detail) from None
-        else:
-            try:
-                return fn(req)
-            except UnknownInstanceError as e:  # its text already names the call's instance id
-                code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(e)
-            except LayoutMismatchError as e:
-                code, detail = grpc.StatusCode.FAILED_PRECONDITION, f"{name}: {e}"
-            except (ValueError, TypeError) as e:
-                code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e}"
-            except Exception as e:
-                log.exception("%s failed", name)
-                code, detail = grpc.StatusCode.INTERNAL, f"{name} failed: {type(e).__name__}: {e}"
-            raise _RpcFailure(code, detail)
-        finally:
-            self.core.metrics.requests.add(1, {"method": name, "code": code.name})
-
-    def _wrap(
-        self, name: str, req_cls: type[Message], fn: Callable[[Any], Message]
-    ) -> Callable[[bytes, grpc.ServicerContext], Message]:
-        def handler(raw: bytes, context: grpc.ServicerContext) -> Message:
-            try:
-                result: Message = self._call(name, req_cls, fn, raw)
-            except _RpcFailure as f:
-                context.abort(f.code, f.detail)
-                raise AssertionError("unreachable") from None  # abort raises
-            return result
-
-        return handler
-
-    def _wrap_stream(
-        self, name: str, req_cls: type[Message], fn: Callable[[Any], ChunkSender]
-    ) -> Callable[[bytes, grpc.ServicerContext], Iterator[Message]]:
-        """Server-streaming: errors before the first message map like unary calls; the sender's
-        references are dropped when the stream ends, fails or the client goes away."""
-
-        def handler(raw: bytes, context: grpc.ServicerContext) -> Iterator[Message]:
-            try:
-                sender: ChunkSender = self._call(name, req_cls, fn, raw)
-            except _RpcFailure as f:
-                context.abort(f.code, f.detail)
-                raise AssertionError("unreachable") from None  # abort raises
-            if not context.add_callback(sender.close):
-                # The RPC already ended (client gone): the generator below would never run, so
-                # its finally could not drop the references.
-                sender.close()
-                return iter(())
-            return iter(sender)
-
-        return handler
-
-
-class _RpcFailure(Exception):
-    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
-        super().__init__(detail)
-        self.code, self.detail = code, detail
-
-
-def _message_class(name: str) -> type[Message]:
-    cls = getattr(agent_pb2, name)
-    assert isinstance(cls, type) and issubclass(cls, Message)
-    return cls
-
 
 def _advertise(config: AgentConfig, tcp_port: int | None) -> str:
     if config.advertise_address:
@@ -299,16 +211,16 @@ class AgentServer:
 
     def start(self) -> AgentServer:
         cfg = self.config
-        opts = [
-            ("grpc.max_receive_message_length", cfg.max_message_bytes),
-            ("grpc.max_send_message_length", cfg.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ]
-        server = grpc.server(
-            ThreadPoolExecutor(cfg.grpc_workers, thread_name_prefix="kvgrid-agent"), options=opts
+        rpc = RpcServer(
+            ServerOptions(
+                max_message_bytes=cfg.max_message_bytes,
+                workers=cfg.grpc_workers,
+                thread_name_prefix="kvgrid-agent",
+            ),
+            self._meter or metrics.get_meter("kvgrid.agent"),
         )
         if cfg.tcp_port >= 0:
-            port = server.add_insecure_port(f"{cfg.tcp_host}:{cfg.tcp_port}")
+            port = rpc.bind(f"{cfg.tcp_host}:{cfg.tcp_port}")
             if port == 0:
                 raise ValueError(f"tcp_host/tcp_port {cfg.tcp_host}:{cfg.tcp_port}: cannot bind")
             self.tcp_port = port
@@ -317,26 +229,13 @@ class AgentServer:
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.is_socket():
                 path.unlink()  # stale socket of a previous run
-            server.add_insecure_port(f"unix:{path}")
+            rpc.bind(f"unix:{path}")
             self.uds_path = str(path)
         pod = self._pod_arg or PodIdentity.from_env(agent_address=_advertise(cfg, self.tcp_port))
         self.core = AgentCore(cfg, pod, listener=self.events, meter=self._meter, tracer=self._tracer)
-        servicer = AgentServicer(self.core, self.events)
-        server.add_generic_rpc_handlers((servicer.generic_handler(),))
-        health_servicer = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
-        server.start()
-        self.server = server
+        rpc.add_service(_SERVICE, AgentServicer(self.core, self.events))
+        rpc.start()
+        self.server = rpc.server
         self._reaper = threading.Thread(target=self._reap_loop, name="kvgrid-agent-reaper", daemon=True)
         self._reaper.start()
         if cfg.controller_address:
