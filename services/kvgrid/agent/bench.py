@@ -24,39 +24,53 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Annotated, Literal
 
+import msgspec
 import torch
 
-__all__ = ["add_arguments", "run"]
+from kvgrid.common.config import add_config_arguments, config_from_args
+
+__all__ = ["AgentBenchConfig", "add_arguments", "run"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+ENV_PREFIX = "KVGRID_BENCH_AGENT_"
+
+
+def _d(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class AgentBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """``kvgrid bench agent``'s options, loaded like a service config (``kvgrid.common.config``):
+    defaults < ``--config`` YAML < ``KVGRID_BENCH_AGENT_*`` env < flags."""
+
+    device: Annotated[
+        Literal["cpu", "cuda"],
+        _d(
+            "where the KV cache lives: cuda (pinned L1, Triton kernels) or cpu (torch reference); "
+            "default cuda when a GPU is visible"
+        ),
+    ] = "cuda" if torch.cuda.is_available() else "cpu"
+    layers: Annotated[int, _d("KV layers")] = 32
+    kv_heads: Annotated[int, _d("KV heads per layer")] = 8
+    head_size: Annotated[int, _d("head size")] = 128
+    block_size: Annotated[int, _d("tokens per block")] = 16
+    tokens_per_chunk: Annotated[int, _d("tokens per chunk")] = 256
+    dtype: Annotated[Literal["bf16", "fp16", "fp32"], _d("KV element type")] = "bf16"
+    chunks: Annotated[int, _d("chunks per store/retrieve call")] = 8
+    iters: Annotated[int, _d("timed calls per figure (median)")] = 5
+    peer: Annotated[
+        bool, _d("measure peer fetch (agent B pulling chunks from agent A over TCP) vs a local copy")
+    ] = False
+    peer_part_size: Annotated[str, _d("--peer: FetchChunks part size on agent A")] = "1MiB"
+    json: Annotated[bool, _d("print one JSON object instead of a table")] = False
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="where the KV cache lives: cuda (pinned L1, Triton kernels) or cpu (torch reference); "
-        "default cuda when a GPU is visible",
-    )
-    parser.add_argument("--layers", type=int, default=32, help="KV layers (default 32)")
-    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer (default 8)")
-    parser.add_argument("--head-size", type=int, default=128, help="head size (default 128)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    parser.add_argument("--tokens-per-chunk", type=int, default=256, help="tokens per chunk (default 256)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    parser.add_argument("--chunks", type=int, default=8, help="chunks per store/retrieve call (default 8)")
-    parser.add_argument("--iters", type=int, default=5, help="timed calls per figure (default 5; median)")
-    parser.add_argument(
-        "--peer",
-        action="store_true",
-        help="measure peer fetch (agent B pulling chunks from agent A over TCP) vs a local copy",
-    )
-    parser.add_argument(
-        "--peer-part-size", default="1MiB", help="--peer: FetchChunks part size on agent A (default 1MiB)"
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_config_arguments(parser, AgentBenchConfig, env_prefix=ENV_PREFIX)
 
 
 def _median_gbps(nbytes: int, times: list[float]) -> float:
@@ -77,20 +91,21 @@ def run(args: argparse.Namespace) -> int:
     from kvgrid.common.layouts import detect_kv_format
     from kvgrid_kernels import TransferPlan
 
-    if args.device == "cuda" and not torch.cuda.is_available():
+    cfg = config_from_args(AgentBenchConfig, args, env_prefix=ENV_PREFIX)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
         print("kvgrid bench agent: --device cuda but no CUDA device is visible", file=sys.stderr)
         return 2
-    dtype = _DTYPES[args.dtype]
-    bpc = args.tokens_per_chunk // args.block_size
-    num_blocks = bpc * args.chunks
-    shape = (num_blocks, 2, args.block_size, args.kv_heads, args.head_size)
+    dtype = _DTYPES[cfg.dtype]
+    bpc = cfg.tokens_per_chunk // cfg.block_size
+    num_blocks = bpc * cfg.chunks
+    shape = (num_blocks, 2, cfg.block_size, cfg.kv_heads, cfg.head_size)
     hints = {"backend": "FLASHINFER"}
     tmp = Path(
         tempfile.mkdtemp(prefix="kvgrid-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     )
     tensors: list[torch.Tensor] = []
-    paths: list[str] | None = [] if args.device == "cpu" else None
-    for layer in range(args.layers):
+    paths: list[str] | None = [] if cfg.device == "cpu" else None
+    for layer in range(cfg.layers):
         if paths is not None:
             path = tmp / f"layer{layer}.kv"
             t = allocate_shared_tensor(path, shape, dtype)
@@ -99,36 +114,36 @@ def run(args: argparse.Namespace) -> int:
             t = torch.empty(shape, dtype=dtype, device="cuda")
         t.copy_(
             torch.randn(shape, dtype=torch.float32).to(dtype)
-            if args.device == "cpu"
+            if cfg.device == "cpu"
             else torch.randn(shape, device="cuda").to(dtype)
         )
         tensors.append(t)
     manager = KVLayerGroupsManager(
-        tensors, [detect_kv_format(t, hints) for t in tensors], tokens_per_chunk=args.tokens_per_chunk
+        tensors, [detect_kv_format(t, hints) for t in tensors], tokens_per_chunk=cfg.tokens_per_chunk
     )
     chunk_bytes = manager.bytes_per_chunk()
-    total = chunk_bytes * args.chunks
+    total = chunk_bytes * cfg.chunks
     ids = [list(range(num_blocks))]
 
-    if args.peer:
+    if cfg.peer:
         try:
-            return _run_peer(args, tensors, paths, hints, chunk_bytes, ids, tmp)
+            return _run_peer(cfg, tensors, paths, hints, chunk_bytes, ids, tmp)
         finally:
             for p in tmp.iterdir():
                 p.unlink()
             tmp.rmdir()
 
     # Kernel alone: the same plan the agent builds, into an L1-like buffer.
-    plan = TransferPlan(kernel_group_pages(manager, tensors), args.tokens_per_chunk)
-    l1 = torch.empty(total, dtype=torch.uint8, pin_memory=args.device == "cuda")
-    bufs = list(l1.view(args.chunks, chunk_bytes).unbind(0))
+    plan = TransferPlan(kernel_group_pages(manager, tensors), cfg.tokens_per_chunk)
+    l1 = torch.empty(total, dtype=torch.uint8, pin_memory=cfg.device == "cuda")
+    bufs = list(l1.view(cfg.chunks, chunk_bytes).unbind(0))
     kernel: dict[str, list[float]] = {"store": [], "retrieve": []}
-    for i in range(args.iters + 1):
+    for i in range(cfg.iters + 1):
         for direction in ("store", "retrieve"):
-            _sync(args.device)
+            _sync(cfg.device)
             t0 = time.perf_counter()
             (plan.store if direction == "store" else plan.retrieve)(bufs, ids)
-            _sync(args.device)
+            _sync(cfg.device)
             if i:  # the first round warms up (Triton compile, page faults)
                 kernel[direction].append(time.perf_counter() - t0)
 
@@ -148,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         if not line.startswith("{"):
             print(f"kvgrid bench agent: agent did not start (exit {agent.poll()})", file=sys.stderr)
             return 1
-        ns = KeyNamespace(model="bench", tokens_per_chunk=args.tokens_per_chunk)
+        ns = KeyNamespace(model="bench", tokens_per_chunk=cfg.tokens_per_chunk)
         with AgentClient(str(uds), timeout_s=600) as c:
             c.register_kv_caches(
                 "bench", tensors, namespace=ns, shm_paths=paths, layout_hints=[hints] * len(tensors)
@@ -158,18 +173,18 @@ def run(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 c.health()
                 rtt.append(time.perf_counter() - t0)
-            for i in range(args.iters + 1):
+            for i in range(cfg.iters + 1):
                 keys = chunk_keys(
-                    [(i * 100_003 + j) % 32_000 for j in range(args.chunks * args.tokens_per_chunk)], ns
+                    [(i * 100_003 + j) % 32_000 for j in range(cfg.chunks * cfg.tokens_per_chunk)], ns
                 )
-                _sync(args.device)
+                _sync(cfg.device)
                 t0 = time.perf_counter()
                 s = c.store("bench", keys, ids)
                 t1 = time.perf_counter()
                 r = c.retrieve("bench", "", keys, ids)
-                _sync(args.device)
+                _sync(cfg.device)
                 t2 = time.perf_counter()
-                if s.num_stored_chunks != args.chunks or r.num_retrieved_chunks != args.chunks:
+                if s.num_stored_chunks != cfg.chunks or r.num_retrieved_chunks != cfg.chunks:
                     print(f"kvgrid bench agent: store {s} / retrieve {r} fell short", file=sys.stderr)
                     return 1
                 if i:
@@ -183,25 +198,25 @@ def run(args: argparse.Namespace) -> int:
         tmp.rmdir()
 
     result: dict[str, object] = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "geometry": {"layers": args.layers, "kv_heads": args.kv_heads, "head_size": args.head_size,
-                     "block_size": args.block_size, "dtype": args.dtype,
-                     "tokens_per_chunk": args.tokens_per_chunk},
+        "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
+        "geometry": {"layers": cfg.layers, "kv_heads": cfg.kv_heads, "head_size": cfg.head_size,
+                     "block_size": cfg.block_size, "dtype": cfg.dtype,
+                     "tokens_per_chunk": cfg.tokens_per_chunk},
         "chunk_bytes": chunk_bytes,
-        "chunks": args.chunks,
+        "chunks": cfg.chunks,
         "rpc_roundtrip_ms": round(statistics.median(rtt[10:]) * 1e3, 3),
     }  # fmt: skip
     for direction in ("store", "retrieve"):
         k = _median_gbps(total, kernel[direction])
         a = _median_gbps(total, agent_path[direction])
         result[direction] = {"agent_gbps": round(a, 3), "kernel_gbps": round(k, 3), "ratio": round(a / k, 3)}
-    if args.json:
+    if cfg.json:
         print(json.dumps(result))
         return 0
     print(
-        f"{result['device']}: {args.chunks} chunks x {chunk_bytes / 2**20:.1f} MiB "
-        f"({args.layers} layers, {args.kv_heads} heads x {args.head_size}, "
-        f"block {args.block_size}, {args.dtype})"
+        f"{result['device']}: {cfg.chunks} chunks x {chunk_bytes / 2**20:.1f} MiB "
+        f"({cfg.layers} layers, {cfg.kv_heads} heads x {cfg.head_size}, "
+        f"block {cfg.block_size}, {cfg.dtype})"
     )
     print(f"{'':10}{'agent GB/s':>12}{'kernel GB/s':>13}{'ratio':>8}")
     for direction in ("store", "retrieve"):
@@ -221,7 +236,7 @@ def _free_port() -> int:
 
 
 def _run_peer(
-    args: argparse.Namespace,
+    cfg: AgentBenchConfig,
     tensors: list[torch.Tensor],
     paths: list[str] | None,
     hints: dict[str, str],
@@ -239,12 +254,12 @@ def _run_peer(
     if paths is None:
         print("kvgrid bench agent: --peer runs with --device cpu (KV in shared memory)", file=sys.stderr)
         return 2
-    total = chunk_bytes * args.chunks
+    total = chunk_bytes * cfg.chunks
     # The local-copy limit: the same bytes between two host buffers.
     src = torch.randint(0, 256, (total,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy_s = []
-    for i in range(args.iters + 1):
+    for i in range(cfg.iters + 1):
         t0 = time.perf_counter()
         dst.copy_(src)
         if i:
@@ -264,7 +279,7 @@ def _run_peer(
     clients: list[AgentClient] = []
     fetch_s: list[float] = []
     lookup_rtt: list[float] = []
-    ns = KeyNamespace(model="bench", tokens_per_chunk=args.tokens_per_chunk)
+    ns = KeyNamespace(model="bench", tokens_per_chunk=cfg.tokens_per_chunk)
     try:
         for name in ("a", "b"):
             uds = tmp / f"agent-{name}.sock"
@@ -273,8 +288,8 @@ def _run_peer(
                     [*kvgrid, "agent", "--uds-path", str(uds), "--tcp-host", "127.0.0.1", "--tcp-port", "0",
                      "--l1-size", str(total * 3 + (64 << 20)), "--shm-allowed-dirs", str(tmp),
                      "--controller-address", ctrl, "--event-flush-interval-ms", "5",
-                     "--peer-fetch-max-chunks", str(args.chunks), "--peer-fetch-timeout-ms", "600000",
-                     "--peer-fetch-part-size", args.peer_part_size, "--log-level", "warning"],
+                     "--peer-fetch-max-chunks", str(cfg.chunks), "--peer-fetch-timeout-ms", "600000",
+                     "--peer-fetch-part-size", cfg.peer_part_size, "--log-level", "warning"],
                     stdout=subprocess.PIPE, text=True,
                     env={**env, "POD_UID": f"bench-{name}", "POD_IP": "127.0.0.1"},
                 )
@@ -292,11 +307,11 @@ def _run_peer(
         a, b = clients
         with grpc.insecure_channel(ctrl) as channel:
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
-            for i in range(args.iters + 1):
+            for i in range(cfg.iters + 1):
                 keys = chunk_keys(
-                    [(i * 100_003 + j) % 32_000 for j in range(args.chunks * args.tokens_per_chunk)], ns
+                    [(i * 100_003 + j) % 32_000 for j in range(cfg.chunks * cfg.tokens_per_chunk)], ns
                 )
-                if a.store("bench", keys, ids).num_stored_chunks != args.chunks:
+                if a.store("bench", keys, ids).num_stored_chunks != cfg.chunks:
                     print("kvgrid bench agent: store on agent A fell short", file=sys.stderr)
                     return 1
                 query = controller_pb2.MatchPrefixRequest(
@@ -305,7 +320,7 @@ def _run_peer(
                     candidate_pod_uids=["bench-a"],
                 )
                 deadline = time.monotonic() + 30
-                while not any(m.l1_chunks == args.chunks for m in stub.MatchPrefix(query, timeout=5).matches):
+                while not any(m.l1_chunks == cfg.chunks for m in stub.MatchPrefix(query, timeout=5).matches):
                     if time.monotonic() > deadline:
                         print(
                             "kvgrid bench agent: controller did not index agent A's chunks", file=sys.stderr
@@ -315,7 +330,7 @@ def _run_peer(
                 t0 = time.perf_counter()
                 got = b.lookup("bench", "", keys)
                 dt = time.perf_counter() - t0
-                if got.num_peer_chunks != args.chunks:
+                if got.num_peer_chunks != cfg.chunks:
                     print(f"kvgrid bench agent: peer fetch fell short: {got}", file=sys.stderr)
                     return 1
                 t0 = time.perf_counter()
@@ -336,20 +351,20 @@ def _run_peer(
     result = {
         "mode": "peer",
         "chunk_bytes": chunk_bytes,
-        "chunks": args.chunks,
-        "part_size": args.peer_part_size,
+        "chunks": cfg.chunks,
+        "part_size": cfg.peer_part_size,
         "peer_fetch_gbps": round(peer, 3),
         "local_copy_gbps": round(local, 3),
         "ratio": round(peer / local, 3),
         "peer_lookup_ms": round(statistics.median(fetch_s) * 1e3, 2),
         "local_lookup_ms": round(statistics.median(lookup_rtt) * 1e3, 3),
     }
-    if args.json:
+    if cfg.json:
         print(json.dumps(result))
         return 0
     print(
-        f"peer fetch over loopback TCP: {args.chunks} chunks x {chunk_bytes / 2**20:.1f} MiB, "
-        f"parts of {args.peer_part_size}"
+        f"peer fetch over loopback TCP: {cfg.chunks} chunks x {chunk_bytes / 2**20:.1f} MiB, "
+        f"parts of {cfg.peer_part_size}"
     )
     print(f"  Lookup on agent B fetching from agent A: {peer:.2f} GB/s ({result['peer_lookup_ms']} ms)")
     print(f"  local copy of the same bytes (limit):    {local:.2f} GB/s   ratio {result['ratio']:.3f}")

@@ -13,22 +13,39 @@ import statistics
 import time
 from collections.abc import Callable
 from hashlib import blake2b
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import numpy as np
 
+from kvgrid.common.config import add_config_arguments, config_from_args
 from kvgrid.common.hashing import CHUNK_KEY_BYTES, KeyNamespace, chunk_keys, num_full_chunks
 
 _VOCAB = 151_936  # a real vocabulary size (Qwen), so ids use the upper bytes as real prompts do
 _WARMUP = 3
 
 
+ENV_PREFIX = "KVGRID_BENCH_HASHING_"
+
+
+class HashingBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """``kvgrid bench hashing``'s options, loaded like a service config (``kvgrid.common.config``):
+    defaults < ``--config`` YAML < ``KVGRID_BENCH_HASHING_*`` env < flags."""
+
+    tokens: Annotated[int, msgspec.Meta(description="prompt length in tokens")] = 131_072
+    tokens_per_chunk: Annotated[int, msgspec.Meta(description="chunk size")] = 256
+    repeat: Annotated[int, msgspec.Meta(description="timed runs per case; the median is reported")] = 50
+    seed: Annotated[int, msgspec.Meta(description="seed of the random token ids")] = 0
+    json: Annotated[bool, msgspec.Meta(description="print one JSON object instead of text")] = False
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "tokens_per_chunk", "repeat"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=int, default=131_072, help="prompt length in tokens (default 128k)")
-    parser.add_argument("--tokens-per-chunk", type=int, default=256, help="chunk size (default 256)")
-    parser.add_argument("--repeat", type=int, default=50, help="timed runs per case; the median is reported")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_config_arguments(parser, HashingBenchConfig, env_prefix=ENV_PREFIX)
 
 
 def _median_seconds(fn: Callable[[], object], repeat: int) -> float:
@@ -51,44 +68,42 @@ def _row(seconds: float, nbytes: int, raw_seconds: float) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("tokens", "tokens_per_chunk", "repeat"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    namespace = KeyNamespace(model="kvgrid-bench/model", tokens_per_chunk=args.tokens_per_chunk)
-    chunks = num_full_chunks(args.tokens, args.tokens_per_chunk)
+    cfg = config_from_args(HashingBenchConfig, args, env_prefix=ENV_PREFIX)
+    namespace = KeyNamespace(model="kvgrid-bench/model", tokens_per_chunk=cfg.tokens_per_chunk)
+    chunks = num_full_chunks(cfg.tokens, cfg.tokens_per_chunk)
     if chunks == 0:
-        raise ValueError(f"--tokens {args.tokens} is less than one chunk of {args.tokens_per_chunk} tokens")
+        raise ValueError(f"--tokens {cfg.tokens} is less than one chunk of {cfg.tokens_per_chunk} tokens")
 
-    token_array = np.random.default_rng(args.seed).integers(0, _VOCAB, size=args.tokens, dtype=np.int64)
+    token_array = np.random.default_rng(cfg.seed).integers(0, _VOCAB, size=cfg.tokens, dtype=np.int64)
     token_list = token_array.tolist()
-    hashed = token_array[: chunks * args.tokens_per_chunk].astype("<u4").tobytes()
+    hashed = token_array[: chunks * cfg.tokens_per_chunk].astype("<u4").tobytes()
     nbytes = len(hashed)
 
     keys = chunk_keys(token_array, namespace)
     if len(keys) != chunks or keys != chunk_keys(token_list, namespace):
         raise RuntimeError("chunk_keys gave different keys for the numpy and list forms of one prompt")
 
-    raw = _median_seconds(lambda: blake2b(hashed, digest_size=CHUNK_KEY_BYTES).digest(), args.repeat)
+    raw = _median_seconds(lambda: blake2b(hashed, digest_size=CHUNK_KEY_BYTES).digest(), cfg.repeat)
     cases = {
-        "numpy_int64": _median_seconds(lambda: chunk_keys(token_array, namespace), args.repeat),
-        "list_int": _median_seconds(lambda: chunk_keys(token_list, namespace), args.repeat),
+        "numpy_int64": _median_seconds(lambda: chunk_keys(token_array, namespace), cfg.repeat),
+        "list_int": _median_seconds(lambda: chunk_keys(token_list, namespace), cfg.repeat),
     }
     results: dict[str, Any] = {
-        "tokens": args.tokens,
-        "tokens_per_chunk": args.tokens_per_chunk,
+        "tokens": cfg.tokens,
+        "tokens_per_chunk": cfg.tokens_per_chunk,
         "chunks": chunks,
         "token_bytes": nbytes,
-        "repeat": args.repeat,
+        "repeat": cfg.repeat,
         "results": {name: _row(s, nbytes, raw) for name, s in cases.items()}
         | {"raw_blake2b": _row(raw, nbytes, raw)},
     }
-    if args.json:
+    if cfg.json:
         print(json.dumps(results, indent=2))
         return 0
 
     print(
-        f"chunk keys: {args.tokens} tokens -> {chunks} chunks of {args.tokens_per_chunk} "
-        f"({nbytes} token bytes hashed), median of {args.repeat} runs"
+        f"chunk keys: {cfg.tokens} tokens -> {chunks} chunks of {cfg.tokens_per_chunk} "
+        f"({nbytes} token bytes hashed), median of {cfg.repeat} runs"
     )
     labels = {
         "numpy_int64": "ours, numpy int64 input",
