@@ -31,14 +31,16 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
+import msgspec
 import torch
 
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.common.config import add_config_arguments, config_from_args
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.common.hashing import KeyNamespace, chunk_keys
 from kvgrid.common.wire import key_namespace_to_proto
@@ -72,18 +74,44 @@ VOCAB = 128_000
 LOAD_BOUND = 1.25
 
 
-@dataclass(frozen=True)
-class DemoSettings:
-    conversations: int = 24
-    turns: int = 4
-    system_prompts: int = 3
-    system_tokens: int = 3072
-    user_tokens: int = 320
-    reply_tokens: int = 160
-    pods: int = 2
-    blocks_per_engine: int = 1536
-    l1_size: str = "512MiB"
-    seed: int = 0
+BLOCKS_PER_ENGINE = 1536
+"""Paged KV blocks of each demo engine (of the first engine group's block size)."""
+ENV_PREFIX = "KVGRID_DEMO_"
+
+
+def _d(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class DemoSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """``kvgrid demo``'s options, loaded like a service config (``kvgrid.common.config``):
+    defaults < ``--config`` YAML < ``KVGRID_DEMO_*`` env < flags."""
+
+    conversations: Annotated[int, _d("concurrent chats")] = 24
+    turns: Annotated[int, _d("turns per chat")] = 4
+    system_prompts: Annotated[int, _d("distinct shared system prompts")] = 3
+    system_tokens: Annotated[int, _d("tokens per system prompt")] = 3072
+    user_tokens: Annotated[int, _d("tokens per user message")] = 320
+    reply_tokens: Annotated[int, _d("tokens per model reply")] = 160
+    pods: Annotated[int, _d("agents (engine pods) to start")] = 2
+    l1_size: Annotated[str, _d("L1 pool per agent, e.g. 512MiB")] = "512MiB"
+    seed: Annotated[int, _d("workload random seed")] = 0
+    log_dir: Annotated[str, _d("keep the controller and agent logs here (empty: a temporary directory)")] = ""
+    json: Annotated[bool, _d("print JSON, not a table")] = False
+
+    def __post_init__(self) -> None:
+        for name in ("conversations", "turns", "system_prompts", "pods"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("system_tokens", "user_tokens", "reply_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        longest = self.system_tokens + self.turns * (self.user_tokens + self.reply_tokens)
+        if -(-longest // BLOCK_SIZE[0]) > BLOCKS_PER_ENGINE:
+            raise ValueError(
+                f"the longest prompt ({longest} tokens) needs more than the engine's {BLOCKS_PER_ENGINE} "
+                f"blocks of {BLOCK_SIZE[0]} tokens; use fewer --turns or shorter messages"
+            )
 
 
 @dataclass
@@ -371,7 +399,7 @@ def run_demo(s: DemoSettings, *, progress: bool = True, log_dir: Path | None = N
             with open(logs / f"agent-{pod}.log", "wb") as log:
                 procs.append(subprocess.Popen(args, stdout=log, stderr=log, env=pod_env))
             _wait_channel(f"unix:{uds}", procs[-1], f"kvgrid agent {pod}")
-            engine = Engine(pod, shm_dir, uds, s.blocks_per_engine)
+            engine = Engine(pod, shm_dir, uds, BLOCKS_PER_ENGINE)
             engines[engine.pod_uid] = engine
         channel = grpc.insecure_channel(ctrl_addr)
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
@@ -458,71 +486,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "multi-turn chat workload with shared system prompts through Score -> Lookup/Retrieve/Store, "
         "verify every loaded chunk bit for bit, and print hit rate, bytes moved, GB/s and lookup latency."
     )
-    d = DemoSettings()
-    parser.add_argument(
-        "--conversations", type=int, default=d.conversations, help="concurrent chats (default %(default)s)"
-    )
-    parser.add_argument("--turns", type=int, default=d.turns, help="turns per chat (default %(default)s)")
-    parser.add_argument(
-        "--system-prompts",
-        type=int,
-        default=d.system_prompts,
-        help="distinct shared system prompts (default %(default)s)",
-    )
-    parser.add_argument(
-        "--system-tokens",
-        type=int,
-        default=d.system_tokens,
-        help="tokens per system prompt (default %(default)s)",
-    )
-    parser.add_argument(
-        "--user-tokens", type=int, default=d.user_tokens, help="tokens per user message (default %(default)s)"
-    )
-    parser.add_argument(
-        "--reply-tokens",
-        type=int,
-        default=d.reply_tokens,
-        help="tokens per model reply (default %(default)s)",
-    )
-    parser.add_argument(
-        "--pods", type=int, default=d.pods, help="agents (engine pods) to start (default %(default)s)"
-    )
-    parser.add_argument(
-        "--l1-size", default=d.l1_size, help="L1 pool per agent, e.g. 512MiB (default %(default)s)"
-    )
-    parser.add_argument("--seed", type=int, default=d.seed, help="workload random seed (default %(default)s)")
-    parser.add_argument("--log-dir", type=Path, help="keep the controller and agent logs here")
-    parser.add_argument("--json", action="store_true", help="print JSON, not a table")  # fmt: skip
+    add_config_arguments(parser, DemoSettings, env_prefix=ENV_PREFIX)
 
 
 def run(args: argparse.Namespace) -> int:
-    s = DemoSettings(
-        conversations=args.conversations,
-        turns=args.turns,
-        system_prompts=args.system_prompts,
-        system_tokens=args.system_tokens,
-        user_tokens=args.user_tokens,
-        reply_tokens=args.reply_tokens,
-        pods=args.pods,
-        l1_size=args.l1_size,
-        seed=args.seed,
-    )
-    for name in ("conversations", "turns", "system_prompts", "pods"):
-        if getattr(s, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
-    for name in ("system_tokens", "user_tokens", "reply_tokens"):
-        if getattr(s, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(s, name)}")
-    longest = s.system_tokens + s.turns * (s.user_tokens + s.reply_tokens)
-    if -(-longest // BLOCK_SIZE[0]) > s.blocks_per_engine:
-        raise ValueError(
-            f"the longest prompt ({longest} tokens) needs more than the engine's {s.blocks_per_engine} "
-            f"blocks of {BLOCK_SIZE[0]} tokens; use fewer --turns or shorter messages"
-        )
-    if args.log_dir is not None:
-        args.log_dir.mkdir(parents=True, exist_ok=True)
-    result = run_demo(s, progress=not args.json, log_dir=args.log_dir)
-    if args.json:
+    s = config_from_args(DemoSettings, args, env_prefix=ENV_PREFIX)
+    log_dir = Path(s.log_dir) if s.log_dir else None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    result = run_demo(s, progress=not s.json, log_dir=log_dir)
+    if s.json:
         print(json.dumps(result, indent=2))
     else:
         print_summary(result)
