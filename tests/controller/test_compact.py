@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import numpy as np
 import pytest
@@ -35,17 +33,8 @@ def _req(keys: list[bytes], ns: str = NS_ID, **kw: object) -> controller_pb2.Mat
 
 
 @pytest.fixture
-def server() -> Iterator[Server]:
-    srv = serve(ControllerConfig(listen="127.0.0.1:0", max_batch=64), index=MemoryIndex())
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def stub(server: Server) -> Iterator[controller_pb2_grpc.ControllerServiceStub]:
-    ch = grpc.insecure_channel(server.address)
-    yield controller_pb2_grpc.ControllerServiceStub(ch)
-    ch.close()
+def controller_config() -> ControllerConfig:
+    return ControllerConfig(listen="127.0.0.1:0", max_batch=64)
 
 
 def test_compact_equals_readable(server: Server, stub: controller_pb2_grpc.ControllerServiceStub) -> None:

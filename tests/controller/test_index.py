@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvgrid.controller.index import ChunkIndex, IndexTier, MemoryIndex
 from kvgrid.controller.index.redis import RedisIndex
 from kvgrid.controller.matching import PodPrefix, match_prefix
-from tests.controller.support import rand_keys, unique_prefix, valkey_url  # noqa: F401
+from tests.controller.support import rand_keys, unique_prefix
 
 L1, GPU = IndexTier.L1, IndexTier.GPU
 
@@ -24,7 +24,7 @@ def _make(kind: str, url: str) -> ChunkIndex:
 
 
 @pytest.fixture(params=["memory", "redis"])
-def index(request: pytest.FixtureRequest, valkey_url: str) -> Iterator[ChunkIndex]:  # noqa: F811
+def index(request: pytest.FixtureRequest, valkey_url: str) -> Iterator[ChunkIndex]:
     idx = _make(request.param, valkey_url)
     yield idx
     if isinstance(idx, RedisIndex):
@@ -208,7 +208,7 @@ def test_random_ops_match_reference_model(index: ChunkIndex, ops: list) -> None:
         assert gpu == {h for (h, t), v in model.items() if t is GPU and key in v}
 
 
-def test_redis_replicas_share_one_index(valkey_url: str) -> None:  # noqa: F811
+def test_redis_replicas_share_one_index(valkey_url: str) -> None:
     prefix = unique_prefix()
     a, b = RedisIndex(valkey_url, prefix=prefix), RedisIndex(valkey_url, prefix=prefix)
     try:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvgrid.controller.index import ChunkIndex, IndexTier, MemoryIndex, batch_view_from_prefix_views
 from kvgrid.controller.index.redis import RedisIndex
 from kvgrid.controller.matching import BatchMatch, PodPrefix, match_batch, match_prefix
-from tests.controller.support import rand_keys, unique_prefix, valkey_url  # noqa: F401
+from tests.controller.support import rand_keys, unique_prefix
 
 L1, GPU = IndexTier.L1, IndexTier.GPU
 UNIVERSE = [bytes([i]) * 16 for i in range(10)]
@@ -64,7 +64,7 @@ def test_batch_matches_reference_memory(width: int, holders: int, data: st.DataO
 
 
 @pytest.fixture(params=["memory", "redis"])
-def index(request: pytest.FixtureRequest, valkey_url: str) -> Iterator[ChunkIndex]:  # noqa: F811
+def index(request: pytest.FixtureRequest, valkey_url: str) -> Iterator[ChunkIndex]:
     idx: ChunkIndex = (
         MemoryIndex() if request.param == "memory" else RedisIndex(valkey_url, prefix=unique_prefix())
     )

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import numpy as np
 import pytest
@@ -13,28 +11,21 @@ from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.index import ChunkIndex, IndexTier, MemoryIndex
 from kvgrid.controller.index.redis import RedisIndex
-from kvgrid.controller.service import Server, serve
-from tests.controller.support import NS_ID, rand_keys, unique_prefix, valkey_url  # noqa: F401
+from kvgrid.controller.service import Server
+from tests.controller.support import NS_ID, rand_keys, unique_prefix
 
 L1, GPU = IndexTier.L1, IndexTier.GPU
 OTHER_NS = "f" * 32
 
 
 @pytest.fixture(params=["memory", "redis"])
-def server(request: pytest.FixtureRequest, valkey_url: str) -> Iterator[Server]:  # noqa: F811
-    idx: ChunkIndex = (
-        MemoryIndex() if request.param == "memory" else RedisIndex(valkey_url, prefix=unique_prefix())
-    )
-    srv = serve(ControllerConfig(listen="127.0.0.1:0", max_batch=8, max_query_chunks=16), index=idx)
-    yield srv
-    srv.stop()
+def controller_index(request: pytest.FixtureRequest, valkey_url: str) -> ChunkIndex:
+    return MemoryIndex() if request.param == "memory" else RedisIndex(valkey_url, prefix=unique_prefix())
 
 
 @pytest.fixture
-def stub(server: Server) -> Iterator[controller_pb2_grpc.ControllerServiceStub]:
-    ch = grpc.insecure_channel(server.address)
-    yield controller_pb2_grpc.ControllerServiceStub(ch)
-    ch.close()
+def controller_config() -> ControllerConfig:
+    return ControllerConfig(listen="127.0.0.1:0", max_batch=8, max_query_chunks=16)
 
 
 def _register(stub: controller_pb2_grpc.ControllerServiceStub, uid: str, namespaces: list[str]) -> str:

@@ -5,22 +5,16 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
 from kvgrid.api.v1 import controller_pb2, controller_pb2_grpc
 from tests.controller.support import FakeAgent, index_keys, rand_keys, wait_until
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(port: int) -> subprocess.Popen[bytes]:
@@ -48,8 +42,8 @@ def _start(port: int) -> subprocess.Popen[bytes]:
     return proc
 
 
-def test_kill_9_and_restart_resyncs_from_agents() -> None:
-    port = _free_port()
+def test_kill_9_and_restart_resyncs_from_agents(free_port: Callable[[], int]) -> None:
+    port = free_port()
     addr = f"127.0.0.1:{port}"
     proc = _start(port)
     agents = [FakeAgent(addr, f"pod-{i}", epoch=100 + i) for i in range(3)]

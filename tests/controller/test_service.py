@@ -15,13 +15,12 @@ from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.hashing import KeyNamespace, chunk_keys
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.service import Server, serve
-from tests.controller.support import (  # noqa: F401
+from tests.controller.support import (
     NS_ID,
     FakeAgent,
     index_keys,
     rand_keys,
     unique_prefix,
-    valkey_url,
     wait_until,
 )
 
@@ -35,17 +34,8 @@ def _cfg(**kw: object) -> ControllerConfig:
 
 
 @pytest.fixture
-def server() -> Iterator[Server]:
-    srv = serve(_cfg(max_query_chunks=64, max_batch=8))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def stub(server: Server) -> Iterator[controller_pb2_grpc.ControllerServiceStub]:
-    ch = grpc.insecure_channel(server.address)
-    yield controller_pb2_grpc.ControllerServiceStub(ch)
-    ch.close()
+def controller_config() -> ControllerConfig:
+    return _cfg(max_query_chunks=64, max_batch=8)
 
 
 def _match(stub: controller_pb2_grpc.ControllerServiceStub, keys: list[bytes], ns: str = NS_ID, **kw: object):
@@ -433,7 +423,7 @@ def test_health_and_reflection(server: Server) -> None:
         ch.close()
 
 
-def test_redis_replicas_share_the_index(valkey_url: str) -> None:  # noqa: F811
+def test_redis_replicas_share_the_index(valkey_url: str) -> None:
     prefix = unique_prefix()
     one = serve(_cfg(index_backend="redis", redis_url=valkey_url, redis_prefix=prefix))
     two = serve(_cfg(index_backend="redis", redis_url=valkey_url, redis_prefix=prefix))

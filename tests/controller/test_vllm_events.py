@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -29,12 +29,6 @@ kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
 NS = KeyNamespace(model="tiny-model", tokens_per_chunk=16)
 BS = 4  # engine block size: 4 blocks per chunk
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_continuation_equals_chunk_keys() -> None:
@@ -72,8 +66,8 @@ def _ids(tokens: list[int]) -> controller_pb2.MatchPrefixRequest:
     )
 
 
-def test_real_vllm_publisher_both_forms_replay_and_medium() -> None:
-    pub_port, replay_port = _free_port(), _free_port()
+def test_real_vllm_publisher_both_forms_replay_and_medium(free_port: Callable[[], int]) -> None:
+    pub_port, replay_port = free_port(), free_port()
     pub = kv_events.ZmqEventPublisher(
         data_parallel_rank=0,
         endpoint=f"tcp://*:{pub_port}",
