@@ -68,3 +68,22 @@ def test_pins_must_outlive_a_peer_fetch() -> None:
     with pytest.raises(ValueError, match="pin_ttl_ms=1000 <= peer_fetch_timeout_ms=2000"):
         AgentConfig(pin_ttl_ms=1000, peer_fetch_timeout_ms=2000, controller_address="c:1")
     assert AgentConfig(pin_ttl_ms=1000, peer_fetch_timeout_ms=2000, peer_fetch="off").pin_ttl_ms == 1000
+
+
+def test_bench_agent_options_load_like_a_service_config(tmp_path: Path) -> None:
+    import argparse
+
+    from kvgrid.agent.bench import AgentBenchConfig, add_arguments
+    from kvgrid.common.config import ConfigError, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg_file = tmp_path / "bench.yaml"
+    cfg_file.write_text("layers: 4\nchunks: 3\n")
+    args = parser.parse_args(["--config", str(cfg_file), "--chunks", "2", "--dtype", "fp16", "--json"])
+    cfg = config_from_args(
+        AgentBenchConfig, args, env={"KVGRID_BENCH_AGENT_ITERS": "9"}, env_prefix="KVGRID_BENCH_AGENT_"
+    )
+    assert (cfg.layers, cfg.chunks, cfg.dtype, cfg.iters, cfg.json) == (4, 2, "fp16", 9, True)
+    with pytest.raises(ConfigError, match=r"'dtype' has invalid value 'fp8' .*one of 'bf16', 'fp16', 'fp32'"):
+        config_from_args(AgentBenchConfig, parser.parse_args(["--dtype", "fp8"]), env={})
