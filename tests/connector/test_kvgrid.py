@@ -40,7 +40,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.common.hashing import chunk_keys
-from kvgrid.connector.plan import (
+from kvgrid.connector.chunk_policy import (
     failed_block_ids,
     kv_identity,
     loadable_chunks,
@@ -48,8 +48,7 @@ from kvgrid.connector.plan import (
     storable_chunks,
 )
 from kvgrid.connector.shm import shared_memory_file
-from kvgrid.connector.vllm import KVGridConnector as ReExported
-from kvgrid.connector.vllm_connector import (
+from kvgrid.connector.vllm import (
     KVGridConnector,
     KVGridConnectorMetadata,
     LoadOrder,
@@ -244,7 +243,9 @@ class Engine:
             )
         return out
 
-    def step(self, *, before_forward: object = None) -> tuple[SchedulerOutput, set[int]]:
+    def step(
+        self, *, before_forward: object = None, before_load: object = None
+    ) -> tuple[SchedulerOutput, set[int]]:
         out = self.scheduler.schedule()
         for new in out.scheduled_new_reqs:
             self.block_table[new.req_id] = list(new.block_ids[0])
@@ -266,6 +267,12 @@ class Engine:
         assert out.kv_connector_metadata is not None
         w.bind_connector_metadata(out.kv_connector_metadata)
         ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        assert isinstance(out.kv_connector_metadata, KVGridConnectorMetadata)
+        for load in out.kv_connector_metadata.loads:  # the runner zeroes fresh blocks
+            for name in LAYERS:
+                self.caches[name][load.block_ids[0]] = 0
+        if callable(before_load):
+            before_load(out)
         if out.has_sync_kv_loads:
             w.start_load_kv(ctx)
         computed = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
@@ -281,6 +288,7 @@ class Engine:
         if not out.has_sync_kv_loads:
             w.start_load_kv(ctx)
         w.wait_for_save()
+        w.worker.wait_loads(timeout_s=30)  # loads are async; waiting makes each step's outcome fixed
         results = w.get_transfer_results(out.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
@@ -300,6 +308,7 @@ class Engine:
                 kv_connector_output=KVConnectorOutput(
                     finished_sending=results.finished_sending or None,
                     finished_recving=results.finished_recving or None,
+                    failed_recving=results.failed_recving or None,
                     invalid_block_ids=invalid,
                 ),
             ),
@@ -332,12 +341,12 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 def test_factory_builds_both_roles(agent: AgentProc, model_config: ModelConfig, tmp_path: Path) -> None:
     cfg = make_vllm_config(model_config, agent.uds_path)
     kv_config, _ = shm_kv_caches(tmp_path)
-    assert ReExported is KVGridConnector and supports_hma(KVGridConnector)
+    assert supports_hma(KVGridConnector)
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         conn = KVConnectorFactory.create_connector(cfg, role, kv_config)
         assert isinstance(conn, KVGridConnector) and conn.role == role
         assert conn.requires_kv_delivery is False
-        assert conn.instance_id == f"{cfg.kv_transfer_config.engine_id}-dp0-r0"  # type: ignore[union-attr]
+        assert conn.identity.instance_id == f"{cfg.kv_transfer_config.engine_id}-dp0-r0"  # type: ignore[union-attr]
         conn.shutdown()
     with pytest.raises(ValueError, match="multiple of KV cache group 0's 16 tokens"):
         KVConnectorFactory.create_connector(
@@ -361,29 +370,46 @@ def test_store_then_prefix_hit_loads_bit_exact(engine: Engine, agent: AgentProc)
     assert engine.scheduler.requests.get("A") is None  # finished after its one token
 
     # The agent now holds A's three full chunks under the scheduler's keys.
-    ns = engine.connector.namespace(0)
+    ns = engine.connector.identity.namespace(0)
     with AgentClient(agent.uds_path) as client:
-        assert client.lookup(engine.worker.instance_id, "", chunk_keys(a_prompt, ns)).num_hit_chunks == 3
+        hit = client.lookup(engine.connector.identity.instance_id, "", chunk_keys(a_prompt, ns))
+        assert hit.num_hit_chunks == 3
 
-    # B shares A's first 128 tokens (2 chunks), then diverges.
+    # B shares A's first 128 tokens (2 chunks), then diverges. The load is asynchronous: the first
+    # step schedules no tokens of B and carries its load; B computes its own 60 tokens next step.
     b_prompt = a_prompt[:128] + prompt(60, seed=5)
     b = engine.add("B", b_prompt)
     zeros_before: list[torch.Tensor] = []
-    out, invalid = engine.step(before_forward=lambda o: zeros_before.extend(engine.tokens_kv("B", 0, 128)))
-    assert out.num_scheduled_tokens == {"B": 60}  # 128 external tokens, computed by nobody
-    assert out.has_sync_kv_loads and not invalid
+    load_blocks: list[int] = []
+
+    def before_load(o: SchedulerOutput) -> None:
+        assert isinstance(o.kv_connector_metadata, KVGridConnectorMetadata)
+        (order,) = o.kv_connector_metadata.loads
+        load_blocks.extend(order.block_ids[0])
+        engine.block_table["B"] = list(order.block_ids[0])
+        zeros_before.extend(engine.tokens_kv("B", 0, 128))
+
+    out, invalid = engine.step(before_load=before_load)
+    assert out.num_scheduled_tokens == {} and not out.has_sync_kv_loads and not invalid
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert all(not t.any() for t in zeros_before)  # fresh blocks: what is there now was loaded
     meta = out.kv_connector_metadata
     assert isinstance(meta, KVGridConnectorMetadata)
     (load,) = meta.loads
     assert (load.request_id, len(load.keys[0]), load.skip_first_n_tokens) == ("B", 2, 0)
-    assert not meta.stores  # B's only full chunks came from the agent
     for got, want in zip(engine.tokens_kv("B", 0, 128), a_kv, strict=True):
         assert torch.equal(got.view(torch.int16), want[:128].view(torch.int16))  # bit-exact
+    out, invalid = engine.step()
+    assert out.num_scheduled_tokens == {"B": 60} and not invalid  # 128 tokens came from kvgrid
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, KVGridConnectorMetadata)
+    assert not meta.loads and not meta.stores  # B's only full chunks came from the agent
+    assert engine.block_table["B"][:8] == load_blocks[:8]  # the loaded blocks are the ones computed on
     assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
     # The whole prompt is never reported: A's first 192 tokens again -> 128 matched, 64 computed.
     engine.add("C", a_prompt[:192])
+    engine.step()
     out, _ = engine.step()
     assert out.num_scheduled_tokens == {"C": 64}
 
@@ -396,6 +422,8 @@ def test_namespace_separates_cache_salt(engine: Engine) -> None:
     out, _ = engine.step()
     assert out.num_scheduled_tokens == {"B": 150}  # another tenant's prefix is not served
     engine.add("C", p)
+    out, _ = engine.step()
+    assert out.num_scheduled_tokens == {}  # loading
     out, _ = engine.step()
     assert out.num_scheduled_tokens == {"C": 150 - 128}
 
@@ -419,7 +447,7 @@ def test_missing_chunk_reports_its_blocks(engine: Engine, agent: AgentProc) -> N
     a_prompt = prompt(200, seed=11)
     engine.add("A", a_prompt)
     engine.step()
-    keys = chunk_keys(a_prompt, engine.connector.namespace(0))
+    keys = chunk_keys(a_prompt, engine.connector.identity.namespace(0))
     # A load order for 3 chunks whose third key the agent never stored.
     forged = [*keys[:2], bytes(16)]
     blocks = [list(range(20, 36))]
@@ -429,6 +457,9 @@ def test_missing_chunk_reports_its_blocks(engine: Engine, agent: AgentProc) -> N
     )
     w.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
     w.clear_connector_metadata()
+    w.worker.wait_loads()
+    assert w.get_block_ids_with_load_errors() == set()  # reported with the request, not before
+    assert w.get_transfer_results(set()).finished_recving == {"X"}
     assert w.get_block_ids_with_load_errors() == {28, 29, 30, 31}  # chunk 2 = blocks 8..11
     assert w.get_block_ids_with_load_errors() == set()  # reported once
     # A load that fails outright (unknown chunk from the start) reports every block it would write,
@@ -436,6 +467,9 @@ def test_missing_chunk_reports_its_blocks(engine: Engine, agent: AgentProc) -> N
     w.bind_connector_metadata(KVGridConnectorMetadata(loads=[LoadOrder("Y", [[bytes(16)] * 2], blocks, 16)]))
     w.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
     w.clear_connector_metadata()
+    w.worker.wait_loads()
+    results = w.get_transfer_results(set())
+    assert results.finished_recving == {"Y"} and not results.failed_recving  # one group: blocks suffice
     assert w.get_block_ids_with_load_errors() == set(range(21, 28))
 
 
@@ -447,9 +481,9 @@ def test_agent_loss_between_lookup_and_load_fails_the_request(engine: Engine, ag
     with AgentClient(agent.uds_path) as client:
         # The scheduler's Lookup finds 2 chunks; then the registration vanishes before the load.
         out, invalid = engine.step(
-            before_forward=lambda o: client.unregister_kv_caches(engine.worker.instance_id)
+            before_load=lambda o: client.unregister_kv_caches(engine.connector.identity.instance_id)
         )
-    assert out.num_scheduled_tokens == {"B": 2}
+    assert out.num_scheduled_tokens == {}
     assert len(invalid) == 8  # the 8 blocks of B's 128 external tokens
     # kv_load_failure_policy="fail" (vLLM's default): the request ends with an error.
     assert engine.finish_reasons() == {"B": FinishReason.ERROR}

@@ -1,4 +1,4 @@
-"""kvgrid.connector.vllm against vLLM's real spec classes and its real per-layer cache views.
+"""kvgrid.connector.vllm_specs against vLLM's real spec classes and its real per-layer cache views.
 
 Caches are allocated the way vLLM's worker does it (``allocate_kv_cache``): one int8 backing
 buffer, viewed per layer by vLLM's own ``create_kv_cache_views``.
@@ -36,7 +36,7 @@ from kvgrid.common.groups import (
 )
 from kvgrid.common.layer_groups import KVLayerGroupsManager
 from kvgrid.common.layouts import detect_kv_format
-from kvgrid.connector.vllm import (
+from kvgrid.connector.vllm_specs import (
     apply_kv_cache_group_edits,
     create_engine_group_infos_from_vllm,
     layer_sort_key,

@@ -1,19 +1,107 @@
-"""Find the shared-memory file a CPU tensor's storage maps, so the agent can map the same bytes.
+"""CPU KV caches the agent can map: allocate them in shared-memory files, and find the file again.
 
 The agent reaches CPU KV caches by file (``kvgrid.agent.tensors.export_layer_tensor`` needs the
-path). A storage created with ``torch.from_file(path, shared=True)`` (what
-``kvgrid.agent.tensors.allocate_shared_tensor`` does) is an mmap of that file; the kernel's
-``/proc/self/maps`` names the file behind every mapping, so the path is read from there rather
-than threaded through the engine's allocator.
+path). vLLM allocates its KV cache with one ``torch.zeros`` inside the connector's
+``get_mem_pool_context()``; :class:`SharedMemoryAllocation` is that context for CPU engines: it
+turns large CPU ``torch.zeros``/``torch.empty`` calls made inside it into tensors backed by new
+files under a tmpfs (``kvgrid.agent.tensors.allocate_shared_tensor``), so stock vLLM needs no patch.
+
+A storage created with ``torch.from_file(path, shared=True)`` is an mmap of that file; the kernel's
+``/proc/self/maps`` names the file behind every mapping, so :func:`shared_memory_file` reads the
+path from there rather than threading it through the engine's allocator.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["shared_memory_file"]
+from kvgrid.agent.tensors import allocate_shared_tensor
+
+__all__ = ["SharedMemoryAllocation", "remove_stale_files", "shared_memory_file"]
+
+FILE_PREFIX = "kvgrid-kv"
+_FILE_NAME = re.compile(rf"^{FILE_PREFIX}-(\d+)-\d+$")
+
+
+def remove_stale_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """Unlink KV cache files left by engine processes that no longer exist (a crash skips the
+    engine's own cleanup); returns what was removed."""
+    removed: list[Path] = []
+    for path in Path(directory).glob(f"{FILE_PREFIX}-*"):
+        m = _FILE_NAME.match(path.name)
+        if m is None or Path(f"/proc/{m.group(1)}").exists():
+            continue
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+class SharedMemoryAllocation(TorchFunctionMode):
+    """Inside this context, CPU ``torch.zeros``/``torch.empty`` calls of at least ``min_bytes``
+    return zeroed tensors backed by new files ``{directory}/kvgrid-kv-{pid}-{n}`` (smaller or
+    non-CPU allocations are untouched). ``files`` lists what was created; :meth:`remove` unlinks
+    them (the mappings stay valid while tensors use them)."""
+
+    def __init__(self, directory: str | os.PathLike[str], min_bytes: int = 1 << 20) -> None:
+        super().__init__()
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise ValueError(
+                f"shm_dir={str(directory)!r}: not a directory; expected a tmpfs both the engine and "
+                f"the kvgrid agent can reach (e.g. /dev/shm)"
+            )
+        self.min_bytes = min_bytes
+        self.files: list[Path] = []
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.zeros, torch.empty) and self._shareable(kwargs):
+            shape = _shape(args, kwargs)
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            if shape is not None and math.prod(shape) * dtype.itemsize >= self.min_bytes:
+                path = self.directory / f"{FILE_PREFIX}-{os.getpid()}-{len(self.files)}"
+                tensor = allocate_shared_tensor(path, shape, dtype)
+                self.files.append(path)
+                return tensor.requires_grad_(bool(kwargs.get("requires_grad", False)))
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _shareable(kwargs: dict[str, Any]) -> bool:
+        device = kwargs.get("device")
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        plain = kwargs.get("out") is None and kwargs.get("layout") in (None, torch.strided)
+        return on_cpu and plain and not kwargs.get("pin_memory", False)
+
+    def remove(self) -> None:
+        for path in self.files:
+            path.unlink(missing_ok=True)
+        self.files.clear()
+
+
+def _shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+    raw = kwargs.get("size", args[0] if len(args) == 1 and not isinstance(args[0], int) else args)
+    try:
+        return tuple(int(s) for s in raw)
+    except TypeError:
+        return None
+
 
 _MAPS = Path("/proc/self/maps")
 

@@ -1,0 +1,47 @@
+"""What the scheduler half tells the worker halves each step (pickled across processes by vLLM).
+
+The halves share nothing else. Every order names its request and carries the keys of every worker
+rank (rank ``r`` hashes with its own namespace), so each worker picks its own without asking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+__all__ = ["KVGridConnectorMetadata", "LoadOrder", "StoreOrder"]
+
+
+@dataclass
+class LoadOrder:
+    """Scatter the leading held chunks of ``keys`` into the request's blocks.
+
+    Loads are asynchronous: the request waits (``WAITING_FOR_REMOTE_KVS``) until a worker reports
+    it in ``finished_recving``, and vLLM frees its blocks only after that, so every load is reported
+    exactly once, whether it succeeded, failed or the request was aborted meanwhile.
+    """
+
+    request_id: str
+    keys: list[list[bytes]]
+    """Per worker rank: the chunk keys to load."""
+    block_ids: list[list[int]]
+    """One list per KV cache group, from token 0."""
+    skip_first_n_tokens: int
+    """The engine's own prefix-cache hit: blocks wholly inside it are not written."""
+
+
+@dataclass
+class StoreOrder:
+    """Gather the request's chunks ``[skip_first_n_chunks, len(keys))`` into the agent's L1."""
+
+    request_id: str
+    keys: list[list[bytes]]
+    block_ids: list[list[int]]
+    skip_first_n_chunks: int
+
+
+@dataclass
+class KVGridConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadOrder] = field(default_factory=list)
+    stores: list[StoreOrder] = field(default_factory=list)

@@ -1,0 +1,239 @@
+"""The scheduler half of the connector (vLLM's engine-core process): decides, never moves bytes.
+
+Per request, in vLLM's order:
+
+``lookup`` (``get_num_new_matched_tokens``)
+    hashes the prompt into chained chunk keys, asks rank 0's agent how many leading chunks it
+    holds (the agent pins them for the request) and offers the tokens beyond the engine's own
+    prefix-cache hit, as an asynchronous load.
+``after_alloc`` (``update_state_after_alloc``)
+    turns a hit into a :class:`LoadOrder` over the blocks vLLM allocated; an unused hit releases
+    its pins at once. vLLM calls it again when the request is scheduled after its load: the state
+    is kept, only the block ids are refreshed.
+``build_meta`` (``build_connector_meta``)
+    emits the pending loads and a :class:`StoreOrder` for every prompt chunk this step completes.
+``finished`` (``request_finished_all_groups``)
+    drops the request's state and pins.
+
+Invariants: a request has at most one load, emitted once; ``num_stored_chunks`` only grows, so a
+chunk is stored at most once per request; every pin taken is released by retrieve, by
+``after_alloc`` (unused hit) or by ``finished`` -- whichever comes first.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvgrid.agent.client import AgentClient
+from kvgrid.common.hashing import chunk_keys
+from kvgrid.connector.chunk_policy import loadable_chunks, new_tokens_to_load, storable_chunks
+from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
+from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder, StoreOrder
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = ["SKIP_SAVE_PARAM", "ConnectorScheduler", "rpc_text"]
+
+log = logging.getLogger(__name__)
+
+SKIP_SAVE_PARAM = "kvgrid_skip_save"
+"""``kv_transfer_params`` key: when true, the request's chunks are not stored (loads still happen)."""
+
+
+def rpc_text(e: grpc.RpcError) -> str:
+    code = e.code() if isinstance(e, grpc.Call) else None
+    details = e.details() if isinstance(e, grpc.Call) else str(e)
+    return f"{getattr(code, 'name', code)}: {details}"
+
+
+@dataclass
+class _Lookup:
+    """What ``lookup`` found, for ``after_alloc`` to act on."""
+
+    hit_chunks: int
+    num_computed_tokens: int
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    num_prompt_tokens: int
+    keys: list[list[bytes]]
+    save: bool
+    block_ids: list[list[int]] = field(default_factory=list)
+    num_stored_chunks: int = 0
+    """Leading chunks known to be in the agent (loaded from it or already stored)."""
+    load: LoadOrder | None = None
+    """Set by after_alloc, taken (once) by build_meta."""
+    pinned: bool = False
+
+
+class ConnectorScheduler:
+    """Scheduler-side state and decisions (module docstring)."""
+
+    def __init__(
+        self,
+        identity: ConnectorIdentity,
+        config: KVGridConnectorConfig,
+        *,
+        is_consumer: bool,
+        is_producer: bool,
+    ) -> None:
+        self.identity = identity
+        self.config = config
+        self.is_consumer = is_consumer
+        self.is_producer = is_producer
+        self.agent = AgentClient(identity.agent_address, timeout_s=config.rpc_timeout_s)
+        self._lookups: dict[str, _Lookup] = {}
+        self._keys: dict[str, list[list[bytes]]] = {}
+        self._requests: dict[str, _RequestState] = {}
+
+    # ---- keys -----------------------------------------------------------------------------------
+
+    def request_keys(self, request: Request) -> list[list[bytes]] | None:
+        """Per worker rank, the keys of the prompt's full chunks; None if the request is not cacheable."""
+        keys = self._keys.get(request.request_id)
+        if keys is not None:
+            return keys
+        if (
+            request.prompt_token_ids is None
+            or getattr(request, "prompt_embeds", None) is not None
+            or getattr(request, "mm_features", None)
+        ):
+            # Prompt embeddings and multimodal inputs: the KV is not a function of token ids alone.
+            return None
+        lora = request.lora_request.lora_name if request.lora_request is not None else ""
+        salt = request.cache_salt or ""
+        ident = self.identity
+        tokens = request.prompt_token_ids
+        keys = [chunk_keys(tokens, ident.namespace(r, salt, lora)) for r in range(ident.world_size)]
+        self._keys[request.request_id] = keys
+        return keys
+
+    # ---- vLLM's scheduler hooks -----------------------------------------------------------------
+
+    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens the agent can supply beyond ``num_computed_tokens`` and whether the load is async."""
+        self._lookups.pop(request.request_id, None)
+        if not self.is_consumer:
+            return 0, False
+        keys = self.request_keys(request)
+        if keys is None:
+            return 0, False
+        tpc = self.identity.tokens_per_chunk
+        limit = min(loadable_chunks(request.num_prompt_tokens, tpc), len(keys[0]))
+        if limit * tpc <= num_computed_tokens:
+            return 0, False
+        try:
+            res = self.agent.lookup(
+                self.identity.instance_id,
+                request.request_id,
+                keys[0][:limit],
+                pin_ttl_ms=self.config.pin_ttl_ms,
+            )
+        except grpc.RpcError as e:
+            # The agent is away (restarting) or this instance is not registered yet: a miss.
+            log.warning("kvgrid lookup for request %s failed: %s", request.request_id, rpc_text(e))
+            return 0, False
+        self._lookups[request.request_id] = _Lookup(res.num_hit_chunks, num_computed_tokens)
+        n = new_tokens_to_load(res.num_hit_chunks, tpc, num_computed_tokens)
+        return n, n > 0
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        found = self._lookups.pop(rid, None)
+        keys = self.request_keys(request)
+        if keys is None:
+            return
+        state = self._requests.get(rid)
+        if state is None:
+            params = request.kv_transfer_params or {}
+            state = _RequestState(rid, request.num_prompt_tokens, keys, save=not params.get(SKIP_SAVE_PARAM))
+            self._requests[rid] = state
+        state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        if found is not None and found.hit_chunks > 0:
+            state.pinned = True
+        if found is not None and num_external_tokens > 0:
+            end = found.num_computed_tokens + num_external_tokens
+            n = min(-(-end // self.identity.tokens_per_chunk), found.hit_chunks)
+            state.load = LoadOrder(
+                request_id=rid,
+                keys=[k[:n] for k in keys],
+                block_ids=state.block_ids,
+                skip_first_n_tokens=found.num_computed_tokens,
+            )
+            state.num_stored_chunks = max(state.num_stored_chunks, n)
+        elif found is not None and state.pinned and state.load is None:
+            self._release(rid)
+            state.pinned = False
+
+    def build_meta(self, scheduler_output: SchedulerOutput) -> KVGridConnectorMetadata:
+        meta = KVGridConnectorMetadata()
+        for waiting in self._requests.values():
+            if waiting.load is not None:
+                waiting.load.block_ids = [list(ids) for ids in waiting.block_ids]
+                meta.loads.append(waiting.load)
+                waiting.load = None
+        if not self.is_producer:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        progress: list[tuple[_RequestState, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if (fresh := self._requests.get(new.req_id)) is not None:
+                fresh.block_ids = [list(ids) for ids in new.block_ids]
+                progress.append((fresh, new.num_computed_tokens + scheduled.get(new.req_id, 0)))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if (state := self._requests.get(req_id)) is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = [list(ids) for ids in new_ids or ()]
+            elif new_ids is not None:
+                for ids, more in zip(state.block_ids, new_ids, strict=True):
+                    ids.extend(more)
+            progress.append((state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0)))
+        tpc = self.identity.tokens_per_chunk
+        for state, computed_after_step in progress:
+            if not state.save:
+                continue
+            done = min(storable_chunks(computed_after_step, state.num_prompt_tokens, tpc), len(state.keys[0]))
+            if done > state.num_stored_chunks:
+                meta.stores.append(
+                    StoreOrder(
+                        request_id=state.request_id,
+                        keys=[k[:done] for k in state.keys],
+                        block_ids=[list(ids) for ids in state.block_ids],
+                        skip_first_n_chunks=state.num_stored_chunks,
+                    )
+                )
+                state.num_stored_chunks = done
+        return meta
+
+    def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Drop the request's state and pins. Stores finish inside the worker's ``wait_for_save``
+        and an in-flight load holds the blocks through vLLM's own ``WAITING_FOR_REMOTE_KVS``
+        bookkeeping, so the blocks may be freed as vLLM sees fit (False)."""
+        rid = request.request_id
+        self._keys.pop(rid, None)
+        found = self._lookups.pop(rid, None)
+        state = self._requests.pop(rid, None)
+        if (state is not None and state.pinned) or (found is not None and found.hit_chunks):
+            self._release(rid)
+        return False, None
+
+    def _release(self, request_id: str) -> None:
+        try:
+            self.agent.release(self.identity.instance_id, request_id)
+        except grpc.RpcError as e:
+            log.warning("kvgrid release for request %s failed: %s", request_id, rpc_text(e))
+
+    def close(self) -> None:
+        self.agent.close()

@@ -1,0 +1,312 @@
+"""The worker half of the connector (one per GPU / CPU worker): moves bytes through its agent.
+
+``register``
+    registers every layer's KV tensor with the agent (CUDA IPC handles, or the shared-memory file
+    of a CPU tensor -- see :mod:`kvgrid.connector.shm`) and keeps what it sent, to send it again.
+``start_loads``
+    hands the step's :class:`LoadOrder` s to one background thread (Retrieve calls) and returns.
+``transfer_results``
+    reports every load that ended -- succeeded, partly failed or failed -- exactly once in
+    ``finished_recving``. A partial load is reported precisely: on a one-group model the blocks of
+    the chunks that did not arrive (vLLM recomputes from there); on a hybrid model, where block
+    ids repeat across groups and cannot be mapped back, the request in ``failed_recving`` (vLLM
+    recomputes or fails that request only, per ``kv_load_failure_policy``). The engine never stops.
+``store``
+    issues the step's Stores after the forward (``wait_for_save``); best effort, a failure is a
+    future miss.
+Agent restarts
+    a call that fails because the agent is away or forgot this instance marks the registration
+    stale; the worker registers the same KV memory again (at most every
+    ``reregister_interval_s``) and hits resume. Nothing fails meanwhile: lookups miss, loads are
+    reported failed (recomputed), stores are dropped.
+
+Invariant: vLLM frees the blocks of a request with a load in flight only after the load is
+reported, so no load writes into freed blocks (the thread never outlives its report).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import torch
+
+from kvgrid.agent.client import AgentClient
+from kvgrid.common.groups import EngineGroupInfo
+from kvgrid.connector.chunk_policy import failed_block_ids
+from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
+from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder
+from kvgrid.connector.scheduler import rpc_text
+from kvgrid.connector.shm import shared_memory_file
+from kvgrid.connector.vllm_specs import (
+    apply_kv_cache_group_edits,
+    create_engine_group_infos_from_vllm,
+    hints_per_layer,
+    ordered_layer_names,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["ConnectorWorker", "LoadOutcome", "WorkerStats"]
+
+log = logging.getLogger(__name__)
+
+# Codes that mean "the agent is away or no longer knows this instance": register again.
+_STALE_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """How one load ended: ``loaded`` of ``wanted`` leading chunks arrived."""
+
+    order: LoadOrder
+    loaded: int
+    wanted: int
+
+
+@dataclass
+class WorkerStats:
+    """Counters since start (read by tests and the demo; vLLM's own metrics come later)."""
+
+    chunks_loaded: int = 0
+    chunks_load_failed: int = 0
+    chunks_stored: int = 0
+    registrations: int = 0
+
+
+@dataclass
+class _Registration:
+    tensors: list[torch.Tensor]
+    infos: list[EngineGroupInfo]
+    shm_paths: list[str] | None
+    hints: Sequence[Any]
+
+
+class ConnectorWorker:
+    """Worker-side transfers and the agent registration (module docstring)."""
+
+    def __init__(self, identity: ConnectorIdentity, config: KVGridConnectorConfig) -> None:
+        self.identity = identity
+        self.config = config
+        self.agent = AgentClient(identity.agent_address, timeout_s=config.rpc_timeout_s)
+        self._registration: _Registration | None = None
+        self._stale = False
+        self._last_attempt = 0.0
+        self._cuda = False
+        self._transfer_groups: tuple[int, ...] = ()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-load")
+        self._lock = threading.Lock()
+        self._loading: dict[str, Future[LoadOutcome]] = {}
+        self._invalid_block_ids: set[int] = set()
+        self.stats = WorkerStats()
+
+    # ---- registration ---------------------------------------------------------------------------
+
+    def register(self, kv_cache_config: KVCacheConfig | None, kv_caches: dict[str, torch.Tensor]) -> None:
+        edited = apply_kv_cache_group_edits(kv_cache_config, kv_caches)
+        hints_arg = dict(self.config.layout_hints) or None
+        infos = create_engine_group_infos_from_vllm(
+            kv_cache_config, edited, layout_hints=hints_arg, dcp_size=self.identity.dcp_size
+        )
+        names = ordered_layer_names(edited)
+        tensors = [edited[n] for n in names]
+        shm_paths: list[str] | None = None
+        if any(not t.is_cuda for t in tensors):
+            shm_paths = [shared_memory_file(t, f"layer {n!r}") for n, t in zip(names, tensors, strict=True)]
+        if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+            hints: Sequence[Any] = hints_per_layer(names, hints_arg, kv_cache_config)
+        else:
+            hints = [hints_arg] * len(names)
+        if not self.identity.tokens_per_block:
+            raise ValueError("KVGridConnector: no KV cache config and no cache_config.block_size")
+        self._transfer_groups = tuple(sorted({i.engine_group_id for i in infos})) if infos else (0,)
+        self._cuda = any(t.is_cuda for t in tensors)
+        self._registration = _Registration(tensors, infos, shm_paths, hints)
+        try:
+            self._send_registration()
+        except grpc.RpcError as e:
+            raise ConnectionError(
+                f"kvgrid agent at {self.identity.agent_address!r} refused or did not answer "
+                f"RegisterKVCaches for instance {self.identity.instance_id!r}: {rpc_text(e)} (is `kvgrid "
+                f"agent` running with --uds-path pointing there?)"
+            ) from None
+        log.info(
+            "kvgrid: registered %d layers (%d engine-group infos) as %s at %s",
+            len(tensors),
+            len(infos),
+            self.identity.instance_id,
+            self.identity.agent_address,
+        )
+
+    def _send_registration(self) -> None:
+        reg = self._registration
+        assert reg is not None
+        self.agent.register_kv_caches(
+            self.identity.instance_id,
+            reg.tensors,
+            namespace=self.identity.namespace(self.identity.rank),
+            engine_groups=reg.infos,
+            shm_paths=reg.shm_paths,
+            layout_hints=reg.hints,
+            engine_pid=os.getpid(),
+        )
+        self._stale = False
+        self.stats.registrations += 1
+
+    def _note_failure(self, what: str, request_id: str, e: grpc.RpcError) -> None:
+        code = e.code() if isinstance(e, grpc.Call) else None
+        text = rpc_text(e)
+        if code in _STALE_CODES or "is not registered" in text:
+            self._stale = True
+        log.warning("kvgrid %s for request %s failed: %s", what, request_id, text)
+
+    def maybe_reregister(self) -> None:
+        """Register again if a call showed the agent lost this instance (rate-limited)."""
+        if not self._stale or self._registration is None:
+            return
+        now = time.monotonic()
+        if now - self._last_attempt < self.config.reregister_interval_s:
+            return
+        self._last_attempt = now
+        try:
+            self._send_registration()
+        except grpc.RpcError as e:
+            log.info("kvgrid: agent at %s not back yet: %s", self.identity.agent_address, rpc_text(e))
+            return
+        log.warning("kvgrid: registered %s again (the agent had restarted)", self.identity.instance_id)
+
+    # ---- loads ----------------------------------------------------------------------------------
+
+    def start_loads(self, meta: KVGridConnectorMetadata) -> None:
+        self.maybe_reregister()
+        if not meta.loads:
+            return
+        self._sync_engine_stream()  # the runner's zeroing of fresh blocks must land first
+        with self._lock:
+            for order in meta.loads:
+                self._loading[order.request_id] = self._loader.submit(self._load, order)
+
+    def _my_keys(self, keys: list[list[bytes]]) -> list[bytes]:
+        return keys[self.identity.rank] if len(keys) > self.identity.rank else keys[0]
+
+    def _load(self, order: LoadOrder) -> LoadOutcome:
+        keys = self._my_keys(order.keys)
+        try:
+            res = self.agent.retrieve(
+                self.identity.instance_id,
+                order.request_id,
+                keys,
+                order.block_ids,
+                skip_first_n_tokens=order.skip_first_n_tokens,
+            )
+            loaded = res.num_retrieved_chunks
+        except grpc.RpcError as e:
+            self._note_failure("retrieve", order.request_id, e)
+            loaded = 0
+        except Exception:  # a bug must not leave the request waiting forever: report it failed
+            log.exception("kvgrid retrieve for request %s raised", order.request_id)
+            loaded = 0
+        return LoadOutcome(order, loaded, len(keys))
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished_recving, failed_recving) of the loads that ended since the last call."""
+        with self._lock:
+            done = [rid for rid, f in self._loading.items() if f.done()]
+            outcomes = [self._loading.pop(rid).result() for rid in done]
+        finished: set[str] = set()
+        failed: set[str] = set()
+        for out in outcomes:
+            finished.add(out.order.request_id)
+            self.stats.chunks_loaded += out.loaded
+            self.stats.chunks_load_failed += out.wanted - out.loaded
+            if out.loaded >= out.wanted:
+                continue
+            if len(self.identity.tokens_per_block) > 1:
+                failed.add(out.order.request_id)
+            else:
+                self._invalid_block_ids |= self._failed_blocks(out)
+            log.warning(
+                "kvgrid: request %s loaded %d of %d chunks; vLLM recomputes the rest",
+                out.order.request_id,
+                out.loaded,
+                out.wanted,
+            )
+        return finished, failed
+
+    def _failed_blocks(self, out: LoadOutcome) -> set[int]:
+        tpc = self.identity.tokens_per_chunk
+        order = out.order
+        return failed_block_ids(
+            order.block_ids,
+            self.identity.tokens_per_block,
+            start_token=out.loaded * tpc,
+            end_token=out.wanted * tpc,
+            skip_first_n_tokens=order.skip_first_n_tokens,
+            groups=[g for g in self._transfer_groups if g < len(order.block_ids)],
+        )
+
+    def take_load_errors(self) -> set[int]:
+        out, self._invalid_block_ids = self._invalid_block_ids, set()
+        return out
+
+    def wait_loads(self, timeout_s: float | None = None) -> None:
+        """Block until every load submitted so far has ended (tests; shutdown)."""
+        with self._lock:
+            pending = list(self._loading.values())
+        for f in pending:
+            f.exception(timeout=timeout_s)
+
+    # ---- stores ---------------------------------------------------------------------------------
+
+    def store(self, meta: KVGridConnectorMetadata) -> None:
+        """Issue this step's Stores; returns when the agent holds the chunks (best effort)."""
+        if meta.stores:
+            self._sync_engine_stream()  # the forward's KV writes must land before the agent reads
+        for order in meta.stores:
+            try:
+                res = self.agent.store(
+                    self.identity.instance_id,
+                    self._my_keys(order.keys),
+                    order.block_ids,
+                    skip_first_n_chunks=order.skip_first_n_chunks,
+                )
+            except grpc.RpcError as e:
+                self._note_failure("store", order.request_id, e)
+                continue
+            self.stats.chunks_stored += res.num_stored_chunks
+            if res.partial_reason:
+                log.info(
+                    "kvgrid store for request %s kept %d chunks: %s",
+                    order.request_id,
+                    res.num_stored_chunks,
+                    res.partial_reason,
+                )
+        self.maybe_reregister()
+
+    def _sync_engine_stream(self) -> None:
+        # The agent copies on its own CUDA stream; kernels queued on the engine's stream (zeroing,
+        # the forward) are invisible to it until they finish. A whole-stream sync is the simple,
+        # coarse fence (an interprocess CUDA event per request would be finer).
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def close(self) -> None:
+        # Loads still running finish (their blocks are still held by vLLM until reported).
+        self._loader.shutdown(wait=True)
+        if self._registration is not None:
+            try:
+                self.agent.unregister_kv_caches(self.identity.instance_id)
+            except grpc.RpcError as e:
+                log.info("kvgrid unregister of %s failed: %s", self.identity.instance_id, rpc_text(e))
+            self._registration = None
+        self.agent.close()
