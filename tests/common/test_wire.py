@@ -128,9 +128,9 @@ def test_controller_event_kinds_are_the_wire_values() -> None:
 def test_bad_messages_raise_invalid_argument_naming_the_field() -> None:
     from kvgrid.common.errors import InvalidArgument
 
-    with pytest.raises(InvalidArgument, match="^pod: "):
+    with pytest.raises(InvalidArgument, match=r"^pod: "):
         wire.pod_identity_from_proto(common_pb2.PodIdentity())
-    with pytest.raises(InvalidArgument, match="^namespace: "):
+    with pytest.raises(InvalidArgument, match=r"^namespace: "):
         wire.key_namespace_from_proto(common_pb2.KeyNamespace())
     with pytest.raises(InvalidArgument, match="sw_size_tokens=-5"):
         wire.engine_group_infos_from_proto(
