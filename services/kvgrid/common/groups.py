@@ -229,8 +229,9 @@ def slice_block_ids_per_group(
     Group ``g`` gets ``allocated[g][start_token // tpb : end_token // tpb]`` with
     ``tpb = group_tokens_per_block[g]``: the same 256 tokens are 4 ids of a 64-token group and 1 id
     of a 256-token group. ``allocated`` is indexed like ``group_tokens_per_block`` (a mapping may
-    leave out groups with nothing allocated). Raises ValueError if the range does not align with a
-    group's ``tokens_per_block`` or a group has fewer ids than the range needs.
+    leave out groups with nothing allocated). A group with nothing allocated slices to ``[]``.
+    Raises ValueError if the range does not align with a group's ``tokens_per_block`` or a group
+    has some ids but fewer than the range needs.
     """
     if start_token < 0 or end_token < start_token:
         raise ValueError(f"token range [{start_token}, {end_token}): expected 0 <= start_token <= end_token")
@@ -253,6 +254,9 @@ def slice_block_ids_per_group(
         else:
             ids = allocated[g] if g < len(allocated) else ()
         first, last = start_token // tpb, end_token // tpb
+        if not ids:
+            out.append([])  # nothing allocated for this group (e.g. its window holds no tokens yet)
+            continue
         if last > len(ids):
             raise ValueError(
                 f"group {g}: token range [{start_token}, {end_token}) needs blocks [{first}, {last}) "
