@@ -24,8 +24,10 @@ from kvgrid.common.hashing import (
     CHUNK_KEY_BYTES,
     DEFAULT_TOKENS_PER_CHUNK,
     KeyNamespace,
+    chain_chunk_keys,
     chunk_keys,
     num_full_chunks,
+    pack_token_ids,
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "hashing.md"
@@ -215,6 +217,36 @@ def test_equal_prefixes_give_equal_keys(
         common += 1
     assert keys_a[:common] == keys_b[:common]
     assert all(a != b for a, b in zip(keys_a[common:], keys_b[common:], strict=False))
+
+
+@given(tokens=st.lists(token_ids, max_size=40), ns=namespaces, data=st.data())
+def test_chain_continued_from_any_chunk_key_equals_the_whole_prompt(
+    tokens: list[int], ns: KeyNamespace, data: st.DataObject
+) -> None:
+    whole = chunk_keys(tokens, ns)
+    size = ns.tokens_per_chunk
+    packed = pack_token_ids(tokens)
+    assert bytes(packed) == struct.pack(f"<{len(tokens)}I", *tokens)
+    assert chain_chunk_keys(ns.seed(), packed, size) == whole
+    done = data.draw(st.integers(min_value=0, max_value=len(whole)), label="chunks before the cut")
+    prev = whole[done - 1] if done else ns.seed()
+    assert chain_chunk_keys(prev, bytes(packed[done * size * 4 :]), size) == whole[done:]
+
+
+@pytest.mark.parametrize(
+    ("prev_key", "packed", "size", "error", "fragment"),
+    [
+        (b"\x00" * 15, b"", 4, ValueError, "16-byte"),
+        ("00" * 16, b"", 4, ValueError, "16-byte"),
+        (b"\x00" * 16, b"\x00" * 6, 4, ValueError, "6 bytes"),
+        (b"\x00" * 16, b"", 0, ValueError, "tokens_per_chunk"),
+    ],
+)
+def test_chain_rejects_a_bad_start_key_byte_count_or_chunk_size(
+    prev_key: Any, packed: bytes, size: int, error: type[Exception], fragment: str
+) -> None:
+    with pytest.raises(error, match=re.escape(fragment)):
+        chain_chunk_keys(prev_key, packed, size)
 
 
 @settings(max_examples=300)

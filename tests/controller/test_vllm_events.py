@@ -15,12 +15,12 @@ import pytest
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.hashing import KeyNamespace, chunk_keys
 from kvgrid.controller.config import ControllerConfig, VllmEventSource
+from kvgrid.controller.index import IndexTier
 from kvgrid.controller.service import serve
 from kvgrid.controller.vllm_events import (
     BlockMapper,
     Removed,
     Stored,
-    continue_chunk_keys,
     decode_batch,
 )
 from tests.controller.support import FakeAgent, wait_until
@@ -31,14 +31,39 @@ NS = KeyNamespace(model="tiny-model", tokens_per_chunk=16)
 BS = 4  # engine block size: 4 blocks per chunk
 
 
-def test_continuation_equals_chunk_keys() -> None:
-    tokens = list(range(1000, 1000 + 16 * 7 + 5))
-    want = chunk_keys(tokens, NS)
-    import array
+@pytest.mark.parametrize("block_size", [3, 5, 16])
+@pytest.mark.parametrize("blocks_per_event", [1, 2, 7])
+def test_block_mapper_keys_equal_chunk_keys_for_any_block_size_and_event_split(
+    block_size: int, blocks_per_event: int
+) -> None:
+    # Block boundaries that do not line up with chunk boundaries, one run per event, each event's
+    # parent the last block of the one before: every chunk is keyed as over the whole prompt.
+    n_blocks = 40
+    tokens = list(range(1000, 1000 + block_size * n_blocks))
+    m = BlockMapper(NS)
+    got: list[bytes] = []
+    parent = None
+    for first in range(0, n_blocks, blocks_per_event):
+        hashes = tuple(range(first + 1, min(first + blocks_per_event, n_blocks) + 1))
+        run = tokens[first * block_size : (first + len(hashes)) * block_size]
+        result = m.stored(Stored(hashes, parent, tuple(run), block_size, "GPU"))
+        assert result is not None
+        got += result[1]
+        parent = hashes[-1]
+    assert got == chunk_keys(tokens, NS)
+    assert len(got) == len(tokens) // NS.tokens_per_chunk
 
-    raw = array.array("I", tokens).tobytes()
-    assert continue_chunk_keys(NS.seed(), raw, 16) == want
-    assert continue_chunk_keys(want[2], raw[3 * 64 :], 16) == want[3:]
+
+def test_block_mapper_refuses_a_bad_token_id_without_changing_state() -> None:
+    m = BlockMapper(NS)
+    m.stored(Stored((1,), None, tuple(range(BS)), BS, "GPU"))
+    with pytest.raises(ValueError, match=r"token_ids\[5\] = -1"):
+        m.stored(Stored((2, 3), 1, (4, 5, 6, 7, 8, -1, 10, 11), BS, "GPU"))
+    assert set(m.blocks) == {1}
+    # The parent's state is intact: the good continuation still keys the first chunk.
+    tokens = list(range(16))
+    result = m.stored(Stored((2, 3, 4), 1, tuple(tokens[BS:]), BS, "GPU"))
+    assert result == (IndexTier.GPU, chunk_keys(tokens, NS))
 
 
 def test_block_mapper_chains_runs_and_evicts_the_completing_block() -> None:

@@ -1,7 +1,8 @@
 """Chunk keys: chained, namespaced 128-bit keys over token ids (byte format in docs/hashing.md).
 
 A prompt is cut into chunks of ``tokens_per_chunk`` token ids; only full chunks get a key (a partial
-tail chunk is never cached). Keys are chained so that one key names a whole prefix::
+tail chunk is never cached). Keys are chained so that one key names a whole prefix, and the chain can
+be continued from any key (:func:`chain_chunk_keys`; :func:`chunk_keys` starts it at the seed)::
 
     key_0 = H(seed || tokens_0)          seed = KeyNamespace.seed()
     key_i = H(key_{i-1} || tokens_i)     tokens_i = chunk i as little-endian u32
@@ -30,10 +31,13 @@ __all__ = [
     "CHUNK_KEY_BYTES",
     "DEFAULT_TOKENS_PER_CHUNK",
     "NAMESPACE_DOMAIN_TAG",
+    "TOKEN_ID_BYTES",
     "KeyNamespace",
+    "chain_chunk_keys",
     "check_chunk_keys",
     "chunk_keys",
     "num_full_chunks",
+    "pack_token_ids",
 ]
 
 CHUNK_KEY_BYTES = 16
@@ -43,12 +47,12 @@ DEFAULT_TOKENS_PER_CHUNK = 256
 NAMESPACE_DOMAIN_TAG = b"kvgrid/v1/ns"
 
 _U32_LIMIT = 1 << 32
-_TOKEN_BYTES = 4
+TOKEN_ID_BYTES = 4  # one token id in the hashed bytes: little-endian u32
 _U32 = struct.Struct("<I")
 
 # array.array converts a list of ints to machine u32 in one C loop (3x faster than numpy from a
 # list); it rejects negatives, values >= 2**32 and non-integers, and accepts anything with __index__.
-_ARRAY_U32 = next(code for code in ("I", "L") if array.array(code).itemsize == _TOKEN_BYTES)
+_ARRAY_U32 = next(code for code in ("I", "L") if array.array(code).itemsize == TOKEN_ID_BYTES)
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
@@ -158,9 +162,9 @@ def _array_token_bytes(token_ids: npt.NDArray[Any]) -> memoryview:
         # bool arrays too: a mask is never a token sequence.
         first = f" (token_ids[0] = {token_ids[0].item()!r})" if token_ids.size else ""
         raise TypeError(f"token_ids must hold integers, got a numpy array of dtype {token_ids.dtype}{first}")
-    if token_ids.size and not (kind == "u" and token_ids.dtype.itemsize <= _TOKEN_BYTES):
+    if token_ids.size and not (kind == "u" and token_ids.dtype.itemsize <= TOKEN_ID_BYTES):
         too_small = kind == "i" and token_ids.min() < 0
-        too_large = token_ids.dtype.itemsize > _TOKEN_BYTES and token_ids.max() >= _U32_LIMIT
+        too_large = token_ids.dtype.itemsize > TOKEN_ID_BYTES and token_ids.max() >= _U32_LIMIT
         if too_small or too_large:
             bad = np.flatnonzero((token_ids < 0) | (token_ids >= _U32_LIMIT))[0]
             raise _out_of_range(int(bad), int(token_ids[bad]))
@@ -179,8 +183,12 @@ def _sequence_token_bytes(token_ids: Sequence[Any]) -> memoryview:
     return memoryview(packed).cast("B")
 
 
-def _token_bytes(token_ids: object) -> memoryview:
-    """Validate token ids; return them as little-endian u32 bytes without a per-token Python loop."""
+def pack_token_ids(token_ids: object) -> memoryview:
+    """``token_ids`` as the bytes the chain hashes (little-endian u32), after checking every id.
+
+    Accepts what :func:`chunk_keys` accepts and raises the same TypeError/ValueError naming the bad
+    value and its position; no per-token Python loop.
+    """
     if isinstance(token_ids, np.ndarray):
         return _array_token_bytes(token_ids)
     # str/bytes are Sequences too; array.array would even take bytes as raw machine values.
@@ -190,6 +198,32 @@ def _token_bytes(token_ids: object) -> memoryview:
             f"got {type(token_ids).__name__}: {token_ids!r:.80}"
         )
     return _sequence_token_bytes(token_ids)
+
+
+def chain_chunk_keys(
+    prev_key: bytes, packed_tokens: bytes | memoryview, tokens_per_chunk: int
+) -> list[bytes]:
+    """Keys of the full chunks of ``packed_tokens`` chained after ``prev_key`` (the tail is not keyed).
+
+    ``prev_key`` is a namespace seed (:meth:`KeyNamespace.seed`) or the key of the chunk just before
+    ``packed_tokens``; ``packed_tokens`` is :func:`pack_token_ids` output. So a prompt's keys can be
+    computed in pieces: continuing from key *i* over the tokens after chunk *i* gives keys *i+1...*
+    exactly as :func:`chunk_keys` over the whole prompt does.
+    """
+    if not isinstance(prev_key, bytes) or len(prev_key) != CHUNK_KEY_BYTES:
+        raise ValueError(f"prev_key must be a {CHUNK_KEY_BYTES}-byte chunk key or seed, got {prev_key!r:.80}")
+    view = memoryview(packed_tokens).cast("B")
+    if len(view) % TOKEN_ID_BYTES:
+        raise ValueError(f"packed_tokens: {len(view)} bytes is not a whole number of u32 token ids")
+    step = _check_tokens_per_chunk(tokens_per_chunk, "tokens_per_chunk") * TOKEN_ID_BYTES
+    key = prev_key
+    keys: list[bytes] = []
+    for offset in range(0, len(view) - step + 1, step):
+        h = blake2b(key, digest_size=CHUNK_KEY_BYTES)
+        h.update(view[offset : offset + step])
+        key = h.digest()
+        keys.append(key)
+    return keys
 
 
 def chunk_keys(
@@ -207,16 +241,7 @@ def chunk_keys(
         raise TypeError(
             f"namespace must be a KeyNamespace, got {type(namespace).__name__}: {namespace!r:.80}"
         )
-    view = _token_bytes(token_ids)
-    step = _check_tokens_per_chunk(namespace.tokens_per_chunk) * _TOKEN_BYTES
-    key = namespace.seed()
-    keys: list[bytes] = []
-    for offset in range(0, len(view) - step + 1, step):
-        h = blake2b(key, digest_size=CHUNK_KEY_BYTES)
-        h.update(view[offset : offset + step])
-        key = h.digest()
-        keys.append(key)
-    return keys
+    return chain_chunk_keys(namespace.seed(), pack_token_ids(token_ids), namespace.tokens_per_chunk)
 
 
 def check_chunk_keys(keys: Sequence[bytes], what: str = "chunk_keys") -> list[bytes]:

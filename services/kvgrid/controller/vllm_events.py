@@ -10,26 +10,24 @@ big-endian, as vLLM's own int conversion does).
 Engine blocks are mapped to kvgrid chunk keys from the token ids in ``BlockStored``: per pod the
 decoder keeps ``block hash -> (key of the last full chunk before the block end, tokens since
 that chunk boundary, chunk key this block completes)``. A BlockStored continues from its parent's
-state, so keys chain exactly as :func:`kvgrid.common.hashing.chunk_keys` would over the whole
-prompt; a BlockRemoved of the block that completes a chunk evicts that chunk. ``medium`` GPU (or
-unset) maps to the GPU tier, CPU to L1; others are ignored. On a sequence gap (and at start) the
-subscriber asks the replay socket for everything from the next sequence.
+state with :func:`kvgrid.common.hashing.chain_chunk_keys`, so keys chain exactly as
+:func:`kvgrid.common.hashing.chunk_keys` would over the whole prompt; a BlockStored with a bad
+token id changes nothing. A BlockRemoved of the block that completes a chunk evicts that chunk.
+``medium`` GPU (or unset) maps to the GPU tier, CPU to L1; others are ignored. On a sequence gap
+(and at start) the subscriber asks the replay socket for everything from the next sequence.
 """
 
 from __future__ import annotations
 
-import array
 import logging
-import sys
 import threading
 from collections.abc import Callable, Sequence
-from hashlib import blake2b
 from typing import Any
 
 import msgspec
 import zmq
 
-from kvgrid.common.hashing import CHUNK_KEY_BYTES, KeyNamespace
+from kvgrid.common.hashing import TOKEN_ID_BYTES, KeyNamespace, chain_chunk_keys, pack_token_ids
 from kvgrid.controller.config import VllmEventSource
 from kvgrid.controller.index import ChunkIndex, IndexTier
 
@@ -39,7 +37,6 @@ __all__ = [
     "Removed",
     "Stored",
     "VllmEventSubscriber",
-    "continue_chunk_keys",
     "decode_batch",
 ]
 
@@ -132,30 +129,6 @@ def decode_batch(payload: bytes) -> list[VllmEvent]:
     return out
 
 
-def continue_chunk_keys(prev_key: bytes, token_bytes: bytes, tokens_per_chunk: int) -> list[bytes]:
-    """Keys of the full chunks of ``token_bytes`` (u32 LE) chained after ``prev_key`` (or a seed).
-
-    Same chain as :func:`kvgrid.common.hashing.chunk_keys` (docs/hashing.md); a test checks equality.
-    """
-    step = tokens_per_chunk * 4
-    keys = []
-    key = prev_key
-    view = memoryview(token_bytes)
-    for off in range(0, len(token_bytes) - step + 1, step):
-        h = blake2b(key, digest_size=CHUNK_KEY_BYTES)
-        h.update(view[off : off + step])
-        key = h.digest()
-        keys.append(key)
-    return keys
-
-
-def _pack(tokens: Sequence[int]) -> bytes:
-    a = array.array("I", tokens)
-    if sys.byteorder == "big":
-        a.byteswap()
-    return a.tobytes()
-
-
 class _Block:
     __slots__ = ("completes", "media", "pending", "prev")
 
@@ -207,12 +180,14 @@ class BlockMapper:
                 f"BlockStored: {len(ev.token_ids)} token ids for {len(ev.block_hashes)} blocks of "
                 f"block_size={bs}: expected block_size * blocks"
             )
-        step = self.ns.tokens_per_chunk * 4
+        tokens_per_chunk = self.ns.tokens_per_chunk
+        step = tokens_per_chunk * TOKEN_ID_BYTES
+        packed = pack_token_ids(ev.token_ids[: bs * len(ev.block_hashes)])
         for j, h in enumerate(ev.block_hashes):
-            pending += _pack(ev.token_ids[j * bs : (j + 1) * bs])
+            pending += packed[j * bs * TOKEN_ID_BYTES : (j + 1) * bs * TOKEN_ID_BYTES]
             completes = None
             if len(pending) >= step:
-                keys = continue_chunk_keys(prev, pending, self.ns.tokens_per_chunk)
+                keys = chain_chunk_keys(prev, pending, tokens_per_chunk)
                 completes = keys[-1]
                 prev = completes
                 pending = pending[len(keys) * step :]
