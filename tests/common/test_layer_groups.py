@@ -73,6 +73,10 @@ def test_worked_example_through_the_manager() -> None:
     per_group = expand_engine_block_ids(WORKED_INFOS, [[10, 11], [20, 21]])
     assert per_group == [[10, 11], [20, 21], [10, 11]]
     assert [per_group[k] for k, g in enumerate(m.kernel_groups) if g.engine_group_idx == 0] == [[10, 11]] * 2
+    assert [m.info_index(k) for k in range(m.num_kernel_groups)] == [0, 1, 2]
+    # Without infos every kernel group (here two, by layout) reads the engine's one block-id list.
+    bare = KVLayerGroupsManager(caches, detect_all(caches))
+    assert [bare.info_index(k) for k in range(bare.num_kernel_groups)] == [0, 0]
 
 
 def test_grouping_is_ordered_by_first_layer_and_deterministic() -> None:

@@ -189,7 +189,7 @@ class AgentCore:
                 "registered instance %s: %d layers, %d kernel groups, %d bytes per %d-token chunk, pid %d",
                 instance_id,
                 len(tensors),
-                len(mover.summaries),
+                mover.manager.num_kernel_groups,
                 mover.bytes_per_chunk,
                 namespace.tokens_per_chunk,
                 engine_pid,
@@ -275,25 +275,28 @@ class AgentCore:
                 )
             per_info = [list(block_ids[0])]
         out: list[list[np.ndarray]] = []
-        for kg in inst.mover.summaries:
-            ids = np.asarray(per_info[kg.info_index], dtype=np.int64)
-            bpc = kg.blocks_per_chunk
+        manager = inst.mover.manager
+        for k, kg in enumerate(manager.kernel_groups):
+            info = manager.info_index(k)
+            ids = np.asarray(per_info[info], dtype=np.int64)
+            bpc = manager.blocks_per_chunk(k)
             need = chunks.stop * bpc
             if len(ids) < need:
                 raise InvalidArgument(
-                    f"block_ids for info {kg.info_index} (engine group {kg.engine_group_idx}) has "
+                    f"block_ids for info {info} (engine group {kg.engine_group_idx}) has "
                     f"{len(ids)} ids; "
                     f"{chunks.stop} chunks of {inst.tokens_per_chunk} tokens need {need} "
                     f"({bpc} per chunk at {kg.tokens_per_block} tokens per block)"
                 )
             used = ids[chunks.start * bpc : need]
-            bad = (used < 0) | (used >= kg.num_blocks)
+            num_blocks = kg.shape.num_blocks
+            bad = (used < 0) | (used >= num_blocks)
             if bad.any():
                 j = int(np.argmax(bad))
                 raise InvalidArgument(
-                    f"block_ids for info {kg.info_index} (engine group {kg.engine_group_idx}): id "
+                    f"block_ids for info {info} (engine group {kg.engine_group_idx}): id "
                     f"{int(used[j])} at position {chunks.start * bpc + j} is outside "
-                    f"[0, {kg.num_blocks}) (the layer tensors' num_blocks)"
+                    f"[0, {num_blocks}) (the layer tensors' num_blocks)"
                 )
             per_chunk = []
             for c in chunks:

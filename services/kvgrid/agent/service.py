@@ -24,7 +24,7 @@ from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.core import AgentCore
 from kvgrid.agent.events import EventLog, EventPublisher
 from kvgrid.agent.peers import ChunkSender
-from kvgrid.agent.tensors import SharedFileCache, open_layer_tensor
+from kvgrid.agent.tensors import SharedFileCache, dtype_name, open_layer_tensor
 from kvgrid.agent.transfer import parse_layout_hints
 from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2
 from kvgrid.common.errors import InvalidArgument, client_input
@@ -78,15 +78,15 @@ class AgentServicer:
             instance_id=inst.instance_id,
             kernel_groups=[
                 agent_pb2.KernelGroupSummary(
-                    layer_indices=s.layer_indices,
-                    kv_format=s.kv_format,
-                    dtype=s.dtype,
-                    engine_group_idx=s.engine_group_idx,
-                    tokens_per_block=s.tokens_per_block,
-                    slots_per_block=s.slots_per_block,
-                    bytes_per_chunk=s.bytes_per_chunk,
+                    layer_indices=kg.layer_indices,
+                    kv_format=str(kg.kv_format),
+                    dtype=dtype_name(kg.dtype),
+                    engine_group_idx=kg.engine_group_idx,
+                    tokens_per_block=kg.tokens_per_block,
+                    slots_per_block=kg.slots_per_block,
+                    bytes_per_chunk=kg.bytes_per_chunk(inst.tokens_per_chunk),
                 )
-                for s in inst.mover.summaries
+                for kg in inst.mover.manager.kernel_groups
             ],
             bytes_per_chunk=inst.bytes_per_chunk,
             layout_id=inst.layout_id,

@@ -13,18 +13,17 @@ import hashlib
 import threading
 from collections.abc import Mapping, Sequence
 
-import msgspec
 import numpy as np
 import torch
 
+from kvgrid.agent.tensors import dtype_name
 from kvgrid.common.groups import EngineGroupInfo
-from kvgrid.common.layer_groups import KVLayerGroupInfo, KVLayerGroupsManager
+from kvgrid.common.layer_groups import KVLayerGroupsManager
 from kvgrid.common.layouts import KVFormat, block_view, detect_kv_format
 from kvgrid_kernels import KernelGroupPages, TransferPlan, page_view
 
 __all__ = [
     "ChunkMover",
-    "KernelGroupSummary",
     "build_mover",
     "format_page_view",
     "kernel_group_pages",
@@ -51,38 +50,6 @@ def parse_layout_hints(hint: str, hints: Mapping[str, str]) -> dict[str, object]
         else:
             out[k] = v
     return out or None
-
-
-class KernelGroupSummary(msgspec.Struct, frozen=True):
-    """What the agent reports about one kernel group (``RegisterKVCachesResponse.kernel_groups``),
-    read off a ``KVLayerGroupInfo`` by :meth:`of`: nothing here is computed twice."""
-
-    info_index: int
-    """Which per-info block-id list this kernel group reads (kernel group i <-> info i)."""
-    layer_indices: tuple[int, ...]
-    kv_format: str
-    dtype: str
-    engine_group_idx: int
-    tokens_per_block: int
-    slots_per_block: int
-    blocks_per_chunk: int
-    num_blocks: int
-    bytes_per_chunk: int
-
-    @classmethod
-    def of(cls, info_index: int, group: KVLayerGroupInfo, tokens_per_chunk: int) -> KernelGroupSummary:
-        return cls(
-            info_index=info_index,
-            layer_indices=group.layer_indices,
-            kv_format=str(group.kv_format),
-            dtype=str(group.dtype).removeprefix("torch."),
-            engine_group_idx=group.engine_group_idx,
-            tokens_per_block=group.tokens_per_block,
-            slots_per_block=group.slots_per_block,
-            blocks_per_chunk=group.shape.blocks_per_chunk(tokens_per_chunk),
-            num_blocks=group.shape.num_blocks,
-            bytes_per_chunk=group.shape.bytes_per_chunk(tokens_per_chunk),
-        )
 
 
 def format_page_view(tensor: torch.Tensor, kv_format: KVFormat) -> torch.Tensor:
@@ -137,24 +104,20 @@ class ChunkMover:
         # A plan serves one call at a time (it owns staging buffers and streams).
         self._lock = threading.Lock()
         self.layout = self.plan.layout
-        self.summaries = [
-            KernelGroupSummary.of(i if manager.engine_group_infos else 0, kg, tokens_per_chunk)
-            for i, kg in enumerate(manager.kernel_groups)
-        ]
         desc = repr(
             (
                 tokens_per_chunk,
                 [
                     (
-                        s.kv_format,
-                        s.dtype,
-                        s.tokens_per_block,
-                        s.slots_per_block,
-                        len(s.layer_indices),
+                        str(kg.kv_format),
+                        dtype_name(kg.dtype),
+                        kg.tokens_per_block,
+                        kg.slots_per_block,
+                        kg.num_layers,
                         p.planes,
                         p.page_bytes,
                     )
-                    for s, p in zip(self.summaries, self.plan.groups, strict=True)
+                    for kg, p in zip(manager.kernel_groups, self.plan.groups, strict=True)
                 ],
             )
         )

@@ -313,6 +313,11 @@ class KVLayerGroupsManager:
     def num_object_groups(self) -> int:
         return len(self.object_groups)
 
+    def info_index(self, group: int) -> int:
+        """Which per-info block-id list kernel group ``group`` reads: info ``group`` (info i covers
+        kernel group i), or the one list of an engine that sent no infos."""
+        return group if self.engine_group_infos else 0
+
     def blocks_per_chunk(self, group: int) -> int:
         """Block ids of kernel group ``group`` per chunk."""
         return self.kernel_groups[group].calculate_num_blocks(self.tokens_per_chunk)
