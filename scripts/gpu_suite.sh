@@ -20,7 +20,7 @@ fi
 export PYTHONPATH="$root/services:$root/kernels:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$root"
 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())'
-python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_kernels.py tests/test_agent_gpu.py \
+python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/kernels/test_kernels.py tests/agent/test_gpu.py \
     2>&1 | tee "$out/pytest-gpu.log"
 python3 -m kvgrid.cli bench transfer --device cuda --out "$out/bench-transfer.json"
 for n in 1 32; do

@@ -1,6 +1,6 @@
 """Shared pieces of the agent tests: a real agent process, and a hybrid KV layout in shared memory.
 
-The layout follows the seed's worked example: engine group 0 = layers 0, 2 (full attention,
+The layout follows the worked example of docs/hybrid-groups.md: engine group 0 = layers 0, 2 (full attention,
 FlashInfer ``[NB, 2, BS, NH, HS]``, 16 tokens per block) plus layer 4 (an MLA-like ``[NB, BS, C]``
 cache, so a separate info of engine group 0); engine group 1 = layers 1, 3 (sliding window of 64
 tokens, 32 tokens per block). Infos: (g0, [0, 2]), (g1, [1, 3]), (g0, [4]).

@@ -1,7 +1,7 @@
 """The agent with CUDA IPC handles: this process owns KV tensors on the GPU, the agent process maps
 them by IPC handle (device found by UUID) and moves chunks between them and its pinned L1.
 
-Run on a machine with an NVIDIA GPU: ``pytest -m gpu tests/test_agent_gpu.py``.
+Run on a machine with an NVIDIA GPU: ``pytest -m gpu tests/agent/test_gpu.py``.
 """
 
 from __future__ import annotations
