@@ -412,7 +412,7 @@ def test_vllm_args_parse_with_the_real_vllm_parser(helm: list[str], tmp_path: Pa
     assert ns.port == 8000
     assert ns.tensor_parallel_size == 2
     kv = ns.kv_transfer_config
-    assert kv.kv_connector == "KVGridConnector"  # ARCHITECTURE.md: kvgrid.connector.vllm.KVGridConnector
+    assert kv.kv_connector == "KVGridConnector"  # docs/architecture.md: kvgrid.connector.vllm.KVGridConnector
     assert kv.kv_connector_module_path == "kvgrid.connector.vllm"
     assert kv.kv_role == "kv_both"
     assert kv.kv_connector_extra_config["agent_socket"] == SOCKET
