@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from kvgrid.agent.client import AgentClient
 from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.common.hashing import KeyNamespace, chunk_keys
@@ -74,12 +75,26 @@ def blocks_of(tensors: list[torch.Tensor], ids: list[list[int]]) -> list[torch.T
     return out
 
 
+def kvgrid_env(pod_uid: str) -> dict[str, str]:
+    """Environment of a ``kvgrid`` process under test: this one's without any ``KVGRID_*`` setting,
+    plus a pod identity on loopback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
+    env.update(POD_UID=pod_uid, POD_NAME=pod_uid, POD_IP="127.0.0.1")
+    return env
+
+
 @dataclass
 class AgentProc:
     proc: subprocess.Popen[str]
     uds_path: str
     tcp_port: int | None
     epoch: int
+    pod_uid: str
+
+    def client(self) -> AgentClient:
+        c = AgentClient(self.uds_path, timeout_s=30)
+        c.wait_ready()
+        return c
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -91,37 +106,25 @@ class AgentProc:
                 self.proc.wait()
 
 
-def start_agent(tmp_path: Path, *flags: str, l1_size: str = "8MiB") -> AgentProc:
-    """``kvgrid agent`` as a real process on a socket under ``tmp_path``; waits until it serves."""
-    uds = tmp_path / "agent.sock"
+def start_agent(
+    directory: Path,
+    *flags: str,
+    l1_size: str = "8MiB",
+    pod_uid: str = "uid-agent-test",
+    shm_dir: Path | None = None,
+) -> AgentProc:
+    """``kvgrid agent`` as a real process on a socket in ``directory``; waits until it serves.
+
+    Engines' shared-memory tensors may live under ``shm_dir`` (default ``directory``).
+    """
     cmd = [
-        sys.executable,
-        "-m",
-        "kvgrid.cli",
-        "agent",
-        "--uds-path",
-        str(uds),
-        "--tcp-host",
-        "127.0.0.1",
-        "--tcp-port",
-        "0",
-        "--l1-size",
-        l1_size,
-        "--l1-page-size",
-        "4KiB",
-        "--shm-allowed-dirs",
-        str(tmp_path),
-        "--reaper-interval-ms",
-        "100",
-        "--log-level",
-        "warning",
+        sys.executable, "-m", "kvgrid.cli", "agent", "--uds-path", str(directory / "agent.sock"),
+        "--tcp-host", "127.0.0.1", "--tcp-port", "0", "--l1-size", l1_size, "--l1-page-size", "4KiB",
+        "--shm-allowed-dirs", str(shm_dir or directory), "--reaper-interval-ms", "100",
+        "--log-level", "warning",
         *flags,
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
-    env["POD_UID"] = "uid-agent-test"
-    env["POD_NAME"] = "agent-test"
-    env["POD_IP"] = "127.0.0.1"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=kvgrid_env(pod_uid))
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
     line = ""
@@ -130,7 +133,7 @@ def start_agent(tmp_path: Path, *flags: str, l1_size: str = "8MiB") -> AgentProc
         if line.startswith("{"):
             break
         if proc.poll() is not None:
-            raise RuntimeError(f"agent exited with {proc.returncode}")
+            raise RuntimeError(f"agent {pod_uid} exited with {proc.returncode}")
     info = json.loads(line)
     assert info["event"] == "serving"
-    return AgentProc(proc, info["uds_path"], info["tcp_port"], info["epoch"])
+    return AgentProc(proc, info["uds_path"], info["tcp_port"], info["epoch"], pod_uid)

@@ -10,8 +10,6 @@ in-process agent and a deliberately faulty gRPC peer on loopback.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -35,57 +33,35 @@ from kvgrid.agent.service import AgentServer
 from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.identity import PodIdentity
-from tests.agent.helpers import BPC, GROUPS, HINTS, NAMESPACE, keys_for, layer_shape, make_kv
+from tests.agent.helpers import (
+    BPC,
+    GROUPS,
+    HINTS,
+    NAMESPACE,
+    AgentProc,
+    keys_for,
+    kvgrid_env,
+    layer_shape,
+    make_kv,
+    start_agent,
+)
 
 NS_ID = NAMESPACE.namespace_id()
 
 
-def _env(uid: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
-    env.update(POD_UID=uid, POD_NAME=uid, POD_IP="127.0.0.1", OTEL_SDK_DISABLED="true")
-    return env
-
-
-@dataclass
-class Agent:
-    uid: str
-    proc: subprocess.Popen[str]
-    uds: str
-    tcp_port: int
-
-    def client(self) -> AgentClient:
-        c = AgentClient(self.uds, timeout_s=30)
-        c.wait_ready()
-        return c
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_agent(root: Path, uid: str, controller: str, *flags: str) -> Agent:
-    d = root / uid
-    d.mkdir()
-    cmd = [
-        sys.executable, "-m", "kvgrid.cli", "agent", "--uds-path", str(d / "agent.sock"),
-        "--tcp-host", "127.0.0.1", "--tcp-port", "0", "--l1-size", "8MiB", "--l1-page-size", "4KiB",
-        "--shm-allowed-dirs", str(root), "--controller-address", controller,
-        "--event-flush-interval-ms", "20", "--heartbeat-interval-ms", "200", "--log-level", "warning",
+def start_peer_agent(root: Path, uid: str, controller: str, *flags: str) -> AgentProc:
+    """An agent of pod ``uid`` (its socket in ``root/uid``) publishing to ``controller``; engines'
+    tensors live under ``root``."""
+    directory = root / uid
+    directory.mkdir()
+    return start_agent(
+        directory,
+        "--controller-address", controller, "--event-flush-interval-ms", "20",
+        "--heartbeat-interval-ms", "200",
         *flags,
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_env(uid))
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("{"):
-        proc.kill()
-        raise RuntimeError(f"agent {uid} did not start (exit {proc.poll()})")
-    info = json.loads(line)
-    return Agent(uid, proc, info["uds_path"], info["tcp_port"])
+        pod_uid=uid,
+        shm_dir=root,
+    )  # fmt: skip
 
 
 def wait_for(what: str, fn: Callable[[], bool], timeout_s: float = 15.0) -> None:
@@ -101,8 +77,8 @@ class Cluster:
     root: Path
     controller: controller_pb2_grpc.ControllerServiceStub
     controller_address: str
-    a: Agent
-    b: Agent
+    a: AgentProc
+    b: AgentProc
 
     def l1_chunks(self, uid: str, keys: list[bytes]) -> int:
         resp = self.controller.MatchPrefix(
@@ -120,15 +96,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], in
     address = f"127.0.0.1:{free_port()}"
     ctrl = subprocess.Popen(
         [sys.executable, "-m", "kvgrid.cli", "controller", "--listen", address, "--log-level", "WARNING"],
-        env=_env("controller"),
+        env=kvgrid_env("controller"),
     )
-    agents: list[Agent] = []
+    agents: list[AgentProc] = []
     channel = grpc.insecure_channel(address)
     try:
         grpc.channel_ready_future(channel).result(timeout=60)
         # A serves chunks in small parts (several messages per chunk); B fetches at most 3 per Lookup.
-        agents.append(start_agent(root, "pod-a", address, "--peer-fetch-part-size", "1KiB"))
-        agents.append(start_agent(root, "pod-b", address, "--peer-fetch-max-chunks", "3"))
+        agents.append(start_peer_agent(root, "pod-a", address, "--peer-fetch-part-size", "1KiB"))
+        agents.append(start_peer_agent(root, "pod-b", address, "--peer-fetch-max-chunks", "3"))
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         wait_for(
             "both agents registered",
@@ -152,7 +128,7 @@ class Engine:
     bytes_per_chunk: int
 
 
-def register(agent: Agent, root: Path, instance_id: str, seed: int) -> Engine:
+def register(agent: AgentProc, root: Path, instance_id: str, seed: int) -> Engine:
     d = root / instance_id
     d.mkdir()
     tensors, paths = make_kv(d, seed=seed)
@@ -198,7 +174,7 @@ def test_lookup_fetches_peer_chunks_and_retrieve_is_bit_exact(
     keys = keys_for(101, 4)
     store_on(e1, keys)  # agent A holds chunks 0-3 (engine 1's bytes)
     store_on(e2, keys[:1])  # agent B holds chunk 0 itself (engine 2's bytes)
-    wait_for("A's chunks indexed", lambda: cluster.l1_chunks(cluster.a.uid, keys) == 4)
+    wait_for("A's chunks indexed", lambda: cluster.l1_chunks(cluster.a.pod_uid, keys) == 4)
 
     hit = e2.client.lookup(e2.instance_id, "r1", keys)
     assert (hit.num_hit_chunks, hit.num_peer_chunks, hit.miss_cause) == (4, 3, "none")
@@ -215,7 +191,7 @@ def test_lookup_fetches_peer_chunks_and_retrieve_is_bit_exact(
     # B now holds them: its snapshot lists them and the controller knows B as an L1 holder.
     snap = e2.client.snapshot()
     assert set(keys) <= set(snap.chunk_keys)
-    wait_for("B indexed as L1 holder", lambda: cluster.l1_chunks(cluster.b.uid, keys) == 4)
+    wait_for("B indexed as L1 holder", lambda: cluster.l1_chunks(cluster.b.pod_uid, keys) == 4)
     health_b, health_a = e2.client.health(), e1.client.health()
     assert health_b.peer_fetched_chunks >= 3 and health_b.num_pinned_chunks == 0
     assert health_a.peer_served_chunks >= 3 and health_a.num_pinned_chunks == 0
@@ -225,7 +201,7 @@ def test_lookup_fetches_at_most_max_chunks_per_call(cluster: Cluster, engines: t
     e1, e2 = engines
     keys = keys_for(202, 5)
     store_on(e1, keys, first_block=20)
-    wait_for("A's chunks indexed", lambda: cluster.l1_chunks(cluster.a.uid, keys) == 5)
+    wait_for("A's chunks indexed", lambda: cluster.l1_chunks(cluster.a.pod_uid, keys) == 5)
     first = e2.client.lookup(e2.instance_id, "", keys)  # B: --peer-fetch-max-chunks 3
     assert (first.num_hit_chunks, first.num_peer_chunks, first.miss_cause) == (3, 3, "not_found")
     second = e2.client.lookup(e2.instance_id, "", keys)
@@ -256,7 +232,7 @@ def test_layout_mismatch_is_refused(cluster: Cluster, engines: tuple[Engine, Eng
         "e3", tensors, namespace=NAMESPACE, engine_groups=GROUPS, shm_paths=paths, layout_hints=HINTS
     )
     assert reg.layout_id != e1.layout_id
-    wait_for("A's chunks indexed", lambda: cluster.l1_chunks(cluster.a.uid, keys) == 2)
+    wait_for("A's chunks indexed", lambda: cluster.l1_chunks(cluster.a.pod_uid, keys) == 2)
     failures = b.health().peer_fetch_failures
     hit = b.lookup("e3", "r3", keys)
     assert (hit.num_hit_chunks, hit.miss_cause) == (0, "peer_failed")
@@ -267,13 +243,13 @@ def test_layout_mismatch_is_refused(cluster: Cluster, engines: tuple[Engine, Eng
 
 def test_dead_peer_leaves_only_local_hits(cluster: Cluster, engines: tuple[Engine, Engine]) -> None:
     _, e2 = engines
-    c = start_agent(cluster.root, "pod-c", cluster.controller_address)
+    c = start_peer_agent(cluster.root, "pod-c", cluster.controller_address)
     try:
         e4 = register(c, cluster.root, "e4", seed=4)
         keys = keys_for(404, 3)
         store_on(e4, keys)
         store_on(e2, keys[:1], first_block=50)
-        wait_for("C's chunks indexed", lambda: cluster.l1_chunks(c.uid, keys) == 3)
+        wait_for("C's chunks indexed", lambda: cluster.l1_chunks(c.pod_uid, keys) == 3)
         e4.client.close()
         c.proc.send_signal(signal.SIGKILL)  # C's lease is still valid: the controller still names it
         c.proc.wait(10)

@@ -134,31 +134,29 @@ def test_bad_requests_are_invalid_argument_and_the_agent_keeps_its_data(
     assert "info 1 reads engine group 1 but engine_block_ids has only 1 lists" in invalid(
         client.retrieve, "local", "r", keys, [src[0]]
     )
-    # Infos that contradict the tensors: a split the tensors do not form ...
+    # Infos that contradict the tensors: a split the tensors do not form, and a block size that
+    # disagrees with the tensors' 32-slot blocks.
     tensors2, paths2 = make_kv(Path(tensors_dir(agent)), seed=3)
-    wrong = [EngineGroupInfo(0, (0, 1), 16), EngineGroupInfo(1, (2, 3), 32), EngineGroupInfo(0, (4,), 16)]
-    msg = invalid(
-        client.register_kv_caches,
-        "liar",
-        tensors2,
-        namespace=NAMESPACE,
-        engine_groups=wrong,
-        shm_paths=paths2,
-        layout_hints=HINTS,
-    )
-    assert "3 engine group infos but the tensors form 5 kernel groups" in msg
-    # ... and a block size that disagrees with the tensors' 32-slot blocks.
-    wrong = [GROUPS[0], EngineGroupInfo(1, (1, 3), 16, sw_size_tokens=64), GROUPS[2]]
-    msg = invalid(
-        client.register_kv_caches,
-        "liar",
-        tensors2,
-        namespace=NAMESPACE,
-        engine_groups=wrong,
-        shm_paths=paths2,
-        layout_hints=HINTS,
-    )
-    assert "tokens_per_block=16 must be a multiple of slots_per_block=32" in msg
+    for wrong, expected in [
+        (
+            [EngineGroupInfo(0, (0, 1), 16), EngineGroupInfo(1, (2, 3), 32), EngineGroupInfo(0, (4,), 16)],
+            "3 engine group infos but the tensors form 5 kernel groups",
+        ),
+        (
+            [GROUPS[0], EngineGroupInfo(1, (1, 3), 16, sw_size_tokens=64), GROUPS[2]],
+            "tokens_per_block=16 must be a multiple of slots_per_block=32",
+        ),
+    ]:
+        msg = invalid(
+            client.register_kv_caches,
+            "liar",
+            tensors2,
+            namespace=NAMESPACE,
+            engine_groups=wrong,
+            shm_paths=paths2,
+            layout_hints=HINTS,
+        )
+        assert expected in msg
     # A handle whose shape reaches past the end of its shared-memory file.
     layers = [export_layer_tensor(i, t, shm_path=paths2[i]) for i, t in enumerate(tensors2)]
     layers[0].shape[0] = NUM_BLOCKS * 2

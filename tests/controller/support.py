@@ -29,6 +29,13 @@ from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2,
 NS_ID = "0123456789abcdef0123456789abcdef"
 
 
+def register_pod(stub: controller_pb2_grpc.ControllerServiceStub, uid: str, namespaces: list[str]) -> str:
+    """Register pod ``uid`` (epoch 1, name ``name-<uid>``) serving ``namespaces``; returns its holder id."""
+    pod = common_pb2.PodIdentity(pod_uid=uid, pod_name=f"name-{uid}", node_name="n", epoch=1)
+    stub.RegisterAgent(controller_pb2.RegisterAgentRequest(pod=pod, namespaces=namespaces))
+    return f"{uid}/1"
+
+
 class _Snap(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, agent: FakeAgent) -> None:
         self.agent = agent

@@ -14,16 +14,10 @@ from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.index import IndexTier, MemoryIndex
 from kvgrid.controller.matching import match_batch
 from kvgrid.controller.service import Server, serve
-from tests.controller.support import NS_ID, rand_keys
+from tests.controller.support import NS_ID, rand_keys, register_pod
 
 L1, GPU = IndexTier.L1, IndexTier.GPU
 OTHER_NS = "f" * 32
-
-
-def _register(stub: controller_pb2_grpc.ControllerServiceStub, uid: str, namespaces: list[str]) -> str:
-    pod = common_pb2.PodIdentity(pod_uid=uid, pod_name=f"name-{uid}", node_name="n", epoch=1)
-    stub.RegisterAgent(controller_pb2.RegisterAgentRequest(pod=pod, namespaces=namespaces))
-    return f"{uid}/1"
 
 
 def _req(keys: list[bytes], ns: str = NS_ID, **kw: object) -> controller_pb2.MatchPrefixRequest:
@@ -40,8 +34,8 @@ def controller_config() -> ControllerConfig:
 def test_compact_equals_readable(server: Server, stub: controller_pb2_grpc.ControllerServiceStub) -> None:
     k = rand_keys(8)
     idx = server.controller.index
-    a, b, c = (_register(stub, u, [NS_ID]) for u in ("pod-a", "pod-b", "pod-c"))
-    other = _register(stub, "pod-x", [OTHER_NS])
+    a, b, c = (register_pod(stub, u, [NS_ID]) for u in ("pod-a", "pod-b", "pod-c"))
+    other = register_pod(stub, "pod-x", [OTHER_NS])
     idx.add(a, GPU, k[:4])
     idx.add(b, L1, k[:6])
     idx.add(c, GPU, k[:1])
@@ -103,8 +97,8 @@ def test_slot_table_follows_registry_and_slots(
 ) -> None:
     k = rand_keys(3)
     ctl, idx = server.controller, server.controller.index
-    a = _register(stub, "pod-a", [OTHER_NS])
-    b = _register(stub, "pod-b", [NS_ID])  # no entries (no slot) yet
+    a = register_pod(stub, "pod-a", [OTHER_NS])
+    b = register_pod(stub, "pod-b", [NS_ID])  # no entries (no slot) yet
     idx.add(a, GPU, k)
     batch = controller_pb2.BatchMatchPrefixRequest(requests=[_req(k)], compact=True)
 
@@ -137,7 +131,7 @@ def test_metrics_are_recorded() -> None:
     try:
         stub = controller_pb2_grpc.ControllerServiceStub(ch)
         k = rand_keys(4)
-        srv.controller.index.add(_register(stub, "pod-a", [NS_ID]), L1, k)
+        srv.controller.index.add(register_pod(stub, "pod-a", [NS_ID]), L1, k)
         stub.BatchMatchPrefix(controller_pb2.BatchMatchPrefixRequest(requests=[_req(k)] * 3, compact=True))
         stub.MatchPrefix(_req(k))
         with pytest.raises(grpc.RpcError):

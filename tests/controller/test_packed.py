@@ -12,7 +12,7 @@ from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.index import ChunkIndex, IndexTier, MemoryIndex
 from kvgrid.controller.index.redis import RedisIndex
 from kvgrid.controller.service import Server
-from tests.controller.support import NS_ID, rand_keys, unique_prefix
+from tests.controller.support import NS_ID, rand_keys, register_pod, unique_prefix
 
 L1, GPU = IndexTier.L1, IndexTier.GPU
 OTHER_NS = "f" * 32
@@ -26,12 +26,6 @@ def controller_index(request: pytest.FixtureRequest, valkey_url: str) -> ChunkIn
 @pytest.fixture
 def controller_config() -> ControllerConfig:
     return ControllerConfig(listen="127.0.0.1:0", max_batch=8, max_query_chunks=16)
-
-
-def _register(stub: controller_pb2_grpc.ControllerServiceStub, uid: str, namespaces: list[str]) -> str:
-    pod = common_pb2.PodIdentity(pod_uid=uid, pod_name=f"name-{uid}", node_name="n", epoch=1)
-    stub.RegisterAgent(controller_pb2.RegisterAgentRequest(pod=pod, namespaces=namespaces))
-    return f"{uid}/1"
 
 
 def _unpacked(
@@ -65,8 +59,8 @@ def _packed(
 def test_packed_equals_unpacked(server: Server, stub: controller_pb2_grpc.ControllerServiceStub) -> None:
     k = rand_keys(12)
     idx = server.controller.index
-    a, b, c = (_register(stub, u, [NS_ID]) for u in ("pod-a", "pod-b", "pod-c"))
-    other = _register(stub, "pod-x", [OTHER_NS])
+    a, b, c = (register_pod(stub, u, [NS_ID]) for u in ("pod-a", "pod-b", "pod-c"))
+    other = register_pod(stub, "pod-x", [OTHER_NS])
     idx.add(a, GPU, k[:4])
     idx.add(b, L1, k[:6])
     idx.add(c, GPU, k[:1] + k[8:12])
@@ -99,7 +93,7 @@ def test_packed_equals_unpacked(server: Server, stub: controller_pb2_grpc.Contro
 
 def test_packed_speculative_entries(server: Server, stub: controller_pb2_grpc.ControllerServiceStub) -> None:
     k = rand_keys(5)
-    a = _register(stub, "pod-a", [NS_ID])
+    a = register_pod(stub, "pod-a", [NS_ID])
     server.controller.index.add_speculative(a, k[:3], ttl_ms=60_000)
     queries = [k, k[:2], rand_keys(1)]
     got = stub.BatchMatchPrefix(_packed(queries))
@@ -133,7 +127,7 @@ def test_packed_invalid_argument(server: Server, stub: controller_pb2_grpc.Contr
     only_max = controller_pb2.BatchMatchPrefixRequest(packed_max_pods=3)  # packed, but no namespace
     assert "packed_namespace_id" in _code(stub, only_max)
     # still serving, both forms
-    a = _register(stub, "pod-a", [NS_ID])
+    a = register_pod(stub, "pod-a", [NS_ID])
     server.controller.index.add(a, GPU, k[:2])
     assert stub.BatchMatchPrefix(_packed([k[:2]])) == stub.BatchMatchPrefix(_unpacked([k[:2]]))
     empty = stub.BatchMatchPrefix(
