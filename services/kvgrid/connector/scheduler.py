@@ -15,9 +15,13 @@ Per request, in vLLM's order:
 ``finished`` (``request_finished_all_groups``)
     drops the request's state and pins.
 
-Invariants: a request has at most one load, emitted once; ``num_stored_chunks`` only grows, so a
-chunk is stored at most once per request; every pin taken is released by retrieve, by
-``after_alloc`` (unused hit) or by ``finished`` -- whichever comes first.
+``note_output`` (``update_connector_output``)
+    learns which loads failed (``failed_recving``, or blocks in ``invalid_block_ids``): such a
+    request is never offered a hit again, so a load that keeps failing cannot loop.
+
+Invariants: a load order is emitted once per lookup; ``num_stored_chunks`` only grows, so a chunk
+is stored at most once per request; every pin taken is released by retrieve, by ``after_alloc``
+(unused hit) or by ``finished`` -- whichever comes first.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder, StoreO
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["SKIP_SAVE_PARAM", "ConnectorScheduler", "rpc_text"]
@@ -72,6 +77,8 @@ class _RequestState:
     """Leading chunks known to be in the agent (loaded from it or already stored)."""
     load: LoadOrder | None = None
     """Set by after_alloc, taken (once) by build_meta."""
+    loading: bool = False
+    """A load was emitted and its outcome is not known yet."""
     pinned: bool = False
 
 
@@ -94,6 +101,7 @@ class ConnectorScheduler:
         self._lookups: dict[str, _Lookup] = {}
         self._keys: dict[str, list[list[bytes]]] = {}
         self._requests: dict[str, _RequestState] = {}
+        self._load_failed: set[str] = set()
 
     # ---- keys -----------------------------------------------------------------------------------
 
@@ -125,7 +133,7 @@ class ConnectorScheduler:
         if not self.is_consumer:
             return 0, False
         keys = self.request_keys(request)
-        if keys is None:
+        if keys is None or request.request_id in self._load_failed:
             return 0, False
         tpc = self.identity.tokens_per_chunk
         limit = min(loadable_chunks(request.num_prompt_tokens, tpc), len(keys[0]))
@@ -181,6 +189,7 @@ class ConnectorScheduler:
                 waiting.load.block_ids = [list(ids) for ids in waiting.block_ids]
                 meta.loads.append(waiting.load)
                 waiting.load = None
+                waiting.loading = True
         if not self.is_producer:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
@@ -217,12 +226,27 @@ class ConnectorScheduler:
                 state.num_stored_chunks = done
         return meta
 
+    def note_output(self, output: KVConnectorOutput) -> None:
+        """Record the loads that ended this step and which of them failed."""
+        failed = set(output.failed_recving or ())
+        invalid = output.invalid_block_ids or set()
+        for rid in output.finished_recving or ():
+            state = self._requests.get(rid)
+            if state is None:
+                continue
+            state.loading = False
+            # One KV cache group: block ids are unique, so failed blocks name their request.
+            if invalid and len(state.block_ids) == 1 and invalid.intersection(state.block_ids[0]):
+                failed.add(rid)
+        self._load_failed |= failed & self._requests.keys()
+
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Drop the request's state and pins. Stores finish inside the worker's ``wait_for_save``
         and an in-flight load holds the blocks through vLLM's own ``WAITING_FOR_REMOTE_KVS``
         bookkeeping, so the blocks may be freed as vLLM sees fit (False)."""
         rid = request.request_id
         self._keys.pop(rid, None)
+        self._load_failed.discard(rid)
         found = self._lookups.pop(rid, None)
         state = self._requests.pop(rid, None)
         if (state is not None and state.pinned) or (found is not None and found.hit_chunks):

