@@ -17,18 +17,15 @@ from pathlib import Path
 import torch
 
 from kvgrid.agent.client import AgentClient
-from tests.agent.helpers import GROUPS, HINTS, NAMESPACE, block_ids, blocks_of, keys_for, make_kv
+from tests.agent.helpers import block_ids, blocks_of, keys_for, register_kv
 
 
 def main() -> int:
     uds, directory, instance_id, mode = sys.argv[1:5]
     n = int(sys.argv[5]) if len(sys.argv) > 5 else 4
-    tensors, paths = make_kv(Path(directory), seed=11)
     client = AgentClient(uds, timeout_s=30)
     client.wait_ready()
-    reg = client.register_kv_caches(
-        instance_id, tensors, namespace=NAMESPACE, engine_groups=GROUPS, shm_paths=paths, layout_hints=HINTS
-    )
+    tensors, reg = register_kv(client, instance_id, Path(directory), seed=11)
     keys = keys_for(5, n)
     src = block_ids(0, n)
     stored = client.store(instance_id, keys, src)

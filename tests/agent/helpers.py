@@ -20,6 +20,7 @@ import torch
 
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.tensors import allocate_shared_tensor
+from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.common.hashing import KeyNamespace, chunk_keys
 
@@ -54,6 +55,18 @@ def make_kv(directory: Path, seed: int = 0) -> tuple[list[torch.Tensor], list[st
         tensors.append(t)
         paths.append(str(path))
     return tensors, paths
+
+
+def register_kv(
+    client: AgentClient, instance_id: str, directory: Path, seed: int
+) -> tuple[list[torch.Tensor], agent_pb2.RegisterKVCachesResponse]:
+    """This process as engine ``instance_id``: :func:`make_kv` under ``directory``, registered with
+    the worked-example groups; returns the tensors and the agent's answer."""
+    tensors, paths = make_kv(directory, seed=seed)
+    reg = client.register_kv_caches(
+        instance_id, tensors, namespace=NAMESPACE, engine_groups=GROUPS, shm_paths=paths, layout_hints=HINTS
+    )
+    return tensors, reg
 
 
 def block_ids(first_block: int, num_chunks: int) -> list[list[int]]:

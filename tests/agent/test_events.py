@@ -16,7 +16,7 @@ from kvgrid.agent.events import EventLog
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.service import serve
-from tests.agent.helpers import GROUPS, HINTS, NAMESPACE, block_ids, keys_for, make_kv, start_agent
+from tests.agent.helpers import NAMESPACE, block_ids, keys_for, register_kv, start_agent
 
 
 def test_event_log_numbers_acks_and_drops_the_oldest() -> None:
@@ -82,10 +82,7 @@ def test_agent_events_reach_the_controller_and_survive_its_restart(tmp_path: Pat
     )
     try:
         with AgentClient(agent.uds_path) as c:
-            tensors, paths = make_kv(tmp_path, seed=2)
-            c.register_kv_caches(
-                "e", tensors, namespace=NAMESPACE, engine_groups=GROUPS, shm_paths=paths, layout_hints=HINTS
-            )
+            register_kv(c, "e", tmp_path, seed=2)
             a = keys_for(1, 4)
             assert c.store("e", a, block_ids(0, 4)).num_stored_chunks == 4
             assert wait_for(lambda: l1_match(address, a) == 4)

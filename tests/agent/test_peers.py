@@ -42,7 +42,7 @@ from tests.agent.helpers import (
     keys_for,
     kvgrid_env,
     layer_shape,
-    make_kv,
+    register_kv,
     start_agent,
 )
 
@@ -131,11 +131,8 @@ class Engine:
 def register(agent: AgentProc, root: Path, instance_id: str, seed: int) -> Engine:
     d = root / instance_id
     d.mkdir()
-    tensors, paths = make_kv(d, seed=seed)
     client = agent.client()
-    reg = client.register_kv_caches(
-        instance_id, tensors, namespace=NAMESPACE, engine_groups=GROUPS, shm_paths=paths, layout_hints=HINTS
-    )
+    tensors, reg = register_kv(client, instance_id, d, seed)
     return Engine(client, instance_id, tensors, reg.layout_id, reg.bytes_per_chunk)
 
 

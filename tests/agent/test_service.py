@@ -35,6 +35,7 @@ from tests.agent.helpers import (
     blocks_of,
     keys_for,
     make_kv,
+    register_kv,
     start_agent,
 )
 
@@ -58,10 +59,7 @@ def engine(agent: AgentProc, shared_dir: Path) -> Iterator[tuple[AgentClient, li
     """This test process as an engine instance "local" with its own KV files."""
     client = AgentClient(agent.uds_path, timeout_s=30)
     client.wait_ready()
-    tensors, paths = make_kv(shared_dir, seed=1)
-    client.register_kv_caches(
-        "local", tensors, namespace=NAMESPACE, engine_groups=GROUPS, shm_paths=paths, layout_hints=HINTS
-    )
+    tensors, _ = register_kv(client, "local", shared_dir, seed=1)
     yield client, tensors
     client.close()
 
@@ -106,6 +104,34 @@ def test_store_is_fail_closed_when_block_ids_do_not_cover_every_group(
     assert client.lookup("local", "", keys).num_hit_chunks == 0
     snap = client.snapshot()
     assert not set(keys) & set(snap.chunk_keys)
+
+
+def test_retrieve_leaves_holes_unwritten_and_a_store_must_name_every_block(
+    engine: tuple[AgentClient, list[torch.Tensor]],
+) -> None:
+    # -1 in a retrieve is a hole: a sliding-window group keeps no block outside its window
+    # (vLLM's null block), so nothing is written there; every other block is loaded bit-exact.
+    client, tensors = engine
+    keys = keys_for(300, 2)
+    src, dst = block_ids(0, 2), block_ids(40, 2)
+    assert client.store("local", keys, src).num_stored_chunks == 2
+    for t in tensors:
+        t[40:56] = 0  # dst covers blocks 40..47 (group 0) and 40..43 (group 1)
+    hole = dst[1][0]
+    dst[1][0] = -1
+    assert client.retrieve("local", "", keys, dst).num_retrieved_chunks == 2
+    dst[1][0] = hole
+    got, want = blocks_of(tensors, dst), blocks_of(tensors, src)
+    for layer, (g, w) in enumerate(zip(got, want, strict=True)):
+        if layer in (1, 3):  # engine group 1's layers: the hole stayed zero, the rest arrived
+            assert not g[0].any() and torch.equal(g[1:], w[1:])
+        else:
+            assert torch.equal(g, w)
+    src[1][0] = -1
+    with pytest.raises(grpc.RpcError) as err:
+        client.store("local", keys_for(301, 2), src)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "id -1 at position 0 is outside [0, 64)" in (err.value.details() or "")
 
 
 def test_bad_requests_are_invalid_argument_and_the_agent_keeps_its_data(
@@ -280,10 +306,7 @@ def test_eviction_under_a_small_l1_keeps_pinned_prefixes(tmp_path: Path) -> None
     )
     try:
         with AgentClient(small.uds_path) as c:
-            tensors, paths = make_kv(tmp_path, seed=7)
-            c.register_kv_caches(
-                "e", tensors, namespace=NAMESPACE, engine_groups=GROUPS, shm_paths=paths, layout_hints=HINTS
-            )
+            tensors, _ = register_kv(c, "e", tmp_path, seed=7)
             a = keys_for(1, 8)
             src_a = block_ids(0, 8)
             want_a = blocks_of(tensors, block_ids(0, 4))
