@@ -418,8 +418,8 @@ def test_vllm_args_parse_with_the_real_vllm_parser(helm: list[str], tmp_path: Pa
     assert kv.kv_connector_extra_config["agent_socket"] == SOCKET
     assert importlib.util.find_spec(kv.kv_connector_module_path) is not None
     # The connector's own parser accepts the rendered extra config (unknown keys are rejected there).
-    from kvgrid.connector.vllm import KVGridConnector  # noqa: F401 - the class vLLM will load
     from kvgrid.connector.config import parse_connector_config
+    from kvgrid.connector.vllm import KVGridConnector  # noqa: F401 - the class vLLM will load
 
     assert parse_connector_config(kv.kv_connector_extra_config).agent_socket == SOCKET
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 2

@@ -76,7 +76,16 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 class Engine:
-    def __init__(self, model: Path, agent: AgentProc, shm_dir: Path, **extra_config: object) -> None:
+    def __init__(
+        self,
+        model: Path,
+        agent: AgentProc,
+        shm_dir: Path,
+        llm_options: dict[str, Any] | None = None,
+        **extra_config: object,
+    ) -> None:
+        """``extra_config``: more ``kv_connector_extra_config`` keys; ``llm_options``: more
+        ``vllm.LLM`` arguments (over the defaults below)."""
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
@@ -91,8 +100,7 @@ class Engine:
             seed=0,
             max_num_seqs=4,
             max_num_batched_tokens=1024,
-            enable_prefix_caching=False,
-            kv_cache_memory_bytes=64 << 20,
+            **{"enable_prefix_caching": False, "kv_cache_memory_bytes": 64 << 20, **(llm_options or {})},
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVGridConnector",
                 kv_connector_module_path="kvgrid.connector.vllm",
@@ -124,14 +132,31 @@ class Engine:
         ensure_kv_transfer_shutdown()
         cleanup_dist_env_and_memory()
 
-    def generate(self, tokens: list[int], salt: str = "", max_tokens: int = 6) -> Completion:
+    @property
+    def scheduler(self) -> Any:
+        """vLLM's scheduler (the engine core runs in this process)."""
+        return self.llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+
+    def generate(
+        self,
+        tokens: list[int],
+        salt: str = "",
+        max_tokens: int = 6,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> Completion:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         p: dict[str, Any] = {"prompt_token_ids": tokens}
         if salt:
             p["cache_salt"] = salt
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3, detokenize=False)
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=3,
+            detokenize=False,
+            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
+        )
         (out,) = self.llm.generate([TokensPrompt(**p)], sp, use_tqdm=False)  # type: ignore[typeddict-item]
         o = out.outputs[0]
         assert o.logprobs is not None

@@ -15,6 +15,12 @@ Per request, in vLLM's order:
 ``finished`` (``request_finished_all_groups``)
     drops the request's state and pins.
 
+``take_events``
+    with vLLM's KV events enabled, every store order is announced as a ``BlockStored`` event with
+    ``medium="CPU"`` over vLLM's own block hashes of the stored chunks, so a router that reads
+    vLLM's events learns kvgrid's tier without talking to kvgrid. (Evictions from the agent's L1
+    are published by the agent to the controller, not as vLLM events: the scheduler never sees
+    them.)
 ``note_output`` (``update_connector_output``)
     learns which loads failed (``failed_recving``, or blocks in ``invalid_block_ids``): such a
     request is never offered a hit again, so a load that keeps failing cannot loop.
@@ -31,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvgrid.agent.client import AgentClient
 from kvgrid.common.hashing import chunk_keys
@@ -68,6 +76,7 @@ class _Lookup:
 
 @dataclass
 class _RequestState:
+    request: Request
     request_id: str
     num_prompt_tokens: int
     keys: list[list[bytes]]
@@ -92,7 +101,9 @@ class ConnectorScheduler:
         *,
         is_consumer: bool,
         is_producer: bool,
+        event_block_size: int = 0,
     ) -> None:
+        """``event_block_size``: tokens per vLLM block hash when vLLM's KV events are on (0: off)."""
         self.identity = identity
         self.config = config
         self.is_consumer = is_consumer
@@ -102,6 +113,8 @@ class ConnectorScheduler:
         self._keys: dict[str, list[list[bytes]]] = {}
         self._requests: dict[str, _RequestState] = {}
         self._load_failed: set[str] = set()
+        self.event_block_size = event_block_size
+        self._events: list[KVCacheEvent] = []
 
     # ---- keys -----------------------------------------------------------------------------------
 
@@ -163,7 +176,8 @@ class ConnectorScheduler:
         state = self._requests.get(rid)
         if state is None:
             params = request.kv_transfer_params or {}
-            state = _RequestState(rid, request.num_prompt_tokens, keys, save=not params.get(SKIP_SAVE_PARAM))
+            save = not params.get(SKIP_SAVE_PARAM)
+            state = _RequestState(request, rid, request.num_prompt_tokens, keys, save=save)
             self._requests[rid] = state
         state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if found is not None and found.hit_chunks > 0:
@@ -223,8 +237,35 @@ class ConnectorScheduler:
                         skip_first_n_chunks=state.num_stored_chunks,
                     )
                 )
+                self._announce(state.request, state.num_stored_chunks * tpc, done * tpc)
                 state.num_stored_chunks = done
         return meta
+
+    def _announce(self, request: Request, start_token: int, end_token: int) -> None:
+        """Queue a BlockStored event for the vLLM blocks of tokens [start_token, end_token)."""
+        bs = self.event_block_size
+        if bs <= 0 or start_token % bs or end_token % bs:
+            return
+        first, last = start_token // bs, end_token // bs
+        hashes = request.block_hashes
+        if len(hashes) < last:
+            return  # vLLM hashed fewer blocks (prefix caching off): nothing a router could match
+        lora = request.lora_request
+        self._events.append(
+            BlockStored(
+                block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:last]],
+                parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
+                token_ids=list(request.all_token_ids[start_token:end_token]),
+                block_size=bs,
+                lora_id=lora.adapter_id if lora is not None else None,
+                medium=MEDIUM_CPU,
+                lora_name=lora.name if lora is not None else None,
+            )
+        )
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
 
     def note_output(self, output: KVConnectorOutput) -> None:
         """Record the loads that ended this step and which of them failed."""

@@ -14,6 +14,7 @@ The spec helpers other code imports from here (``create_engine_group_infos_from_
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvgrid.connector.config import KVGridConnectorConfig, connector_identity, parse_connector_config
@@ -40,6 +42,7 @@ from kvgrid.connector.worker import ConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -82,11 +85,17 @@ class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: ConnectorWorker | None = None
         self._shm: SharedMemoryAllocation | None = None
         if role == KVConnectorRole.SCHEDULER:
+            events = vllm_config.kv_events_config
+            event_block_size = 0
+            if events is not None and events.enable_kv_cache_events and kv_cache_config is not None:
+                # The token span of one of vLLM's block hashes (what its own events carry).
+                _, event_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
             self._scheduler = ConnectorScheduler(
                 self.identity,
                 self.config,
                 is_consumer=bool(self._kv_transfer_config.is_kv_consumer),
                 is_producer=bool(self._kv_transfer_config.is_kv_producer),
+                event_block_size=event_block_size,
             )
         else:
             self._worker = ConnectorWorker(self.identity, self.config)
@@ -121,6 +130,9 @@ class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler.build_meta(scheduler_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.scheduler.take_events()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.note_output(connector_output)
