@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvgrid.connector.scheduler import ConnectorScheduler
 from kvgrid.connector.vllm import KVGridConnector
 from tests.agent.helpers import AgentProc
 
@@ -131,6 +132,13 @@ class Engine:
         self.llm.llm_engine.engine_core.shutdown()
         ensure_kv_transfer_shutdown()
         cleanup_dist_env_and_memory()
+
+    @property
+    def worker_scheduler(self) -> ConnectorScheduler:
+        """The connector's scheduler half (vLLM's scheduler owns the scheduler-role connector)."""
+        conn = self.scheduler.connector
+        assert isinstance(conn, KVGridConnector)
+        return conn.scheduler
 
     @property
     def scheduler(self) -> Any:

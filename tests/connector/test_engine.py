@@ -3,6 +3,8 @@ tiny Llama, against a real ``kvgrid agent`` process (engines: tests/connector/en
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +39,15 @@ def engine(workdir: Path, agent: AgentProc) -> Iterator[Engine]:
     eng.close()
 
 
-def test_repeated_prompt_loads_from_kvgrid_with_identical_tokens_and_logprobs(engine: Engine) -> None:
+def no_pins_left(agent: AgentProc) -> bool:
+    """Every lookup pin was released (by the load, an unused hit, or the request's end)."""
+    with AgentClient(agent.uds_path) as client:
+        return client.health().num_pinned_chunks == 0
+
+
+def test_repeated_prompt_loads_from_kvgrid_with_identical_tokens_and_logprobs(
+    engine: Engine, agent: AgentProc
+) -> None:
     stats = engine.worker.worker.stats
     tokens = prompt(300, seed=1)  # 4 full chunks may be loaded (the last token is always computed)
     before = (stats.chunks_loaded, stats.chunks_stored)
@@ -47,6 +57,7 @@ def test_repeated_prompt_loads_from_kvgrid_with_identical_tokens_and_logprobs(en
     second = engine.generate(tokens, salt="repeat")
     assert stats.chunks_loaded - before[0] == 4
     assert second == first
+    assert no_pins_left(agent)
 
 
 def test_control_loaded_bytes_decide_the_output(engine: Engine, agent: AgentProc) -> None:
@@ -105,3 +116,52 @@ def test_agent_restart_recomputes_meanwhile_and_hits_resume(
         assert worker.stats.chunks_loaded - loaded == 4
     finally:
         agent.proc = restarted.proc  # the module fixture stops whichever agent is running
+
+
+def test_abort_during_an_async_load_keeps_the_blocks_until_the_load_ends(
+    engine: Engine, agent: AgentProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request aborted while its load is in flight: vLLM frees its blocks only once the worker
+    reports the load (finished_recving), so the late write never lands in another request's blocks;
+    after that the blocks are all free again and the engine serves correctly."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tokens = prompt(300, seed=6)
+    reference = engine.generate(tokens, salt="abort")  # stores the chunks
+    llm_engine = engine.llm.llm_engine
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    sched = engine.worker_scheduler
+    lookup = sched.lookup
+
+    def lookup_then_freeze_the_agent(request, num_computed_tokens):  # type: ignore[no-untyped-def]
+        found = lookup(request, num_computed_tokens)
+        if found[0]:
+            os.kill(agent.proc.pid, signal.SIGSTOP)
+        return found
+
+    monkeypatch.setattr(sched, "lookup", lookup_then_freeze_the_agent)
+    try:
+        llm_engine.add_request(
+            "abort-me",
+            TokensPrompt(prompt_token_ids=tokens, cache_salt="abort"),
+            SamplingParams(max_tokens=4),
+        )
+        llm_engine.step()  # lookup hits, the load is issued and hangs on the frozen agent
+        assert engine.worker.worker.loads_in_flight() == 1
+        llm_engine.abort_request(["abort-me"])
+        for _ in range(3):
+            llm_engine.step()
+        assert pool.get_num_free_blocks() < free_before  # still held for the load in flight
+    finally:
+        os.kill(agent.proc.pid, signal.SIGCONT)
+        monkeypatch.undo()
+    deadline = time.monotonic() + 30
+    while pool.get_num_free_blocks() < free_before and time.monotonic() < deadline:
+        llm_engine.step()
+        time.sleep(0.05)
+    assert pool.get_num_free_blocks() == free_before
+    assert engine.worker.worker.loads_in_flight() == 0
+    assert engine.generate(tokens, salt="abort") == reference
+    assert no_pins_left(agent)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from kvgrid.connector.scheduler import ConnectorScheduler
 from tests.agent.helpers import AgentProc, start_agent
 from tests.connector.engines import Engine, make_tiny_hybrid, prompt
 
@@ -40,11 +39,6 @@ def engine(workdir: Path, agent: AgentProc) -> Iterator[Engine]:
     eng.close()
 
 
-def _scheduler(engine: Engine) -> ConnectorScheduler:
-    core = engine.llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
-    return core.scheduler.connector.scheduler  # type: ignore[no-any-return]
-
-
 def test_the_engine_has_two_kv_cache_groups(engine: Engine) -> None:
     assert len(engine.worker.identity.tokens_per_block) == 2
 
@@ -66,7 +60,7 @@ def test_a_failed_load_recomputes_that_request_and_the_engine_keeps_serving(
     vLLM recomputes it (kv_load_failure_policy=recompute); its output is the reference output."""
     tokens = prompt(300, seed=22)
     reference = engine.generate(tokens, salt="fail")
-    sched = _scheduler(engine)
+    sched = engine.worker_scheduler
     lookup = sched.lookup
 
     def lookup_then_freeze_the_agent(request, num_computed_tokens):  # type: ignore[no-untyped-def]

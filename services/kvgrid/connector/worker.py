@@ -265,6 +265,10 @@ class ConnectorWorker:
         out, self._invalid_block_ids = self._invalid_block_ids, set()
         return out
 
+    def loads_in_flight(self) -> int:
+        with self._lock:
+            return len(self._loading)
+
     def wait_loads(self, timeout_s: float | None = None) -> None:
         """Block until every load submitted so far has ended (tests; shutdown)."""
         with self._lock:
