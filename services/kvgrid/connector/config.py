@@ -2,9 +2,11 @@
 
 :class:`KVGridConnectorConfig` is what the operator writes; :class:`ConnectorIdentity` is what
 both halves of the connector derive from it and from vLLM's config once, at construction: which
-agent to talk to, as which instance, and the key namespace of every worker rank. Keys of one rank
-never match another rank's (each holds a different shard of the KV), nor another dtype's, layout's,
-model's, cache salt's or LoRA adapter's.
+agent each worker rank talks to, as which instance, and the key namespace of every rank. Keys of
+one rank never match another rank's (each holds a different shard of the KV), nor another dtype's,
+layout's, model's, cache salt's or LoRA adapter's -- except for MLA under tensor parallelism, whose
+latent KV is the same on every TP rank: there every rank shares rank 0's namespace, only rank 0
+stores, and every rank loads the same chunks (``replicated_kv``).
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ class ConnectorIdentity(msgspec.Struct, frozen=True, kw_only=True):
     dcp_size: int
     instance_id: str
     agent_address: str
+    instance_ids: tuple[str, ...]
+    """Every worker rank's instance id at its agent (the scheduler looks up on all of them)."""
+    agent_addresses: tuple[str, ...]
+    """Every worker rank's agent."""
+    replicated_kv: bool
+    """Every rank holds the same KV (MLA under TP): one namespace, rank 0 stores for all."""
     model_name: str
     tokens_per_chunk: int
     tokens_per_block: tuple[int, ...]
@@ -153,8 +161,25 @@ def _model_name(vllm_config: VllmConfig) -> str:
     return str(model_config.model)
 
 
+def _replicated_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> bool:
+    """MLA under tensor parallelism (no PP): the latent KV cache is not sharded by heads, so every TP
+    rank computes and holds the same bytes."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    par = vllm_config.parallel_config
+    if int(par.tensor_parallel_size) < 2 or int(par.pipeline_parallel_size) != 1:
+        return False
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return False
+    return all(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in kv_cache_config.kv_cache_groups)
+
+
 def _kv_identities(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, world_size: int, extra: str
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig | None,
+    world_size: int,
+    extra: str,
+    replicated: bool,
 ) -> tuple[str, ...]:
     dtype = str(vllm_config.cache_config.cache_dtype)
     if dtype == "auto" and vllm_config.model_config is not None:
@@ -165,7 +190,7 @@ def _kv_identities(
         kv_identity(
             dtype=dtype,
             layout=layout,
-            rank=rank,
+            rank=0 if replicated else rank,
             world_size=world_size,
             tp_size=int(par.tensor_parallel_size),
             pp_size=int(par.pipeline_parallel_size),
@@ -191,18 +216,34 @@ def connector_identity(
     dcp_size = int(getattr(par, "decode_context_parallel_size", 1) or 1)
     group_tpb = _group_tokens_per_block(vllm_config, kv_cache_config, dcp_size)
     _check_chunk_size(config.chunk_size, group_tpb)
+    instance_ids = tuple(
+        _format(config.instance_id, "instance_id", engine_id=engine_id, dp_rank=dp_rank, rank=r)
+        for r in range(world_size)
+    )
+    addresses = tuple(
+        _format(config.agent_socket, "agent_socket", dp_rank=dp_rank, rank=r) for r in range(world_size)
+    )
+    if len(set(zip(instance_ids, addresses, strict=True))) < world_size:
+        raise ValueError(
+            f"kv_connector_extra_config instance_id={config.instance_id!r}: worker ranks sharing an agent "
+            f"need distinct instance ids; keep '{{rank}}' in it"
+        )
+    replicated = _replicated_kv(vllm_config, kv_cache_config)
     return ConnectorIdentity(
         rank=rank,
         world_size=world_size,
         dcp_size=dcp_size,
-        instance_id=_format(
-            config.instance_id, "instance_id", engine_id=engine_id, dp_rank=dp_rank, rank=rank
-        ),
-        agent_address=_format(config.agent_socket, "agent_socket", dp_rank=dp_rank, rank=rank),
+        instance_id=instance_ids[rank],
+        agent_address=addresses[rank],
+        instance_ids=instance_ids,
+        agent_addresses=addresses,
+        replicated_kv=replicated,
         model_name=config.model_name or _model_name(vllm_config),
         tokens_per_chunk=config.chunk_size,
         tokens_per_block=group_tpb,
-        kv_identities=_kv_identities(vllm_config, kv_cache_config, world_size, config.kv_identity),
+        kv_identities=_kv_identities(
+            vllm_config, kv_cache_config, world_size, config.kv_identity, replicated
+        ),
     )
 
 

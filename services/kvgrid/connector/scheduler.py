@@ -3,9 +3,10 @@
 Per request, in vLLM's order:
 
 ``lookup`` (``get_num_new_matched_tokens``)
-    hashes the prompt into chained chunk keys, asks rank 0's agent how many leading chunks it
-    holds (the agent pins them for the request) and offers the tokens beyond the engine's own
-    prefix-cache hit, as an asynchronous load.
+    hashes the prompt into chained chunk keys (per worker rank), asks every rank's agent how many
+    leading chunks it holds for that rank (each agent pins them for the request) and offers the
+    tokens beyond the engine's own prefix-cache hit -- the minimum over the ranks, since every
+    rank must load its shard -- as an asynchronous load.
 ``after_alloc`` (``update_state_after_alloc``)
     turns a hit into a :class:`LoadOrder` over the blocks vLLM allocated; an unused hit releases
     its pins at once. vLLM calls it again when the request is scheduled after its load: the state
@@ -72,6 +73,8 @@ class _Lookup:
 
     hit_chunks: int
     num_computed_tokens: int
+    pinned: bool = False
+    """Some rank's agent holds pins for the request (even when the minimum hit is 0)."""
 
 
 @dataclass
@@ -108,7 +111,10 @@ class ConnectorScheduler:
         self.config = config
         self.is_consumer = is_consumer
         self.is_producer = is_producer
-        self.agent = AgentClient(identity.agent_address, timeout_s=config.rpc_timeout_s)
+        self._agents = {
+            address: AgentClient(address, timeout_s=config.rpc_timeout_s)
+            for address in dict.fromkeys(identity.agent_addresses)
+        }
         self._lookups: dict[str, _Lookup] = {}
         self._keys: dict[str, list[list[bytes]]] = {}
         self._requests: dict[str, _RequestState] = {}
@@ -134,7 +140,11 @@ class ConnectorScheduler:
         salt = request.cache_salt or ""
         ident = self.identity
         tokens = request.prompt_token_ids
-        keys = [chunk_keys(tokens, ident.namespace(r, salt, lora)) for r in range(ident.world_size)]
+        by_namespace: dict[str, list[bytes]] = {}  # MLA under TP: every rank shares one namespace
+        keys = []
+        for r in range(ident.world_size):
+            ns = ident.namespace(r, salt, lora)
+            keys.append(by_namespace.setdefault(ns.namespace_id(), chunk_keys(tokens, ns)))
         self._keys[request.request_id] = keys
         return keys
 
@@ -152,19 +162,33 @@ class ConnectorScheduler:
         limit = min(loadable_chunks(request.num_prompt_tokens, tpc), len(keys[0]))
         if limit * tpc <= num_computed_tokens:
             return 0, False
-        try:
-            res = self.agent.lookup(
-                self.identity.instance_id,
-                request.request_id,
-                keys[0][:limit],
-                pin_ttl_ms=self.config.pin_ttl_ms,
-            )
-        except grpc.RpcError as e:
-            # The agent is away (restarting) or this instance is not registered yet: a miss.
-            log.warning("kvgrid lookup for request %s failed: %s", request.request_id, rpc_text(e))
-            return 0, False
-        self._lookups[request.request_id] = _Lookup(res.num_hit_chunks, num_computed_tokens)
-        n = new_tokens_to_load(res.num_hit_chunks, tpc, num_computed_tokens)
+        hit = limit
+        ident = self.identity
+        for rank in range(ident.world_size):
+            try:
+                res = self._agents[ident.agent_addresses[rank]].lookup(
+                    ident.instance_ids[rank],
+                    request.request_id,
+                    keys[rank][:hit],
+                    pin_ttl_ms=self.config.pin_ttl_ms,
+                )
+            except grpc.RpcError as e:
+                # An agent is away (restarting) or this rank is not registered (yet): a miss.
+                log.warning(
+                    "kvgrid lookup for request %s on rank %d failed: %s",
+                    request.request_id,
+                    rank,
+                    rpc_text(e),
+                )
+                hit = 0
+            else:
+                hit = min(hit, res.num_hit_chunks)
+            if hit == 0:
+                break
+        if rank > 0 or hit:
+            # Pins were taken on some ranks; after_alloc or finished releases them.
+            self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens, pinned=True)
+        n = new_tokens_to_load(hit, tpc, num_computed_tokens)
         return n, n > 0
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -180,7 +204,7 @@ class ConnectorScheduler:
             state = _RequestState(request, rid, request.num_prompt_tokens, keys, save=save)
             self._requests[rid] = state
         state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
-        if found is not None and found.hit_chunks > 0:
+        if found is not None and found.pinned:
             state.pinned = True
         if found is not None and num_external_tokens > 0:
             end = found.num_computed_tokens + num_external_tokens
@@ -290,15 +314,20 @@ class ConnectorScheduler:
         self._load_failed.discard(rid)
         found = self._lookups.pop(rid, None)
         state = self._requests.pop(rid, None)
-        if (state is not None and state.pinned) or (found is not None and found.hit_chunks):
+        if (state is not None and state.pinned) or (found is not None and found.pinned):
             self._release(rid)
         return False, None
 
     def _release(self, request_id: str) -> None:
-        try:
-            self.agent.release(self.identity.instance_id, request_id)
-        except grpc.RpcError as e:
-            log.warning("kvgrid release for request %s failed: %s", request_id, rpc_text(e))
+        ident = self.identity
+        for rank in range(ident.world_size):
+            try:
+                self._agents[ident.agent_addresses[rank]].release(ident.instance_ids[rank], request_id)
+            except grpc.RpcError as e:
+                log.warning(
+                    "kvgrid release for request %s on rank %d failed: %s", request_id, rank, rpc_text(e)
+                )
 
     def close(self) -> None:
-        self.agent.close()
+        for agent in self._agents.values():
+            agent.close()

@@ -279,7 +279,10 @@ class ConnectorWorker:
     # ---- stores ---------------------------------------------------------------------------------
 
     def store(self, meta: KVGridConnectorMetadata) -> None:
-        """Issue this step's Stores; returns when the agent holds the chunks (best effort)."""
+        """Issue this step's Stores; returns when the agent holds the chunks (best effort). With
+        replicated KV (MLA under TP) only rank 0 stores: the other ranks' bytes are the same."""
+        if self.identity.replicated_kv and self.identity.rank != 0:
+            return
         if meta.stores:
             self._sync_engine_stream()  # the forward's KV writes must land before the agent reads
         for order in meta.stores:
