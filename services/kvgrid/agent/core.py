@@ -68,6 +68,14 @@ def process_start_time(pid: int) -> int | None:
 
 
 @dataclass
+class TransferTotals:
+    """Chunks moved since start (Health reports them; the metrics carry the detail)."""
+
+    retrieved_chunks: int = 0
+    stored_chunks: int = 0
+
+
+@dataclass
 class EngineInstance:
     instance_id: str
     engine_pid: int
@@ -130,6 +138,8 @@ class AgentCore:
         if config.peer_fetch_enabled:
             self.peers = PeerFetcher(self.cache, config, pod.pod_uid, self.peer_metrics, self.tracer)
         self.on_instances_changed: Callable[[], None] | None = None
+        self.totals = TransferTotals()
+        self._totals_lock = threading.Lock()
 
     # ---- registration ----------------------------------------------------------------------
 
@@ -412,6 +422,8 @@ class AgentCore:
             span.set_attribute("hit_chunks", n)
             span.set_attribute("bytes", nbytes)
         self._count_hits(self.metrics.retrieve_chunks, len(keys), n, cause)
+        with self._totals_lock:
+            self.totals.retrieved_chunks += n
         self._record_transfer("retrieve", nbytes, dt)
         return RetrieveResult(
             hit_mask=[i < n for i in range(len(keys))],
@@ -466,6 +478,8 @@ class AgentCore:
             if res.reason:
                 span.set_attribute("partial_reason", res.reason)
         m = self.metrics.stored_chunks
+        with self._totals_lock:
+            self.totals.stored_chunks += len(new)
         if new:
             m.add(len(new), {"result": "stored"})
         if present:

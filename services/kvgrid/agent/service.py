@@ -164,6 +164,8 @@ class AgentServicer:
             peer_fetched_chunks=peer.fetched_chunks,
             peer_fetch_failures=peer.fetch_failures,
             peer_served_chunks=peer.served_chunks,
+            retrieved_chunks=self.core.totals.retrieved_chunks,
+            stored_chunks=self.core.totals.stored_chunks,
         )
 
     def FetchChunks(self, req: agent_pb2.FetchChunksRequest) -> ChunkSender:

@@ -658,6 +658,8 @@ class HealthResponse(_message.Message):
     PEER_FETCHED_CHUNKS_FIELD_NUMBER: _builtins.int
     PEER_FETCH_FAILURES_FIELD_NUMBER: _builtins.int
     PEER_SERVED_CHUNKS_FIELD_NUMBER: _builtins.int
+    RETRIEVED_CHUNKS_FIELD_NUMBER: _builtins.int
+    STORED_CHUNKS_FIELD_NUMBER: _builtins.int
     l1_capacity_bytes: _builtins.int
     l1_used_bytes: _builtins.int
     num_chunks: _builtins.int
@@ -670,6 +672,9 @@ class HealthResponse(_message.Message):
     """
     peer_fetch_failures: _builtins.int
     peer_served_chunks: _builtins.int
+    retrieved_chunks: _builtins.int
+    """Since start: chunks written into engines' blocks by retrieves, and chunks new to L1 by stores."""
+    stored_chunks: _builtins.int
     @_builtins.property
     def pod(self) -> _common_pb2.PodIdentity: ...
     @_builtins.property
@@ -687,10 +692,12 @@ class HealthResponse(_message.Message):
         peer_fetched_chunks: _builtins.int = ...,
         peer_fetch_failures: _builtins.int = ...,
         peer_served_chunks: _builtins.int = ...,
+        retrieved_chunks: _builtins.int = ...,
+        stored_chunks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pod", b"pod"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_ids", b"instance_ids", "l1_capacity_bytes", b"l1_capacity_bytes", "l1_used_bytes", b"l1_used_bytes", "num_chunks", b"num_chunks", "num_evictions", b"num_evictions", "num_pinned_chunks", b"num_pinned_chunks", "peer_fetch_failures", b"peer_fetch_failures", "peer_fetched_chunks", b"peer_fetched_chunks", "peer_served_chunks", b"peer_served_chunks", "pod", b"pod"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_ids", b"instance_ids", "l1_capacity_bytes", b"l1_capacity_bytes", "l1_used_bytes", b"l1_used_bytes", "num_chunks", b"num_chunks", "num_evictions", b"num_evictions", "num_pinned_chunks", b"num_pinned_chunks", "peer_fetch_failures", b"peer_fetch_failures", "peer_fetched_chunks", b"peer_fetched_chunks", "peer_served_chunks", b"peer_served_chunks", "pod", b"pod", "retrieved_chunks", b"retrieved_chunks", "stored_chunks", b"stored_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
