@@ -65,6 +65,32 @@ def make_tiny_hybrid(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def make_tiny_mla(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer DeepSeek-V2 (multi-head latent attention) with random bf16 weights, in the one
+    geometry vLLM's CPU MLA kernels run: a 512 latent + 64 rope dims (576 per token), 16-token blocks."""
+    import transformers
+
+    shape = {k: v for k, v in _SHAPE.items() if k not in ("head_dim", "num_key_value_heads")}
+    config = transformers.DeepseekV2Config(
+        num_hidden_layers=2,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=512,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=128,
+        first_k_dense_replace=2,  # both layers dense: the MoE plumbing is not what is tested
+        **shape,
+    )
+    torch.manual_seed(seed)
+    transformers.DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
 @dataclass(frozen=True)
 class Completion:
     token_ids: tuple[int, ...]
@@ -95,13 +121,17 @@ class Engine:
             model=str(model),
             skip_tokenizer_init=True,
             max_model_len=1024,
-            block_size=32,
             enforce_eager=True,
             dtype="bfloat16",
             seed=0,
             max_num_seqs=4,
             max_num_batched_tokens=1024,
-            **{"enable_prefix_caching": False, "kv_cache_memory_bytes": 64 << 20, **(llm_options or {})},
+            **{
+                "block_size": 32,
+                "enable_prefix_caching": False,
+                "kv_cache_memory_bytes": 64 << 20,
+                **(llm_options or {}),
+            },
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVGridConnector",
                 kv_connector_module_path="kvgrid.connector.vllm",

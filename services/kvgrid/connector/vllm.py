@@ -14,6 +14,7 @@ The spec helpers other code imports from here (``create_engine_group_infos_from_
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "KVGridConnector",
     "KVGridConnectorConfig",
@@ -62,6 +65,23 @@ __all__ = [
     "parse_connector_config",
     "validate_kv_cache_groups",
 ]
+
+
+def _can_prefill_on_loaded_kv(vllm_config: VllmConfig) -> bool:
+    """Whether the engine's attention can compute a prompt's tail on top of KV it did not compute
+    in the same pass. vLLM's reference MLA kernels outside GPUs cannot (vLLM turns its own prefix
+    cache and chunked prefill off for them), so such an engine stores chunks but never loads."""
+    from vllm.platforms import current_platform
+
+    model = vllm_config.model_config
+    if model is not None and model.use_mla and not current_platform.is_cuda_alike():
+        log.warning(
+            "kvgrid: MLA on %s: vLLM's attention here cannot prefill on top of loaded KV (vLLM turns "
+            "its own prefix cache off for it), so this engine stores chunks but does not load them",
+            current_platform.device_type,
+        )
+        return False
+    return True
 
 
 class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
@@ -93,7 +113,8 @@ class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = ConnectorScheduler(
                 self.identity,
                 self.config,
-                is_consumer=bool(self._kv_transfer_config.is_kv_consumer),
+                is_consumer=bool(self._kv_transfer_config.is_kv_consumer)
+                and _can_prefill_on_loaded_kv(vllm_config),
                 is_producer=bool(self._kv_transfer_config.is_kv_producer),
                 event_block_size=event_block_size,
             )
