@@ -109,6 +109,7 @@ class Engine:
         agent: AgentProc,
         shm_dir: Path,
         llm_options: dict[str, Any] | None = None,
+        kv_role: str = "kv_both",
         **extra_config: object,
     ) -> None:
         """``extra_config``: more ``kv_connector_extra_config`` keys; ``llm_options``: more
@@ -117,6 +118,8 @@ class Engine:
         from vllm.config import KVTransferConfig
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.last_kv_transfer_params: dict[str, Any] | None = None
+        """What the connector returned when the last generated request finished (P/D)."""
         self.llm = LLM(
             model=str(model),
             skip_tokenizer_init=True,
@@ -135,7 +138,7 @@ class Engine:
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVGridConnector",
                 kv_connector_module_path="kvgrid.connector.vllm",
-                kv_role="kv_both",
+                kv_role=kv_role,
                 kv_load_failure_policy="recompute",
                 kv_connector_extra_config={
                     "agent_socket": agent.uds_path,
@@ -198,6 +201,7 @@ class Engine:
         (out,) = self.llm.generate([TokensPrompt(**p)], sp, use_tqdm=False)  # type: ignore[typeddict-item]
         o = out.outputs[0]
         assert o.logprobs is not None
+        self.last_kv_transfer_params = out.kv_transfer_params
         return Completion(
             tuple(o.token_ids),
             tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items())) for step in o.logprobs),

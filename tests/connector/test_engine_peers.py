@@ -11,14 +11,9 @@ cache is off in both: every hit an engine sees comes from kvgrid.
 
 from __future__ import annotations
 
-import json
-import os
-import queue
 import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +24,7 @@ import pytest
 
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from tests.agent.helpers import AgentProc, kvgrid_env, start_agent
-from tests.connector.engine_process import MARK
+from tests.connector.engine_process import EngineProc
 from tests.connector.engines import make_tiny_llama, prompt
 
 pytestmark = pytest.mark.slow
@@ -45,79 +40,6 @@ def wait_for(what: str, fn: Callable[[], bool], timeout_s: float = 20.0) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
-
-
-class EngineProc:
-    """``python -m tests.connector.engine_process`` attached to one agent."""
-
-    def __init__(self, name: str, model: Path, agent: AgentProc, shm_dir: Path, log_dir: Path) -> None:
-        self.name = name
-        shm_dir.mkdir()
-        self.stderr_path = log_dir / f"engine-{name}.stderr"
-        self._stderr = self.stderr_path.open("w")
-        cmd = [
-            sys.executable, "-m", "tests.connector.engine_process", "--model", str(model),
-            "--agent-socket", agent.uds_path, "--shm-dir", str(shm_dir), "--model-name", MODEL_NAME,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO_ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            env={k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")},
-        )
-        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._log: deque[str] = deque(maxlen=40)
-        threading.Thread(target=self._read, daemon=True).start()
-        self.ready: dict[str, Any] = {}
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                self._replies.put(json.loads(line[len(MARK) :]))
-            else:
-                self._log.append(line.rstrip())
-        self._replies.put(None)  # EOF: the process is gone
-
-    def _reply(self, what: str, timeout_s: float) -> dict[str, Any]:
-        try:
-            out = self._replies.get(timeout=timeout_s)
-        except queue.Empty:
-            out = None
-        if out is None or "error" in out:
-            stderr = self.stderr_path.read_text()[-4000:]
-            stdout = "\n".join(self._log)
-            raise AssertionError(
-                f"engine {self.name}: {what}: {out or 'no reply'} (exit {self.proc.poll()})\n"
-                f"--- stdout tail\n{stdout}\n--- stderr tail\n{stderr}"
-            )
-        return out
-
-    def wait_ready(self, timeout_s: float = 240) -> None:
-        self.ready = self._reply("start-up", timeout_s)
-
-    def call(self, op: str, timeout_s: float = 120, **args: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
-        return self._reply(op, timeout_s)
-
-    def generate(self, tokens: list[int], salt: str) -> dict[str, Any]:
-        return self.call("generate", tokens=tokens, salt=salt)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()  # EOF: the engine shuts down and exits
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._stderr.close()
 
 
 @dataclass
@@ -174,7 +96,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], in
         agents.append(start_peer_agent(root, "pod-b", address))
         model = make_tiny_llama(root / "model")  # one set of weights for both engines
         for name, agent in zip("ab", agents, strict=True):  # both start at once
-            engines.append(EngineProc(name, model, agent, root / f"shm-{name}", root))
+            engines.append(EngineProc(name, model, agent, root / f"shm-{name}", root, model_name=MODEL_NAME))
         for engine in engines:
             engine.wait_ready()
         assert engines[0].ready["namespace_id"] == engines[1].ready["namespace_id"]

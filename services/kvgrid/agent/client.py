@@ -103,12 +103,23 @@ class AgentClient:
         return int(resp.released_pins)  # type: ignore[attr-defined]
 
     def lookup(
-        self, instance_id: str, request_id: str, chunk_keys: Sequence[bytes], *, pin_ttl_ms: int = 0
+        self,
+        instance_id: str,
+        request_id: str,
+        chunk_keys: Sequence[bytes],
+        *,
+        pin_ttl_ms: int = 0,
+        peer_address: str = "",
     ) -> LookupResult:
+        """``peer_address``: fetch what is missing from that peer agent (P/D: the producer's)."""
         resp = self._call(
             "Lookup",
             agent_pb2.LookupRequest(
-                instance_id=instance_id, request_id=request_id, chunk_keys=chunk_keys, pin_ttl_ms=pin_ttl_ms
+                instance_id=instance_id,
+                request_id=request_id,
+                chunk_keys=chunk_keys,
+                pin_ttl_ms=pin_ttl_ms,
+                peer_address=peer_address,
             ),
         )
         assert isinstance(resp, agent_pb2.LookupResponse)

@@ -138,6 +138,7 @@ class AgentCore:
         if config.peer_fetch_enabled:
             self.peers = PeerFetcher(self.cache, config, pod.pod_uid, self.peer_metrics, self.tracer)
         self.on_instances_changed: Callable[[], None] | None = None
+        self._named: PeerFetcher | None = None
         self.totals = TransferTotals()
         self._totals_lock = threading.Lock()
 
@@ -324,14 +325,31 @@ class AgentCore:
             out.append(per_chunk)
         return out
 
+    def _named_peers(self) -> PeerFetcher:
+        """A fetcher for peers the engine names (P/D), made on first use when controller-directed
+        peer fetch is off."""
+        with self._lock:
+            if self._named is None:
+                uid = self.pod.pod_uid
+                self._named = PeerFetcher(self.cache, self.config, uid, self.peer_metrics, self.tracer)
+            return self._named
+
     # ---- lookup / retrieve / store / release -----------------------------------------------
 
     def lookup(
-        self, instance_id: str, request_id: str, keys: Sequence[bytes], pin_ttl_ms: int = 0
+        self,
+        instance_id: str,
+        request_id: str,
+        keys: Sequence[bytes],
+        pin_ttl_ms: int = 0,
+        *,
+        peer_address: str = "",
     ) -> LookupResult:
-        """Leading chunks available: held here, then (peer fetch on) fetched from the peer holding
-        the next ones. With ``request_id`` they stay pinned until Retrieve/Release or the TTL.
-        A failing peer never fails the lookup: it answers what it has, with cause ``peer_failed``."""
+        """Leading chunks available: held here, then fetched from a peer -- the one at
+        ``peer_address`` when the engine names it (P/D: its producer's agent), else (peer fetch on)
+        the holder the controller names. With ``request_id`` they stay pinned until
+        Retrieve/Release or the TTL. A failing peer never fails the lookup: it answers what it has,
+        with cause ``peer_failed``."""
         inst = self.instance(instance_id)
         with client_input():
             keys = check_chunk_keys(keys)
@@ -350,12 +368,14 @@ class AgentCore:
                 n = len(held)
             local = n
             try:
-                if cause == MissCause.NOT_FOUND and self.peers is not None:
-                    fetched = self.peers.fetch(
+                fetcher = self.peers if self.peers is not None or not peer_address else self._named_peers()
+                if cause == MissCause.NOT_FOUND and fetcher is not None:
+                    fetched = fetcher.fetch(
                         keys[n:],
                         namespace_id=inst.namespace_id,
                         layout_id=inst.layout_id,
                         bytes_per_chunk=inst.bytes_per_chunk,
+                        peer_address=peer_address,
                     )
                     if fetched.chunks:
                         if request_id:
@@ -503,5 +523,6 @@ class AgentCore:
     def close(self) -> None:
         with self._lock:
             self._instances.clear()
-        if self.peers is not None:
-            self.peers.close()
+        for fetcher in (self.peers, self._named):
+            if fetcher is not None:
+                fetcher.close()

@@ -301,10 +301,14 @@ class PeerFetcher:
         self.self_uid = self_uid
         self.metrics = metrics
         self.tracer = tracer
-        self.directory = PeerDirectory(
-            config.controller_address,
-            ttl_s=config.peer_directory_ttl_ms / 1000,
-            max_message_bytes=config.max_message_bytes,
+        self.directory = (
+            PeerDirectory(
+                config.controller_address,
+                ttl_s=config.peer_directory_ttl_ms / 1000,
+                max_message_bytes=config.max_message_bytes,
+            )
+            if config.controller_address
+            else None
         )
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
@@ -339,12 +343,20 @@ class PeerFetcher:
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
-        self.directory.close()
+        if self.directory is not None:
+            self.directory.close()
 
     def fetch(
-        self, keys: Sequence[bytes], *, namespace_id: str, layout_id: str, bytes_per_chunk: int
+        self,
+        keys: Sequence[bytes],
+        *,
+        namespace_id: str,
+        layout_id: str,
+        bytes_per_chunk: int,
+        peer_address: str = "",
     ) -> PeerFetchResult:
-        """Fetch leading chunks of ``keys`` (the keys after the local hits) into L1. Never raises
+        """Fetch leading chunks of ``keys`` (the keys after the local hits) into L1: from the peer
+        at ``peer_address`` when given, else from the holder the controller names. Never raises
         for a peer or controller problem: the result's ``error`` says what went wrong."""
         keys = list(keys[: self.config.peer_fetch_max_chunks])
         if not keys:
@@ -353,7 +365,17 @@ class PeerFetcher:
         deadline = time.monotonic() + self.config.peer_fetch_timeout_ms / 1000
         with self.tracer.start_as_current_span("agent.peer_fetch", attributes={"chunks": len(keys)}) as span:
             try:
-                result = self._fetch(keys, namespace_id, layout_id, bytes_per_chunk, deadline)
+                if peer_address:
+                    named = PeerCandidate(
+                        pod_uid=peer_address, address=peer_address, l1_chunks=0, total_chunks=0
+                    )
+                    result = self.fetch_from(named, keys, namespace_id, layout_id, bytes_per_chunk, deadline)
+                elif self.directory is None:
+                    result = PeerFetchResult()  # no controller to ask who holds them
+                else:
+                    result = self._fetch(
+                        keys, self.directory, namespace_id, layout_id, bytes_per_chunk, deadline
+                    )
             except Exception as e:  # a bug here must not fail the Lookup either
                 log.exception("peer fetch failed unexpectedly")
                 result = self._failed("error", f"{type(e).__name__}: {e}", "")
@@ -368,18 +390,24 @@ class PeerFetcher:
         return result
 
     def _fetch(
-        self, keys: list[bytes], namespace_id: str, layout_id: str, bytes_per_chunk: int, deadline: float
+        self,
+        keys: list[bytes],
+        directory: PeerDirectory,
+        namespace_id: str,
+        layout_id: str,
+        bytes_per_chunk: int,
+        deadline: float,
     ) -> PeerFetchResult:
         def left() -> float:
             return max(0.001, deadline - time.monotonic())
 
         try:
-            match = self.directory.match(keys, namespace_id, left())
+            match = directory.match(keys, namespace_id, left())
             if match.peer_fetchable_chunks == 0:
                 return PeerFetchResult()  # nobody holds the next chunk in L1
-            addresses = self.directory.addresses(left())
+            addresses = directory.addresses(left())
             if any(m.pod_uid not in addresses for m in match.matches if m.pod_uid != self.self_uid):
-                addresses = self.directory.addresses(left(), refresh=True)  # a pod we have not seen yet
+                addresses = directory.addresses(left(), refresh=True)  # a pod we have not seen yet
                 self._forget_channels(addresses)
         except grpc.RpcError as e:
             return self._failed("controller", f"controller query failed: {_rpc_text(e)}", "")

@@ -100,7 +100,13 @@ class AgentServicer:
         return agent_pb2.UnregisterKVCachesResponse(released_pins=self.core.unregister(req.instance_id))
 
     def Lookup(self, req: agent_pb2.LookupRequest) -> agent_pb2.LookupResponse:
-        r = self.core.lookup(req.instance_id, req.request_id, list(req.chunk_keys), req.pin_ttl_ms)
+        r = self.core.lookup(
+            req.instance_id,
+            req.request_id,
+            list(req.chunk_keys),
+            req.pin_ttl_ms,
+            peer_address=req.peer_address,
+        )
         return agent_pb2.LookupResponse(
             num_hit_chunks=r.num_hit_chunks, miss_cause=r.miss_cause, num_peer_chunks=r.num_peer_chunks
         )

@@ -53,12 +53,35 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["SKIP_SAVE_PARAM", "ConnectorScheduler", "rpc_text"]
+__all__ = ["PEERS_PARAM", "SKIP_SAVE_PARAM", "ConnectorScheduler", "rpc_text"]
 
 log = logging.getLogger(__name__)
 
 SKIP_SAVE_PARAM = "kvgrid_skip_save"
 """``kv_transfer_params`` key: when true, the request's chunks are not stored (loads still happen)."""
+PEERS_PARAM = "kvgrid_peers"
+"""``kv_transfer_params`` key (P/D disaggregation): per worker rank, the ``host:port`` of the agent
+that holds the request's prefix -- a producer engine returns it when its request finishes, the
+proxy passes it on to the consumer engine, whose agents fetch the chunks from there."""
+
+
+def _peers_of(request: Request, world_size: int) -> list[str]:
+    """The producer agents named in the request's kv_transfer_params, one per rank ("" = none).
+    A bad value is ignored with a warning: the request is served as if no peer were named."""
+    raw = (request.kv_transfer_params or {}).get(PEERS_PARAM)
+    if raw is None:
+        return [""] * world_size
+    if isinstance(raw, list) and len(raw) == world_size and all(isinstance(a, str) for a in raw):
+        return list(raw)
+    log.warning(
+        "kvgrid: request %s has kv_transfer_params %s=%r; expected a list of %d host:port strings "
+        "(one per worker rank); ignoring it",
+        request.request_id,
+        PEERS_PARAM,
+        raw,
+        world_size,
+    )
+    return [""] * world_size
 
 
 def rpc_text(e: grpc.RpcError) -> str:
@@ -119,6 +142,7 @@ class ConnectorScheduler:
         self._keys: dict[str, list[list[bytes]]] = {}
         self._requests: dict[str, _RequestState] = {}
         self._load_failed: set[str] = set()
+        self._own_peers: list[str] | None = None
         self.event_block_size = event_block_size
         self._events: list[KVCacheEvent] = []
 
@@ -164,6 +188,7 @@ class ConnectorScheduler:
             return 0, False
         hit = limit
         ident = self.identity
+        peers = _peers_of(request, ident.world_size)
         for rank in range(ident.world_size):
             try:
                 res = self._agents[ident.agent_addresses[rank]].lookup(
@@ -171,6 +196,7 @@ class ConnectorScheduler:
                     request.request_id,
                     keys[rank][:hit],
                     pin_ttl_ms=self.config.pin_ttl_ms,
+                    peer_address=peers[rank],
                 )
             except grpc.RpcError as e:
                 # An agent is away (restarting) or this rank is not registered (yet): a miss.
@@ -316,7 +342,26 @@ class ConnectorScheduler:
         state = self._requests.pop(rid, None)
         if (state is not None and state.pinned) or (found is not None and found.pinned):
             self._release(rid)
+        if state is not None and state.num_stored_chunks and self.is_producer:
+            peers = self._peer_addresses()
+            if peers:
+                return False, {PEERS_PARAM: peers}  # where a consumer engine finds this prefix
         return False, None
+
+    def _peer_addresses(self) -> list[str] | None:
+        """Every rank's agent's peer address (asked once; None while an agent has none)."""
+        if self._own_peers is None:
+            try:
+                found = [
+                    self._agents[address].health().pod.agent_address
+                    for address in self.identity.agent_addresses
+                ]
+            except grpc.RpcError as e:
+                log.warning("kvgrid: could not ask the agents for their peer addresses: %s", rpc_text(e))
+                return None
+            if all(found):
+                self._own_peers = found
+        return self._own_peers
 
     def _release(self, request_id: str) -> None:
         ident = self.identity

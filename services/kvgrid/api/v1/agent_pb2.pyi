@@ -328,11 +328,17 @@ class LookupRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CHUNK_KEYS_FIELD_NUMBER: _builtins.int
     PIN_TTL_MS_FIELD_NUMBER: _builtins.int
+    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     request_id: _builtins.str
     """Identifies the pins; Retrieve/Release with the same id drop them."""
     pin_ttl_ms: _builtins.int
     """0 = the agent's default."""
+    peer_address: _builtins.str
+    """host:port of a peer agent to fetch the chunks after the local hits from (P/D disaggregation:
+    the producer engine's agent, named in the request's kv_transfer_params); empty = the
+    controller says who holds them (when peer fetch is on).
+    """
     @_builtins.property
     def chunk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -342,10 +348,11 @@ class LookupRequest(_message.Message):
         request_id: _builtins.str = ...,
         chunk_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         pin_ttl_ms: _builtins.int = ...,
+        peer_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_keys", b"chunk_keys", "instance_id", b"instance_id", "pin_ttl_ms", b"pin_ttl_ms", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_keys", b"chunk_keys", "instance_id", b"instance_id", "peer_address", b"peer_address", "pin_ttl_ms", b"pin_ttl_ms", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
