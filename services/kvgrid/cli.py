@@ -17,7 +17,11 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("kvgrid.agent.cli", "run the per-GPU agent: L1 chunk cache, store/retrieve/lookup, events"),
     "controller": ("kvgrid.controller.cli", "run the lookup/controller service (gRPC)"),
-    "demo": ("kvgrid.demo", "start a controller and two agents here and run a multi-turn chat workload"),
+    "demo": (
+        "kvgrid.demo",
+        "start a controller and two agents here and run a multi-turn chat workload "
+        "(--engine vllm: real vLLM CPU engines, TTFT with and without kvgrid)",
+    ),
     "lookup": ("kvgrid.controller.lookup_cli", "ask a controller: match a prefix, score pods, agents, stats"),
 }
 
@@ -31,13 +35,21 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 
 def _add_group(
-    sub: argparse._SubParsersAction, registry: dict[str, tuple[str, str]], chosen: str | None
+    sub: argparse._SubParsersAction,
+    registry: dict[str, tuple[str, str]],
+    chosen: str | None,
+    argv: Sequence[str] = (),
 ) -> None:
     for name, (module, help_text) in registry.items():
         parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
             mod = importlib.import_module(module)
-            mod.add_arguments(parser)
+            # A command whose flags depend on one of its flags (`demo --engine`) sees the arguments.
+            add_for_argv = getattr(mod, "add_arguments_for_argv", None)
+            if add_for_argv is not None:
+                add_for_argv(parser, argv)
+            else:
+                mod.add_arguments(parser)
             parser.set_defaults(_run=mod.run)
 
 
@@ -48,7 +60,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     words = [a for a in argv if not a.startswith("-")]
-    _add_group(sub, COMMANDS, words[0] if words else None)
+    _add_group(sub, COMMANDS, words[0] if words else None, argv)
     bench = sub.add_parser(
         "bench", help="benchmarks that measure a limit in the same run and print the ratio"
     )

@@ -45,7 +45,7 @@ from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.common.hashing import KeyNamespace, chunk_keys
 from kvgrid.common.wire import key_namespace_to_proto
 
-__all__ = ["DemoSettings", "add_arguments", "run", "run_demo"]
+__all__ = ["ENGINES", "DemoSettings", "add_arguments", "add_arguments_for_argv", "run", "run_demo"]
 
 # The model: 8 layers alternating full attention (engine group 0, 16 tokens per block) and
 # sliding-window attention (engine group 1, 32 tokens per block, 1024-token window), FlashInfer
@@ -486,10 +486,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "multi-turn chat workload with shared system prompts through Score -> Lookup/Retrieve/Store, "
         "verify every loaded chunk bit for bit, and print hit rate, bytes moved, GB/s and lookup latency."
     )
+    _engine_argument(parser)
     add_config_arguments(parser, DemoSettings, env_prefix=ENV_PREFIX)
 
 
+ENGINES = ("synthetic", "vllm")
+
+
+def _engine_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="synthetic",
+        help=(
+            "synthetic (default): stand-in engines with KV in shared memory, fast; vllm: real vLLM CPU "
+            "engines with and without KVGridConnector, time to first token (options: "
+            "`kvgrid demo --engine vllm --help`)"
+        ),
+    )
+
+
+def add_arguments_for_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """The flags of the engine ``--engine`` in ``argv`` picks (the CLI passes its arguments)."""
+    peek = argparse.ArgumentParser(add_help=False)
+    _engine_argument(peek)
+    known, _ = peek.parse_known_args(list(argv))
+    if known.engine == "vllm":
+        from kvgrid import demo_vllm
+
+        _engine_argument(parser)
+        demo_vllm.add_arguments(parser)
+    else:
+        add_arguments(parser)
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", "synthetic") == "vllm":
+        from kvgrid import demo_vllm
+
+        return demo_vllm.run(args)
     s = config_from_args(DemoSettings, args, env_prefix=ENV_PREFIX)
     log_dir = Path(s.log_dir) if s.log_dir else None
     if log_dir is not None:
