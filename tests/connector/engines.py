@@ -193,6 +193,7 @@ class Engine:
             p["cache_salt"] = salt
         sp = SamplingParams(
             max_tokens=max_tokens,
+            ignore_eos=True,  # random weights: the end-of-sequence token must not cut a test short
             temperature=0,
             logprobs=3,
             detokenize=False,

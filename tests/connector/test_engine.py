@@ -34,7 +34,7 @@ def agent(workdir: Path) -> Iterator[AgentProc]:
 
 @pytest.fixture(scope="module")
 def engine(workdir: Path, agent: AgentProc) -> Iterator[Engine]:
-    eng = Engine(make_tiny_llama(workdir / "model"), agent, workdir)
+    eng = Engine(make_tiny_llama(workdir / "model"), agent, workdir, save_decode_tokens=True)
     yield eng
     eng.close()
 
@@ -165,3 +165,26 @@ def test_abort_during_an_async_load_keeps_the_blocks_until_the_load_ends(
     assert engine.worker.worker.loads_in_flight() == 0
     assert engine.generate(tokens, salt="abort") == reference
     assert no_pins_left(agent)
+
+
+def test_the_next_chat_turn_loads_the_previous_answer_too(engine: Engine) -> None:
+    """save_decode_tokens: chunks filled by generated tokens are stored as well, so the next turn
+    (prompt + answer + new text) loads past the end of the first prompt."""
+    stats = engine.worker.worker.stats
+    first_prompt = prompt(200, seed=8)  # 3 full chunks
+    answer = engine.generate(first_prompt, salt="chat", max_tokens=150)
+    # 350 tokens: 5 full chunks (320 tokens) -- 3 of the prompt, 2 filled by the answer.
+    next_turn = first_prompt + list(answer.token_ids) + prompt(30, seed=9)
+    reference = engine.generate(next_turn, salt="chat-reference")  # computed: another namespace
+    loaded = stats.chunks_loaded
+    continued = engine.generate(next_turn, salt="chat")
+    assert stats.chunks_loaded - loaded == 5
+    # The answer's KV was computed token by token (decode) and the reference's in one prefill pass:
+    # the same tokens, logprobs equal up to that rounding (vLLM's own prefix cache behaves alike).
+    assert continued.token_ids == reference.token_ids
+    diffs = [
+        abs(a[1] - b[1])
+        for sa, sb in zip(continued.logprobs, reference.logprobs, strict=True)
+        for a, b in zip(sa, sb, strict=True)
+    ]
+    assert max(diffs) < 0.05

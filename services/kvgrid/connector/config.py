@@ -72,6 +72,13 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
         dict[str, str | int],
         _d('Layout hints for every layer (kvgrid.common.layouts), e.g. {"backend": "FLASHINFER"}'),
     ] = msgspec.field(default_factory=dict)
+    save_decode_tokens: Annotated[
+        bool,
+        _d(
+            "Also store chunks filled by generated tokens (multi-turn chats: the next turn repeats the "
+            "answer); a decode chunk is stored the step after its last token's KV is computed"
+        ),
+    ] = False
     shm_dir: Annotated[
         str,
         _d(

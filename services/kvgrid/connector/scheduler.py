@@ -12,7 +12,11 @@ Per request, in vLLM's order:
     its pins at once. vLLM calls it again when the request is scheduled after its load: the state
     is kept, only the block ids are refreshed.
 ``build_meta`` (``build_connector_meta``)
-    emits the pending loads and a :class:`StoreOrder` for every prompt chunk this step completes.
+    emits the pending loads and a :class:`StoreOrder` for every prompt chunk this step completes
+    (with chunked prefill, each step stores the chunks it completed; a partial chunk is never
+    stored). With ``save_decode_tokens`` also chunks filled by generated tokens, one step after
+    their KV is complete: tokens scheduled in a step may be speculative and rolled back, tokens
+    computed before it are final.
 ``finished`` (``request_finished_all_groups``)
     drops the request's state and pins.
 
@@ -34,6 +38,7 @@ is stored at most once per request; every pin taken is released by retrieve, by 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +47,7 @@ from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvgrid.agent.client import AgentClient
-from kvgrid.common.hashing import chunk_keys
+from kvgrid.common.hashing import chain_chunk_keys, chunk_keys, pack_token_ids
 from kvgrid.connector.chunk_policy import loadable_chunks, new_tokens_to_load, storable_chunks
 from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
 from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder, StoreOrder
@@ -143,6 +148,7 @@ class ConnectorScheduler:
         self._requests: dict[str, _RequestState] = {}
         self._load_failed: set[str] = set()
         self._own_peers: list[str] | None = None
+        self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-release")
         self.event_block_size = event_block_size
         self._events: list[KVCacheEvent] = []
 
@@ -257,11 +263,12 @@ class ConnectorScheduler:
         if not self.is_producer:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
-        progress: list[tuple[_RequestState, int]] = []
+        progress: list[tuple[_RequestState, int, int]] = []  # (state, computed before, after the step)
         for new in scheduler_output.scheduled_new_reqs:
             if (fresh := self._requests.get(new.req_id)) is not None:
                 fresh.block_ids = [list(ids) for ids in new.block_ids]
-                progress.append((fresh, new.num_computed_tokens + scheduled.get(new.req_id, 0)))
+                before = new.num_computed_tokens
+                progress.append((fresh, before, before + scheduled.get(new.req_id, 0)))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if (state := self._requests.get(req_id)) is None:
@@ -272,12 +279,17 @@ class ConnectorScheduler:
             elif new_ids is not None:
                 for ids, more in zip(state.block_ids, new_ids, strict=True):
                     ids.extend(more)
-            progress.append((state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0)))
+            before = cached.num_computed_tokens[i]
+            progress.append((state, before, before + scheduled.get(req_id, 0)))
         tpc = self.identity.tokens_per_chunk
-        for state, computed_after_step in progress:
+        for state, computed_before, computed_after in progress:
             if not state.save:
                 continue
-            done = min(storable_chunks(computed_after_step, state.num_prompt_tokens, tpc), len(state.keys[0]))
+            done = storable_chunks(computed_after, state.num_prompt_tokens, tpc)
+            if self.config.save_decode_tokens and computed_before // tpc > done:
+                done = computed_before // tpc
+                self._extend_keys(state, done)
+            done = min(done, len(state.keys[0]))
             if done > state.num_stored_chunks:
                 meta.stores.append(
                     StoreOrder(
@@ -290,6 +302,28 @@ class ConnectorScheduler:
                 self._announce(state.request, state.num_stored_chunks * tpc, done * tpc)
                 state.num_stored_chunks = done
         return meta
+
+    def _extend_keys(self, state: _RequestState, num_chunks: int) -> None:
+        """Chain the keys of the request's chunks up to ``num_chunks`` over its generated tokens."""
+        have = len(state.keys[0])
+        if num_chunks <= have:
+            return
+        tpc = self.identity.tokens_per_chunk
+        request = state.request
+        packed = pack_token_ids(request.all_token_ids[have * tpc : num_chunks * tpc])
+        lora = request.lora_request.lora_name if request.lora_request is not None else ""
+        extended: dict[int, list[bytes]] = {}  # ranks sharing one key list (MLA) extend it once
+        keys = []
+        for rank, rank_keys in enumerate(state.keys):
+            if id(rank_keys) not in extended:
+                prev = (
+                    rank_keys[-1]
+                    if rank_keys
+                    else self.identity.namespace(rank, request.cache_salt or "", lora).seed()
+                )
+                extended[id(rank_keys)] = rank_keys + chain_chunk_keys(prev, packed, tpc)
+            keys.append(extended[id(rank_keys)])
+        state.keys = keys
 
     def _announce(self, request: Request, start_token: int, end_token: int) -> None:
         """Queue a BlockStored event for the vLLM blocks of tokens [start_token, end_token)."""
@@ -364,6 +398,11 @@ class ConnectorScheduler:
         return self._own_peers
 
     def _release(self, request_id: str) -> None:
+        """Drop the request's pins on every rank's agent, off the scheduler's thread: vLLM's
+        scheduler must never wait on an agent that is slow or away (the pins' TTL bounds them)."""
+        self._releaser.submit(self._release_now, request_id)
+
+    def _release_now(self, request_id: str) -> None:
         ident = self.identity
         for rank in range(ident.world_size):
             try:
@@ -374,5 +413,6 @@ class ConnectorScheduler:
                 )
 
     def close(self) -> None:
+        self._releaser.shutdown(wait=True)
         for agent in self._agents.values():
             agent.close()

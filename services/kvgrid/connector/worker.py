@@ -296,7 +296,9 @@ class ConnectorWorker:
             except grpc.RpcError as e:
                 self._note_failure("store", order.request_id, e)
                 continue
-            self.stats.chunks_stored += res.num_stored_chunks
+            # num_stored_chunks counts the held prefix; new = held past the skip, minus those present.
+            new = res.num_stored_chunks - order.skip_first_n_chunks - res.num_already_present
+            self.stats.chunks_stored += max(0, new)
             if res.partial_reason:
                 log.info(
                     "kvgrid store for request %s kept %d chunks: %s",
