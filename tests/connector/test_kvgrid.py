@@ -511,3 +511,23 @@ def test_unreachable_agent_is_a_clear_error(model_config: ModelConfig, tmp_path:
     req = Request("r", prompt(300), SamplingParams(max_tokens=1), None)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     assert os.path.exists(tmp_path / "kv-cache.bin")
+
+
+def test_mamba_state_groups_are_refused_with_a_clear_error(
+    agent: AgentProc, model_config: ModelConfig, tmp_path: Path
+) -> None:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    cfg = make_vllm_config(model_config, agent.uds_path)
+    kv_config, _ = shm_kv_caches(tmp_path)
+    mamba = MambaSpec(
+        block_size=BLOCK,
+        shapes=((3, 8),),
+        dtypes=(torch.bfloat16,),
+        page_size_padded=SPEC.page_size_bytes,
+        mamba_cache_mode="align",
+    )
+    kv_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.2.mixer"], mamba))
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match=r"groups \[1\] hold Mamba state"):
+            KVConnectorFactory.create_connector(cfg, role, kv_config)

@@ -67,6 +67,23 @@ __all__ = [
 ]
 
 
+def _refuse_recurrent_state(kv_cache_config: KVCacheConfig | None) -> None:
+    """Mamba (recurrent state) groups are refused: vLLM hands a connector the exact block-boundary
+    states of ``align`` mode only through ``SchedulerOutput.kv_connector_block_state``, which kvgrid
+    does not read yet; states copied from the block table could be the wrong snapshots."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    bad = [g for g, group in enumerate(groups) if isinstance(group.kv_cache_spec, MambaSpec)]
+    if bad:
+        raise ValueError(
+            f"KVGridConnector: KV cache groups {bad} hold Mamba state (MambaSpec); kvgrid does not "
+            f"cache recurrent state yet (its exact boundary states come through "
+            f"kv_connector_block_state, which kvgrid does not read). Run this model without "
+            f"--kv-transfer-config KVGridConnector"
+        )
+
+
 def _can_prefill_on_loaded_kv(vllm_config: VllmConfig) -> bool:
     """Whether the engine's attention can compute a prompt's tail on top of KV it did not compute
     in the same pass. vLLM's reference MLA kernels outside GPUs cannot (vLLM turns its own prefix
@@ -93,6 +110,7 @@ class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _refuse_recurrent_state(kv_cache_config)
         self.config = parse_connector_config(self._kv_transfer_config.kv_connector_extra_config)
         self.identity = connector_identity(
             vllm_config,
