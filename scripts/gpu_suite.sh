@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_suite.sh [OUTDIR]
 #
-# Missing pure-Python dependencies can be pre-downloaded as wheels into .whl/ (see docs/kernels.md);
+# Missing dependencies can be pre-downloaded as wheels into .whl/ (scripts/fetch_gpu_wheels.sh);
 # they are installed into a private folder, never over the machine's torch. Both source roots
 # (services/ for kvgrid, kernels/ for kvgrid_kernels) go on PYTHONPATH as they are, so nothing is
 # built or installed into the system.
