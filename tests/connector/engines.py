@@ -10,10 +10,14 @@ One engine per process at a time: vLLM keeps its connector in a process global, 
 from __future__ import annotations
 
 import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from kvgrid.connector.scheduler import ConnectorScheduler
@@ -96,6 +100,29 @@ class Completion:
     token_ids: tuple[int, ...]
     logprobs: tuple[tuple[tuple[int, float], ...], ...]
     """Per generated token: the top-k (token id, logprob) pairs."""
+
+
+@contextmanager
+def agent_frozen_after_lookup(
+    engine: Engine, agent: AgentProc, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """Inside: the agent process stops (SIGSTOP) right after the scheduler's lookup found chunks,
+    so the load that follows hangs until it times out; on exit the agent continues."""
+    sched = engine.worker_scheduler
+    lookup = sched.lookup
+
+    def lookup_then_freeze(request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        found = lookup(request, num_computed_tokens)
+        if found[0]:
+            os.kill(agent.proc.pid, signal.SIGSTOP)
+        return found
+
+    monkeypatch.setattr(sched, "lookup", lookup_then_freeze)
+    try:
+        yield
+    finally:
+        os.kill(agent.proc.pid, signal.SIGCONT)
+        monkeypatch.undo()
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -3,8 +3,6 @@ tiny Llama, against a real ``kvgrid agent`` process (engines: tests/connector/en
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,23 +11,9 @@ import pytest
 
 from kvgrid.agent.client import AgentClient
 from tests.agent.helpers import AgentProc, start_agent
-from tests.connector.engines import Engine, make_tiny_llama, prompt
+from tests.connector.engines import Engine, agent_frozen_after_lookup, make_tiny_llama, prompt
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine")
-
-
-@pytest.fixture(scope="module")
-def agent(workdir: Path) -> Iterator[AgentProc]:
-    proc = start_agent(workdir, l1_size="32MiB")
-    try:
-        yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -132,17 +116,7 @@ def test_abort_during_an_async_load_keeps_the_blocks_until_the_load_ends(
     llm_engine = engine.llm.llm_engine
     pool = engine.scheduler.kv_cache_manager.block_pool
     free_before = pool.get_num_free_blocks()
-    sched = engine.worker_scheduler
-    lookup = sched.lookup
-
-    def lookup_then_freeze_the_agent(request, num_computed_tokens):  # type: ignore[no-untyped-def]
-        found = lookup(request, num_computed_tokens)
-        if found[0]:
-            os.kill(agent.proc.pid, signal.SIGSTOP)
-        return found
-
-    monkeypatch.setattr(sched, "lookup", lookup_then_freeze_the_agent)
-    try:
+    with agent_frozen_after_lookup(engine, agent, monkeypatch):
         llm_engine.add_request(
             "abort-me",
             TokensPrompt(prompt_token_ids=tokens, cache_salt="abort"),
@@ -154,9 +128,6 @@ def test_abort_during_an_async_load_keeps_the_blocks_until_the_load_ends(
         for _ in range(3):
             llm_engine.step()
         assert pool.get_num_free_blocks() < free_before  # still held for the load in flight
-    finally:
-        os.kill(agent.proc.pid, signal.SIGCONT)
-        monkeypatch.undo()
     deadline = time.monotonic() + 30
     while pool.get_num_free_blocks() < free_before and time.monotonic() < deadline:
         llm_engine.step()

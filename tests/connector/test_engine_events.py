@@ -13,24 +13,10 @@ import zmq
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
 from kvgrid.connector.scheduler import SKIP_SAVE_PARAM
-from tests.agent.helpers import AgentProc, start_agent
+from tests.agent.helpers import AgentProc
 from tests.connector.engines import Engine, make_tiny_llama, prompt
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("events")
-
-
-@pytest.fixture(scope="module")
-def agent(workdir: Path) -> Iterator[AgentProc]:
-    proc = start_agent(workdir, l1_size="32MiB")
-    try:
-        yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -3,32 +3,15 @@ two KV cache groups under vLLM's hybrid KV cache manager), against a real ``kvgr
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.agent.helpers import AgentProc, start_agent
-from tests.connector.engines import Engine, make_tiny_hybrid, prompt
+from tests.agent.helpers import AgentProc
+from tests.connector.engines import Engine, agent_frozen_after_lookup, make_tiny_hybrid, prompt
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("hybrid")
-
-
-@pytest.fixture(scope="module")
-def agent(workdir: Path) -> Iterator[AgentProc]:
-    proc = start_agent(workdir, l1_size="32MiB")
-    try:
-        yield proc
-    finally:
-        os.kill(proc.proc.pid, signal.SIGCONT)
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -60,23 +43,10 @@ def test_a_failed_load_recomputes_that_request_and_the_engine_keeps_serving(
     vLLM recomputes it (kv_load_failure_policy=recompute); its output is the reference output."""
     tokens = prompt(300, seed=22)
     reference = engine.generate(tokens, salt="fail")
-    sched = engine.worker_scheduler
-    lookup = sched.lookup
-
-    def lookup_then_freeze_the_agent(request, num_computed_tokens):  # type: ignore[no-untyped-def]
-        found = lookup(request, num_computed_tokens)
-        if found[0]:
-            os.kill(agent.proc.pid, signal.SIGSTOP)
-        return found
-
-    monkeypatch.setattr(sched, "lookup", lookup_then_freeze_the_agent)
     stats = engine.worker.worker.stats
     failed = stats.chunks_load_failed
-    try:
+    with agent_frozen_after_lookup(engine, agent, monkeypatch):
         assert engine.generate(tokens, salt="fail") == reference
-    finally:
-        os.kill(agent.proc.pid, signal.SIGCONT)
-        monkeypatch.undo()
     assert stats.chunks_load_failed - failed == 4
     # The engine still serves, and once the worker registered again hits resume.
     assert engine.generate(tokens, salt="fail") == reference

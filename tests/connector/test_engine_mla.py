@@ -12,24 +12,10 @@ from pathlib import Path
 import pytest
 
 from kvgrid.agent.client import AgentClient
-from tests.agent.helpers import AgentProc, start_agent
+from tests.agent.helpers import AgentProc
 from tests.connector.engines import Engine, make_tiny_mla, prompt
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("mla")
-
-
-@pytest.fixture(scope="module")
-def agent(workdir: Path) -> Iterator[AgentProc]:
-    proc = start_agent(workdir, l1_size="64MiB")
-    try:
-        yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

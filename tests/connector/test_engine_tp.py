@@ -17,11 +17,6 @@ from tests.connector.engines import Engine, make_tiny_llama, prompt
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("tp")
-
-
 def start_rank_agent(workdir: Path, rank: int) -> AgentProc:
     directory = workdir / f"rank{rank}"
     directory.mkdir(exist_ok=True)

@@ -72,6 +72,14 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
         dict[str, str | int],
         _d('Layout hints for every layer (kvgrid.common.layouts), e.g. {"backend": "FLASHINFER"}'),
     ] = msgspec.field(default_factory=dict)
+    layerwise: Annotated[
+        bool,
+        _d(
+            "Load inside the step, through vLLM's layer hooks: a layer's attention waits only for its "
+            "own KV, and stores start once the last layer's KV is written. One-group models only "
+            "(hybrid models keep asynchronous loads)"
+        ),
+    ] = False
     save_decode_tokens: Annotated[
         bool,
         _d(

@@ -17,9 +17,9 @@ __all__ = ["KVGridConnectorMetadata", "LoadOrder", "StoreOrder"]
 class LoadOrder:
     """Scatter the leading held chunks of ``keys`` into the request's blocks.
 
-    Loads are asynchronous: the request waits (``WAITING_FOR_REMOTE_KVS``) until a worker reports
-    it in ``finished_recving``, and vLLM frees its blocks only after that, so every load is reported
-    exactly once, whether it succeeded, failed or the request was aborted meanwhile.
+    By default loads are asynchronous: the request waits (``WAITING_FOR_REMOTE_KVS``) until a worker
+    reports it in ``finished_recving``, and vLLM frees its blocks only after that, so every load is
+    reported exactly once, whether it succeeded, failed or the request was aborted meanwhile.
     """
 
     request_id: str
@@ -29,6 +29,9 @@ class LoadOrder:
     """One list per KV cache group, from token 0."""
     skip_first_n_tokens: int
     """The engine's own prefix-cache hit: blocks wholly inside it are not written."""
+    in_step: bool = False
+    """Layer-wise: the request is computed in the same step, so the load must land before each
+    layer's attention (``wait_for_layer_load``) instead of being reported between steps."""
 
 
 @dataclass

@@ -147,6 +147,9 @@ class ConnectorScheduler:
         self._keys: dict[str, list[list[bytes]]] = {}
         self._requests: dict[str, _RequestState] = {}
         self._load_failed: set[str] = set()
+        # Layer-wise loads run inside the step; vLLM maps a failed synchronous load back to its
+        # request only with one KV cache group, so hybrid models keep asynchronous loads.
+        self.in_step_loads = config.layerwise and len(identity.tokens_per_block) == 1
         self._own_peers: list[str] | None = None
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-release")
         self.event_block_size = event_block_size
@@ -221,7 +224,7 @@ class ConnectorScheduler:
             # Pins were taken on some ranks; after_alloc or finished releases them.
             self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens, pinned=True)
         n = new_tokens_to_load(hit, tpc, num_computed_tokens)
-        return n, n > 0
+        return n, n > 0 and not self.in_step_loads
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -246,6 +249,7 @@ class ConnectorScheduler:
                 keys=[k[:n] for k in keys],
                 block_ids=state.block_ids,
                 skip_first_n_tokens=found.num_computed_tokens,
+                in_step=self.in_step_loads,
             )
             state.num_stored_chunks = max(state.num_stored_chunks, n)
         elif found is not None and state.pinned and state.load is None:
@@ -355,7 +359,10 @@ class ConnectorScheduler:
         """Record the loads that ended this step and which of them failed."""
         failed = set(output.failed_recving or ())
         invalid = output.invalid_block_ids or set()
-        for rid in output.finished_recving or ():
+        # Async loads end when a worker reports them; in-step (layer-wise) loads end with their step.
+        ended = set(output.finished_recving or ())
+        ended |= {rid for rid, st in self._requests.items() if st.loading and self.in_step_loads}
+        for rid in ended:
             state = self._requests.get(rid)
             if state is None:
                 continue

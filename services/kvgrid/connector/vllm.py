@@ -206,12 +206,18 @@ class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete between steps (async); nothing is read before they are reported
+        """Layer-wise (``layerwise``): wait until this layer's KV is loaded. Asynchronous loads
+        end between steps, so without in-step loads there is nothing to wait for."""
+        self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        return  # whole-request stores run in wait_for_save
+        """Layer-wise: after the last layer's attention, start the step's stores in the background."""
+        if self.config.layerwise:
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVGridConnectorMetadata)
+            self.worker.layer_saved(layer_name, meta)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()

@@ -88,6 +88,10 @@ class WorkerStats:
     chunks_load_failed: int = 0
     chunks_stored: int = 0
     registrations: int = 0
+    loads_in_step: int = 0
+    """Layer-wise loads waited for inside a step (by the first layer or at the step's end)."""
+    stores_from_last_layer: int = 0
+    """Layer-wise: steps whose stores started when the last layer's KV was written."""
 
 
 @dataclass
@@ -96,6 +100,8 @@ class _Registration:
     infos: list[EngineGroupInfo]
     shm_paths: list[str] | None
     hints: Sequence[Any]
+    last_layer: str
+    """The layer whose attention runs last in a forward (layers run in registration order)."""
 
 
 class ConnectorWorker:
@@ -114,6 +120,9 @@ class ConnectorWorker:
         self._lock = threading.Lock()
         self._loading: dict[str, Future[LoadOutcome]] = {}
         self._invalid_block_ids: set[int] = set()
+        self._step_loads: list[Future[LoadOutcome]] = []
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-store")
+        self._saving: Future[None] | None = None
         self.stats = WorkerStats()
 
     # ---- registration ---------------------------------------------------------------------------
@@ -137,7 +146,7 @@ class ConnectorWorker:
             raise ValueError("KVGridConnector: no KV cache config and no cache_config.block_size")
         self._transfer_groups = tuple(sorted({i.engine_group_id for i in infos})) if infos else (0,)
         self._cuda = any(t.is_cuda for t in tensors)
-        self._registration = _Registration(tensors, infos, shm_paths, hints)
+        self._registration = _Registration(tensors, infos, shm_paths, hints, names[-1])
         try:
             self._send_registration()
         except grpc.RpcError as e:
@@ -200,7 +209,37 @@ class ConnectorWorker:
         self._sync_engine_stream()  # the runner's zeroing of fresh blocks must land first
         with self._lock:
             for order in meta.loads:
-                self._loading[order.request_id] = self._loader.submit(self._load, order)
+                future = self._loader.submit(self._load, order)
+                if order.in_step:
+                    self._step_loads.append(future)
+                else:
+                    self._loading[order.request_id] = future
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Layer-wise: return once the step's loads have written ``layer_name``'s KV. The agent
+        moves a request's layers in one call, so the first layer waits for all of them."""
+        if self._step_loads:
+            self._finish_step_loads()
+
+    def _finish_step_loads(self) -> None:
+        """Wait for the step's in-step loads; their missing blocks are reported this step."""
+        loads, self._step_loads = self._step_loads, []
+        for future in loads:
+            out = future.result()
+            self.stats.chunks_loaded += out.loaded
+            self.stats.chunks_load_failed += out.wanted - out.loaded
+            self.stats.loads_in_step += 1
+            if out.loaded < out.wanted:
+                self._invalid_block_ids |= self._failed_blocks(out)
+
+    def layer_saved(self, layer_name: str, meta: KVGridConnectorMetadata) -> None:
+        """Layer-wise: once the last layer's KV is written, start the step's stores in the
+        background while the rest of the forward runs; ``store`` waits for them."""
+        reg = self._registration
+        if meta.stores and reg is not None and layer_name == reg.last_layer and self._saving is None:
+            self._sync_engine_stream()
+            self._saving = self._saver.submit(self._store_all, meta)
+            self.stats.stores_from_last_layer += 1
 
     def _my_keys(self, keys: list[list[bytes]]) -> list[bytes]:
         return keys[self.identity.rank] if len(keys) > self.identity.rank else keys[0]
@@ -279,12 +318,24 @@ class ConnectorWorker:
     # ---- stores ---------------------------------------------------------------------------------
 
     def store(self, meta: KVGridConnectorMetadata) -> None:
-        """Issue this step's Stores; returns when the agent holds the chunks (best effort). With
-        replicated KV (MLA under TP) only rank 0 stores: the other ranks' bytes are the same."""
+        """End of the step (``wait_for_save``): finish in-step loads that no layer waited for, then
+        issue this step's Stores -- or wait for those the last layer started -- and return when the
+        agent holds the chunks (best effort)."""
+        if self._step_loads:
+            self._finish_step_loads()
+        if self._saving is not None:
+            saving, self._saving = self._saving, None
+            saving.result()
+        else:
+            if meta.stores:
+                self._sync_engine_stream()  # the forward's KV writes must land before the agent reads
+            self._store_all(meta)
+        self.maybe_reregister()
+
+    def _store_all(self, meta: KVGridConnectorMetadata) -> None:
+        """With replicated KV (MLA under TP) only rank 0 stores: the other ranks' bytes are the same."""
         if self.identity.replicated_kv and self.identity.rank != 0:
             return
-        if meta.stores:
-            self._sync_engine_stream()  # the forward's KV writes must land before the agent reads
         for order in meta.stores:
             try:
                 res = self.agent.store(
@@ -306,7 +357,6 @@ class ConnectorWorker:
                     res.num_stored_chunks,
                     res.partial_reason,
                 )
-        self.maybe_reregister()
 
     def _sync_engine_stream(self) -> None:
         # The agent copies on its own CUDA stream; kernels queued on the engine's stream (zeroing,
@@ -318,6 +368,7 @@ class ConnectorWorker:
     def close(self) -> None:
         # Loads still running finish (their blocks are still held by vLLM until reported).
         self._loader.shutdown(wait=True)
+        self._saver.shutdown(wait=True)
         if self._registration is not None:
             try:
                 self.agent.unregister_kv_caches(self.identity.instance_id)
