@@ -531,3 +531,9 @@ def test_mamba_state_groups_are_refused_with_a_clear_error(
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(ValueError, match=r"groups \[1\] hold Mamba state"):
             KVConnectorFactory.create_connector(cfg, role, kv_config)
+
+
+def test_layerwise_asks_vllm_for_piecewise_cuda_graphs() -> None:
+    # wait_for_layer_load and save_kv_layer are Python between layers: a full graph would skip them.
+    assert KVGridConnector.requires_piecewise_for_cudagraph({"layerwise": True}) is True
+    assert KVGridConnector.requires_piecewise_for_cudagraph({}) is False

@@ -151,6 +151,11 @@ class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("KVGridConnector: a worker hook was called on the scheduler-side instance")
         return self._worker
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise hooks run Python between layers, which a full CUDA graph would skip."""
+        return parse_connector_config(extra_config).layerwise
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is only a future miss
