@@ -120,10 +120,10 @@ def test_lru_order_and_policy_names() -> None:
 def test_prefix_semantics_and_layout_mismatch() -> None:
     cache = ChunkCache(L1Pool(16 * PAGE, page_bytes=PAGE))
     assert store(cache, [key(0), key(1)])[:2] == (2, 0)
-    assert cache.prefix_length([key(0), key(1), key(2)], "L") == (2, MissCause.NOT_FOUND)
-    assert cache.prefix_length([key(1), key(0)], "L") == (2, MissCause.NONE)
-    assert cache.prefix_length([key(5), key(0)], "L") == (0, MissCause.NOT_FOUND)
-    assert cache.prefix_length([key(0)], "other") == (0, MissCause.LAYOUT_MISMATCH)
+    assert cache.prefix_length([key(0), key(1), key(2)], "L", namespace_id="ns") == (2, MissCause.NOT_FOUND)
+    assert cache.prefix_length([key(1), key(0)], "L", namespace_id="ns") == (2, MissCause.NONE)
+    assert cache.prefix_length([key(5), key(0)], "L", namespace_id="ns") == (0, MissCause.NOT_FOUND)
+    assert cache.prefix_length([key(0)], "other", namespace_id="ns") == (0, MissCause.LAYOUT_MISMATCH)
     # Storing again finds them present and copies nothing.
     res = cache.reserve_store([key(0), key(1), key(2)], namespace_id="ns", layout_id="L", nbytes=PAGE)
     assert [new for _, _, new in res.entries] == [False, False, True]
@@ -134,13 +134,13 @@ def test_pressure_keeps_a_prefix_and_never_evicts_pinned_chunks() -> None:
     rec = Recorder()
     cache = ChunkCache(L1Pool(8 * PAGE, page_bytes=PAGE), listener=rec, high_watermark=1.0, low_watermark=1.0)
     assert store(cache, [key(i) for i in range(4)])[0] == 4
-    n, _ = cache.pin(("e", "r"), [key(i) for i in range(4)], "L", ttl_s=60)
+    n, _ = cache.pin(("e", "r"), [key(i) for i in range(4)], "L", ttl_s=60, namespace_id="ns")
     assert n == 4
     # 4 pinned pages + 4 free pages: a 6-chunk store keeps the first 4 and says why.
     held, present, reason = store(cache, [key(10 + i) for i in range(6)], fill=2)
     assert held == 4 and present == 0
     assert reason.startswith("l1_full: chunk 4 of 6")
-    assert cache.prefix_length([key(i) for i in range(4)], "L")[0] == 4  # pins survived
+    assert cache.prefix_length([key(i) for i in range(4)], "L", namespace_id="ns")[0] == 4  # pins survived
     assert rec.evicted == []
     # Unpinned, the old chunks are evictable again (LRU: they are the oldest).
     assert cache.unpin(("e", "r")) == 4
@@ -153,13 +153,13 @@ def test_pressure_keeps_a_prefix_and_never_evicts_pinned_chunks() -> None:
 def test_reserved_and_referenced_chunks_are_not_evicted() -> None:
     cache = ChunkCache(L1Pool(4 * PAGE, page_bytes=PAGE), high_watermark=1.0, low_watermark=1.0)
     store(cache, [key(0), key(1)])
-    chunks, _ = cache.acquire_prefix([key(0)], "L")
+    chunks, _ = cache.acquire_prefix([key(0)], "L", namespace_id="ns")
     res = cache.reserve_store([key(2), key(3), key(4), key(5)], namespace_id="ns", layout_id="L", nbytes=PAGE)
     # key(1) is evicted for key(4); key(0) is referenced and keys 2-4 reserved, so key(5) does not fit.
     assert len(res.new_chunks) == 3 and res.stopped_at == 3
-    assert cache.contains(key(0)) and not cache.contains(key(1))
+    assert cache.contains(key(0), namespace_id="ns") and not cache.contains(key(1), namespace_id="ns")
     cache.abort(res)  # nothing of an aborted store is visible, its pages are free again
-    assert not cache.contains(key(2)) and cache.pool.used_bytes == PAGE
+    assert not cache.contains(key(2), namespace_id="ns") and cache.pool.used_bytes == PAGE
     cache.release(chunks)
     with pytest.raises(AssertionError):
         cache.release(chunks)
@@ -172,7 +172,7 @@ def test_watermark_eviction_frees_down_to_low_watermark() -> None:
     store(cache, [key(100)])
     # 8 used + 1 incoming > 80%: evict until used + incoming <= 50%.
     assert cache.pool.used_bytes <= 5 * PAGE
-    assert cache.contains(key(100)) and not cache.contains(key(0))
+    assert cache.contains(key(100), namespace_id="ns") and not cache.contains(key(0), namespace_id="ns")
 
 
 def test_concurrent_commit_of_one_key_keeps_the_first_copy() -> None:
@@ -183,7 +183,7 @@ def test_concurrent_commit_of_one_key_keeps_the_first_copy() -> None:
     b.new_chunks[0][1].buffer.fill_(2)
     assert cache.commit(a) == (1, 0)
     assert cache.commit(b) == (1, 1)
-    chunks, _ = cache.acquire_prefix([key(7)], "L")
+    chunks, _ = cache.acquire_prefix([key(7)], "L", namespace_id="ns")
     assert int(chunks[0].buffer[0]) == 1
     cache.release(chunks)
     assert cache.pool.used_bytes == PAGE
@@ -193,7 +193,7 @@ def test_pin_ttl_expires() -> None:
     now = [0.0]
     cache = ChunkCache(L1Pool(4 * PAGE, page_bytes=PAGE), clock=lambda: now[0])
     store(cache, [key(0)])
-    cache.pin(("e", "r"), [key(0)], "L", ttl_s=1.0)
+    cache.pin(("e", "r"), [key(0)], "L", ttl_s=1.0, namespace_id="ns")
     assert cache.stats().num_pins == 1
     now[0] = 0.5
     assert cache.expire_pins() == 0

@@ -215,9 +215,10 @@ def test_layout_mismatch_is_refused(cluster: Cluster, engines: tuple[Engine, Eng
         assert [m.chunk_index for m in parts][-1] == 1 and parts[0].num_chunks == 2
         assert sum(len(m.data) for m in parts) == 2 * e1.bytes_per_chunk
         with pytest.raises(grpc.RpcError) as err:
-            list(peer.fetch_chunks(keys, "0123456789abcdef"))
+            list(peer.fetch_chunks(keys, "0123456789abcdef", namespace_id=NS_ID))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert e1.layout_id in err.value.details() and "0123456789abcdef" in err.value.details()
+    # The error names what the caller sent, never the layout the chunk is held in.
+    assert e1.layout_id not in err.value.details() and "0123456789abcdef" in err.value.details()
 
     # An engine on B whose KV has another dtype: same keys, other layout -> B cannot use A's chunks.
     d = cluster.root / "e3"
@@ -286,7 +287,9 @@ def _stream(port: int, keys: list[bytes], part: int) -> tuple[grpc.Channel, Any]
     """FetchChunks over a channel without BDP probing, so HTTP/2 flow control keeps the 64 KiB
     default window and the server cannot run far ahead of what this test reads."""
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.http2.bdp_probe", 0)])
-    req = agent_pb2.FetchChunksRequest(chunk_keys=keys, layout_id="L", max_part_bytes=part)
+    req = agent_pb2.FetchChunksRequest(
+        chunk_keys=keys, layout_id="L", namespace_id=NS_ID, max_part_bytes=part
+    )
     return ch, agent_pb2_grpc.AgentServiceStub(ch).FetchChunks(req, timeout=10)
 
 
@@ -298,14 +301,14 @@ def test_fetch_stream_holds_chunks_until_sent(tmp_path: Path) -> None:
         keys = keys_for(505, 3)
         nbytes = 512 * 1024
         contents = _put(server, keys, nbytes)
-        ch, stream = _stream(server.tcp_port or 0, keys, 16 * 1024)
+        ch, stream = _stream(server.tcp_port or 0, keys, 64 * 1024)
         with ch:
             first = next(stream)
             assert (first.num_chunks, first.chunk_index, first.offset, len(first.data)) == (
                 3,
                 0,
                 0,
-                16 * 1024,
+                64 * 1024,
             )
             # Mid-stream nothing that is still to be sent can be evicted.
             assert cache.clear() == 0
@@ -319,7 +322,7 @@ def test_fetch_stream_holds_chunks_until_sent(tmp_path: Path) -> None:
 
         # A client that goes away mid-stream leaves no references behind.
         _put(server, keys, nbytes)
-        ch, stream = _stream(server.tcp_port or 0, keys, 16 * 1024)
+        ch, stream = _stream(server.tcp_port or 0, keys, 64 * 1024)
         with ch:
             next(stream)
             stream.cancel()
@@ -386,8 +389,8 @@ def test_fetch_keeps_only_complete_chunks_when_the_peer_fails(fault: str) -> Non
         peer.server.stop(0)
     assert res.chunks == 1 and res.nbytes == nbytes
     assert res.error.startswith("unavailable" if fault == "dies_mid_chunk" else "protocol"), res.error
-    assert cache.prefix_length(keys, "L")[0] == 1
-    assert cache.acquire_prefix(keys[:1], "L")[0][0].buffer.numpy().tobytes() == c0
+    assert cache.prefix_length(keys, "L", namespace_id=NS_ID)[0] == 1
+    assert cache.acquire_prefix(keys[:1], "L", namespace_id=NS_ID)[0][0].buffer.numpy().tobytes() == c0
     # The half-received chunk's reservation is gone: only chunk 0's pages are in use.
     assert cache.stats().used_bytes == cache.pool.pages_for(nbytes) * cache.pool.page_bytes
 

@@ -7,6 +7,12 @@ the leading hits (refcount +1, so eviction cannot take them mid-copy), copies, t
 
 Every state change and every event callback happens under one lock, so a snapshot's key set and
 its last event sequence number always agree.
+
+Tenant isolation: chunks are indexed by (namespace_id, key), never by key alone. Every read (prefix
+walk, pin, acquire, ``contains``, ``layout_of``) names the reader's namespace and sees only chunks
+stored in that namespace; a chunk another namespace stored under the same key is invisible to it
+(a plain miss, ``not_found``: its layout or presence is never revealed), and a store in one
+namespace neither reuses nor displaces another namespace's chunk under the same key.
 """
 
 from __future__ import annotations
@@ -96,8 +102,14 @@ class CacheStats:
     allocation_failures: int
 
 
+def _index_key(namespace_id: str, key: bytes) -> bytes:
+    """The index (and eviction-policy) key of ``key`` stored in ``namespace_id``: keys are fixed
+    length, so ``key + namespace_id`` is unambiguous."""
+    return key + namespace_id.encode()
+
+
 class ChunkCache:
-    """The L1 chunk index. Thread-safe."""
+    """The L1 chunk index, by (namespace_id, key). Thread-safe."""
 
     def __init__(
         self,
@@ -120,7 +132,7 @@ class ChunkCache:
         self.listener: CacheListener = listener if listener is not None else _NullListener()
         self._clock = clock
         self._lock = threading.RLock()
-        self._chunks: dict[bytes, Chunk] = {}
+        self._chunks: dict[bytes, Chunk] = {}  # by _index_key(namespace_id, key)
         self._pins: dict[tuple[str, str], _Pin] = {}
         self._next_deadline = float("inf")
         self.evictions = 0
@@ -129,10 +141,12 @@ class ChunkCache:
 
     # ---- queries -------------------------------------------------------------------------
 
-    def _walk(self, keys: Sequence[bytes], layout_id: str) -> tuple[list[Chunk], MissCause]:
+    def _walk(
+        self, keys: Sequence[bytes], namespace_id: str, layout_id: str
+    ) -> tuple[list[Chunk], MissCause]:
         hits: list[Chunk] = []
         for key in keys:
-            chunk = self._chunks.get(key)
+            chunk = self._chunks.get(_index_key(namespace_id, key))
             if chunk is None:
                 return hits, MissCause.NOT_FOUND
             if chunk.layout_id != layout_id:
@@ -140,30 +154,35 @@ class ChunkCache:
             hits.append(chunk)
         return hits, MissCause.NONE
 
-    def contains(self, key: bytes) -> bool:
+    def contains(self, key: bytes, *, namespace_id: str) -> bool:
+        """Whether ``namespace_id`` holds ``key``."""
         with self._lock:
-            return key in self._chunks
+            return _index_key(namespace_id, key) in self._chunks
 
-    def layout_of(self, key: bytes) -> str | None:
-        """layout_id of the chunk held under ``key``, None if it is not held."""
+    def layout_of(self, key: bytes, *, namespace_id: str) -> str | None:
+        """layout_id of the chunk ``namespace_id`` holds under ``key``, None if it holds none."""
         with self._lock:
-            chunk = self._chunks.get(key)
+            chunk = self._chunks.get(_index_key(namespace_id, key))
             return None if chunk is None else chunk.layout_id
 
-    def prefix_length(self, keys: Sequence[bytes], layout_id: str) -> tuple[int, MissCause]:
-        """Leading chunks held (no refs taken, no LRU touch)."""
+    def prefix_length(
+        self, keys: Sequence[bytes], layout_id: str, *, namespace_id: str
+    ) -> tuple[int, MissCause]:
+        """Leading chunks ``namespace_id`` holds (no refs taken, no LRU touch)."""
         with self._lock:
-            hits, cause = self._walk(keys, layout_id)
+            hits, cause = self._walk(keys, namespace_id, layout_id)
             return len(hits), cause
 
-    def acquire_prefix(self, keys: Sequence[bytes], layout_id: str) -> tuple[list[Chunk], MissCause]:
-        """Leading hits with a reference each (release them with :meth:`release`)."""
+    def acquire_prefix(
+        self, keys: Sequence[bytes], layout_id: str, *, namespace_id: str
+    ) -> tuple[list[Chunk], MissCause]:
+        """Leading hits of ``namespace_id`` with a reference each (release them with :meth:`release`)."""
         with self._lock:
             self._expire_pins_locked()
-            hits, cause = self._walk(keys, layout_id)
+            hits, cause = self._walk(keys, namespace_id, layout_id)
             for c in hits:
                 c.refcount += 1
-                self.policy.on_access(c.key)
+                self.policy.on_access(_index_key(c.namespace_id, c.key))
             return hits, cause
 
     def release(self, chunks: Iterable[Chunk]) -> None:
@@ -186,7 +205,7 @@ class ChunkCache:
     ) -> StoreReservation:
         """Reserve room for every missing chunk, in order, stopping at the first that does not fit.
 
-        Present chunks (same layout) are referenced, not copied again. Chunks before
+        Present chunks (same namespace and layout) are referenced, not copied again. Chunks before
         ``skip_first_n`` are only referenced if present. A key held with another layout is
         treated as a collision and stops the store there (reason ``layout_mismatch``).
         """
@@ -194,13 +213,14 @@ class ChunkCache:
         with self._lock:
             self._expire_pins_locked()
             for i, key in enumerate(keys):
-                chunk = self._chunks.get(key)
+                ikey = _index_key(namespace_id, key)
+                chunk = self._chunks.get(ikey)
                 if chunk is not None:
                     if chunk.layout_id != layout_id:
                         res.stopped_at, res.reason = i, f"layout_mismatch: chunk {i} held with another layout"
                         break
                     chunk.refcount += 1
-                    self.policy.on_access(key)
+                    self.policy.on_access(ikey)
                     res.entries.append((i, chunk, False))
                     continue
                 if i < skip_first_n:
@@ -244,13 +264,14 @@ class ChunkCache:
                 if not new:
                     present += 1
                     continue
-                if chunk.key in self._chunks:
+                ikey = _index_key(chunk.namespace_id, chunk.key)
+                if ikey in self._chunks:
                     self.pool.free(chunk.start_page, chunk.num_pages)
                     present += 1
                     continue
                 chunk.committed = True
-                self._chunks[chunk.key] = chunk
-                self.policy.on_insert(chunk.key)
+                self._chunks[ikey] = chunk
+                self.policy.on_insert(ikey)
                 admitted.append(chunk.key)
             if admitted:
                 self.listener.on_admit(res.namespace_id, admitted)
@@ -278,21 +299,21 @@ class ChunkCache:
         or, with ``stop_when_allocatable``, until a run of that many pages is free."""
         evicted: dict[str, list[bytes]] = {}
         target_used = self.pool.capacity_bytes - want_free_bytes
-        for key in self.policy.candidates():
+        for ikey in self.policy.candidates():
             if stop_when_allocatable:
                 if self.pool.allocator.largest_free_run() >= stop_when_allocatable:
                     break
             elif self.pool.used_bytes <= target_used:
                 break
-            chunk = self._chunks[key]
+            chunk = self._chunks[ikey]
             if chunk.refcount > 0:
                 continue
-            del self._chunks[key]
-            self.policy.on_remove(key)
+            del self._chunks[ikey]
+            self.policy.on_remove(ikey)
             self.pool.free(chunk.start_page, chunk.num_pages)
             self.evictions += 1
             self.evicted_bytes += chunk.nbytes
-            evicted.setdefault(chunk.namespace_id, []).append(key)
+            evicted.setdefault(chunk.namespace_id, []).append(chunk.key)
         for ns, keys in evicted.items():
             self.listener.on_evict(ns, keys)
 
@@ -320,12 +341,18 @@ class ChunkCache:
     # ---- pins ----------------------------------------------------------------------------
 
     def pin(
-        self, owner: tuple[str, str], keys: Sequence[bytes], layout_id: str, ttl_s: float
+        self,
+        owner: tuple[str, str],
+        keys: Sequence[bytes],
+        layout_id: str,
+        ttl_s: float,
+        *,
+        namespace_id: str,
     ) -> tuple[int, MissCause]:
-        """Pin the leading hits for ``owner`` = (instance_id, request_id) until unpinned or
-        ``ttl_s`` passes. A second pin by the same owner replaces the first."""
+        """Pin ``namespace_id``'s leading hits for ``owner`` = (instance_id, request_id) until
+        unpinned or ``ttl_s`` passes. A second pin by the same owner replaces the first."""
         with self._lock:
-            hits, cause = self.acquire_prefix(keys, layout_id)
+            hits, cause = self.acquire_prefix(keys, layout_id, namespace_id=namespace_id)
             self._unpin_locked(owner)
             if hits:
                 deadline = self._clock() + ttl_s
@@ -373,8 +400,8 @@ class ChunkCache:
         """Every committed key per namespace id, and the listener's last sequence number."""
         with self._lock:
             out: dict[str, list[bytes]] = {}
-            for key, chunk in self._chunks.items():
-                out.setdefault(chunk.namespace_id, []).append(key)
+            for chunk in self._chunks.values():
+                out.setdefault(chunk.namespace_id, []).append(chunk.key)
             return out, self.listener.last_sequence()
 
     def stats(self) -> CacheStats:

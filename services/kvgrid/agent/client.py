@@ -198,12 +198,13 @@ class AgentClient:
         chunk_keys: Sequence[bytes],
         layout_id: str,
         *,
-        namespace_id: str = "",
+        namespace_id: str,
         max_part_bytes: int = 0,
         timeout_s: float | None = None,
     ) -> Iterator[agent_pb2.FetchChunksResponse]:
-        """The peer-fetch stream (usually agent to agent over TCP): parts of the leading chunks held
-        in layout ``layout_id``. A chunk held in another layout is FAILED_PRECONDITION."""
+        """The peer-fetch stream (usually agent to agent over TCP): parts of the leading chunks
+        stored in namespace ``namespace_id`` (required) and held in layout ``layout_id``. A chunk
+        held in another layout is FAILED_PRECONDITION."""
         req = agent_pb2.FetchChunksRequest(
             chunk_keys=chunk_keys,
             layout_id=layout_id,

@@ -362,9 +362,9 @@ class AgentCore:
             # must not evict the prefix it extends.
             held: list[Chunk] = []
             if request_id:
-                n, cause = self.cache.pin(owner, keys, inst.layout_id, ttl)
+                n, cause = self.cache.pin(owner, keys, inst.layout_id, ttl, namespace_id=inst.namespace_id)
             else:
-                held, cause = self.cache.acquire_prefix(keys, inst.layout_id)
+                held, cause = self.cache.acquire_prefix(keys, inst.layout_id, namespace_id=inst.namespace_id)
                 n = len(held)
             local = n
             try:
@@ -379,9 +379,13 @@ class AgentCore:
                     )
                     if fetched.chunks:
                         if request_id:
-                            n, cause = self.cache.pin(owner, keys, inst.layout_id, ttl)
+                            n, cause = self.cache.pin(
+                                owner, keys, inst.layout_id, ttl, namespace_id=inst.namespace_id
+                            )
                         else:
-                            n, cause = self.cache.prefix_length(keys, inst.layout_id)
+                            n, cause = self.cache.prefix_length(
+                                keys, inst.layout_id, namespace_id=inst.namespace_id
+                            )
                     if fetched.error and n < len(keys):
                         cause = MissCause.PEER_FAILED
             finally:
@@ -427,7 +431,7 @@ class AgentCore:
             ids = self._ids_per_chunk(
                 inst, block_ids, range(len(keys)), skip_first_n_tokens, allow_holes=True
             )
-            chunks, cause = self.cache.acquire_prefix(keys, inst.layout_id)
+            chunks, cause = self.cache.acquire_prefix(keys, inst.layout_id, namespace_id=inst.namespace_id)
             try:
                 n = len(chunks)
                 t0 = time.perf_counter()

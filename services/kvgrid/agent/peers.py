@@ -1,9 +1,12 @@
 """Peer fetch: copying chunks another agent holds in its L1 into this agent's L1.
 
 Serving side (:class:`ChunkSender`, behind ``AgentService.FetchChunks`` on TCP): the leading held
-chunks of the requested keys, in the caller's chunk layout, are referenced when the call starts
-(eviction cannot free them mid-stream) and streamed in order, each split into parts of at most
-``part_bytes``; each chunk's reference is dropped once its last part is out.
+chunks of the requested keys, stored in the caller's namespace (required: chunks are never served
+across namespaces) and in the caller's chunk layout, are referenced when the call starts (eviction
+cannot free them mid-stream) and streamed in order, each split into parts of at most
+``part_bytes`` and at least ``min_part_bytes`` (a caller cannot make the sender hold a thread for
+one message per byte); each chunk's reference is dropped once its last part is out. Errors name
+only what the caller sent (never another chunk's layout).
 
 Fetching side (:class:`PeerFetcher`, used by ``Lookup``): ask the controller which pods hold the
 next keys in L1 (``MatchPrefix`` over the keys after the local hits), map pod -> agent address
@@ -29,10 +32,11 @@ from kvgrid.agent.cache import ChunkCache, MissCause
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import Chunk
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
-from kvgrid.common.errors import FailedPrecondition, InvalidArgument, client_input
+from kvgrid.common.errors import FailedPrecondition, InvalidArgument, check_namespace_id, client_input
 from kvgrid.common.hashing import check_chunk_keys
 
 __all__ = [
+    "MIN_PART_BYTES",
     "ChunkSender",
     "LayoutMismatchError",
     "PeerCandidate",
@@ -48,6 +52,10 @@ log = logging.getLogger(__name__)
 
 # Room for the message's other fields next to the data part.
 _MESSAGE_OVERHEAD = 1024
+
+MIN_PART_BYTES = 64 * 1024
+"""Floor on a FetchChunks part: a smaller ``max_part_bytes`` is raised to it (never above the
+sender's own part size), so a caller cannot make a stream cost one message per few bytes."""
 
 
 class LayoutMismatchError(FailedPrecondition):
@@ -149,32 +157,31 @@ class ChunkSender:
         *,
         part_bytes: int,
         max_chunks: int,
+        min_part_bytes: int = MIN_PART_BYTES,
         metrics: PeerMetrics | None = None,
     ) -> None:
         if not req.layout_id:
             raise InvalidArgument(
                 "layout_id is empty: expected the caller's RegisterKVCachesResponse.layout_id"
             )
+        namespace_id = check_namespace_id(
+            req.namespace_id, "namespace_id", "of the caller's registration (chunks are served per namespace)"
+        )
         with client_input():
             keys = check_chunk_keys(req.chunk_keys)[:max_chunks]
         if req.max_part_bytes:
-            part_bytes = min(part_bytes, int(req.max_part_bytes))
+            part_bytes = min(part_bytes, max(int(req.max_part_bytes), min_part_bytes))
         self.part_bytes = max(1, part_bytes)
         self.cache = cache
         self.metrics = metrics
         self.requester = req.requester_pod_uid
-        chunks, cause = cache.acquire_prefix(keys, req.layout_id)
-        if req.namespace_id:
-            for i, c in enumerate(chunks):
-                if c.namespace_id != req.namespace_id:
-                    cache.release(chunks[i:])
-                    chunks = chunks[:i]
-                    break
+        chunks, cause = cache.acquire_prefix(keys, req.layout_id, namespace_id=namespace_id)
         if not chunks and cause == MissCause.LAYOUT_MISMATCH and keys:
-            held = cache.layout_of(keys[0])
+            # Names only what the caller sent: the held layout is not revealed.
             raise LayoutMismatchError(
-                f"chunk_keys[0] is held with layout_id={held!r} but the caller needs layout_id="
-                f"{req.layout_id!r}: the chunk byte layouts differ (model, dtype, block size or KV layout)"
+                f"chunk_keys[0] is held in namespace_id={namespace_id!r} with another layout than "
+                f"layout_id={req.layout_id!r}: the chunk byte layouts differ (model, dtype, block size "
+                f"or KV layout)"
             )
         self._lock = threading.Lock()
         self._pending: list[Chunk] = chunks  # referenced, not yet fully sent
