@@ -56,18 +56,20 @@ def test_control_loaded_bytes_decide_the_output(engine: Engine, agent: AgentProc
     worker = engine.worker.worker
     reg = worker._registration
     assert reg is not None
-    namespace = worker.identity.namespace(0, cache_salt="poison")
+    # The agent serves a chunk only to instances of the namespace that stored it (the engine's, as
+    # registered); the request's salt changes the keys.
+    keys = chunk_keys(tokens, worker.identity.namespace(0, cache_salt="poison"))
     with AgentClient(agent.uds_path) as client:
         client.register_kv_caches(
             "poisoner",
             reg.tensors,
-            namespace=namespace,
+            namespace=worker.identity.namespace(0),
             engine_groups=reg.infos,
             shm_paths=reg.shm_paths,
             layout_hints=reg.hints,
         )
         blocks = [list(range(1, 1 + 2 * 4))]  # any written blocks: not this prompt's KV
-        stored = client.store("poisoner", chunk_keys(tokens, namespace)[:4], blocks)
+        stored = client.store("poisoner", keys[:4], blocks)
         assert stored.num_stored_chunks == 4
         client.unregister_kv_caches("poisoner")
     loaded_before = worker.stats.chunks_loaded

@@ -57,7 +57,17 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
         _d("How long a Lookup pins the chunks it found until they are loaded (ms); 0 = the agent's default"),
         msgspec.Meta(ge=0),
     ] = 0
-    rpc_timeout_s: Annotated[float, _d("Deadline of each agent call (s)"), msgspec.Meta(gt=0)] = 30.0
+    rpc_timeout_s: Annotated[float, _d("Deadline of each worker-side agent call (s)"), msgspec.Meta(gt=0)] = (
+        30.0
+    )
+    lookup_timeout_s: Annotated[
+        float,
+        _d(
+            "Deadline of the scheduler's Lookup (s): vLLM's scheduler waits no longer for an agent "
+            "that hangs (a peer fetch inside the Lookup must fit: the agent's --peer-fetch-timeout-ms)"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 2.0
     model_name: Annotated[
         str, _d("Model name in the key namespace; empty = vLLM's --model (the weights path or id)")
     ] = ""

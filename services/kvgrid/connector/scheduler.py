@@ -38,6 +38,7 @@ is stored at most once per request; every pin taken is released by retrieve, by 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -140,9 +141,12 @@ class ConnectorScheduler:
         self.is_consumer = is_consumer
         self.is_producer = is_producer
         self._agents = {
-            address: AgentClient(address, timeout_s=config.rpc_timeout_s)
+            address: AgentClient(address, timeout_s=config.lookup_timeout_s)
             for address in dict.fromkeys(identity.agent_addresses)
         }
+        # An agent whose call failed is left alone until this time.monotonic() value: the
+        # scheduler must not wait a deadline per request on an agent that is away or hung.
+        self._agent_back_off: dict[str, float] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._keys: dict[str, list[list[bytes]]] = {}
         self._requests: dict[str, _RequestState] = {}
@@ -199,8 +203,12 @@ class ConnectorScheduler:
         ident = self.identity
         peers = _peers_of(request, ident.world_size)
         for rank in range(ident.world_size):
+            address = ident.agent_addresses[rank]
+            if time.monotonic() < self._agent_back_off.get(address, 0.0):
+                hit = 0
+                break
             try:
-                res = self._agents[ident.agent_addresses[rank]].lookup(
+                res = self._agents[address].lookup(
                     ident.instance_ids[rank],
                     request.request_id,
                     keys[rank][:hit],
@@ -215,6 +223,7 @@ class ConnectorScheduler:
                     rank,
                     rpc_text(e),
                 )
+                self._agent_back_off[address] = time.monotonic() + self.config.reregister_interval_s
                 hit = 0
             else:
                 hit = min(hit, res.num_hit_chunks)

@@ -92,6 +92,8 @@ class WorkerStats:
     """Layer-wise loads waited for inside a step (by the first layer or at the step's end)."""
     stores_from_last_layer: int = 0
     """Layer-wise: steps whose stores started when the last layer's KV was written."""
+    stores_skipped: int = 0
+    """Store orders dropped while the agent was away (registration stale)."""
 
 
 @dataclass
@@ -122,6 +124,8 @@ class ConnectorWorker:
         self._invalid_block_ids: set[int] = set()
         self._step_loads: list[Future[LoadOutcome]] = []
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-store")
+        self._registrar = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-register")
+        self._reregistering: Future[None] | None = None
         self._saving: Future[None] | None = None
         self.stats = WorkerStats()
 
@@ -186,13 +190,19 @@ class ConnectorWorker:
         log.warning("kvgrid %s for request %s failed: %s", what, request_id, text)
 
     def maybe_reregister(self) -> None:
-        """Register again if a call showed the agent lost this instance (rate-limited)."""
+        """Register again if a call showed the agent lost this instance: in the background,
+        at most every ``reregister_interval_s``, so a hung agent never holds up the engine's step."""
         if not self._stale or self._registration is None:
+            return
+        if self._reregistering is not None and not self._reregistering.done():
             return
         now = time.monotonic()
         if now - self._last_attempt < self.config.reregister_interval_s:
             return
         self._last_attempt = now
+        self._reregistering = self._registrar.submit(self._reregister)
+
+    def _reregister(self) -> None:
         try:
             self._send_registration()
         except grpc.RpcError as e:
@@ -333,8 +343,12 @@ class ConnectorWorker:
         self.maybe_reregister()
 
     def _store_all(self, meta: KVGridConnectorMetadata) -> None:
-        """With replicated KV (MLA under TP) only rank 0 stores: the other ranks' bytes are the same."""
+        """With replicated KV (MLA under TP) only rank 0 stores: the other ranks' bytes are the same.
+        While the registration is stale the agent would refuse (or not answer): skip, a future miss."""
         if self.identity.replicated_kv and self.identity.rank != 0:
+            return
+        if self._stale and meta.stores:
+            self.stats.stores_skipped += len(meta.stores)
             return
         for order in meta.stores:
             try:
@@ -369,6 +383,7 @@ class ConnectorWorker:
         # Loads still running finish (their blocks are still held by vLLM until reported).
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
+        self._registrar.shutdown(wait=True)
         if self._registration is not None:
             try:
                 self.agent.unregister_kv_caches(self.identity.instance_id)
