@@ -70,6 +70,30 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_event_keys: Annotated[
         int, msgspec.Meta(ge=1, description="most chunk keys in one PublishEvents message")
     ] = 1 << 20
+    max_entries_per_pod: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description="most (chunk, tier) index entries one pod may hold; agent admits and snapshots "
+            "beyond it are not indexed (counted in kvgrid_controller_rejected_entries)",
+        ),
+    ] = 1 << 20
+    max_index_entries: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description="most (chunk, tier) entries in the whole index (about 60-80 B each in memory: "
+            "the default is ~0.6 GiB); agent admits and snapshots beyond it are not indexed",
+        ),
+    ] = 1 << 23
+    backend_check_interval_ms: Annotated[
+        int,
+        msgspec.Meta(
+            ge=10,
+            description="how often the index backend is checked for data loss (a Redis/Valkey restarted "
+            "empty or flushed); a loss makes every agent resync",
+        ),
+    ] = 500
     max_message_bytes: Annotated[int, msgspec.Meta(ge=1024, description="gRPC max message size")] = 64 << 20
     grpc_workers: Annotated[
         int, msgspec.Meta(ge=1, description="gRPC handler threads (each open event stream holds one)")

@@ -9,6 +9,13 @@ nothing is applied from a request that fails validation.
 Queries come in two forms: :class:`PrefixQuery` (as asked: token ids, or chunk keys, with the
 namespace) is resolved into :class:`Query` (chunk keys, namespace id, sizes) once; packed batches
 arrive as :class:`PackedQueries` (one key buffer for the whole batch).
+
+Bounded state: agent admits and snapshots go through :class:`~kvgrid.controller.limits.EntryCaps`
+(``max_entries_per_pod``, ``max_index_entries``). Backend data loss: a watcher reads the index's
+:meth:`~kvgrid.controller.index.base.ChunkIndex.data_generation` every ``backend_check_interval_ms``;
+when it changes (a Redis/Valkey restarted empty or flushed) every registered agent is resynced and
+the vLLM GPU entries are rewritten, so the index is rebuilt from its sources of truth. While the
+backend cannot be reached, calls that need it fail with ``Unavailable`` (UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.index import BatchView, ChunkIndex, IndexTier, check_keys, make_index
 from kvgrid.controller.index.instrumented import InstrumentedIndex
 from kvgrid.controller.ingest import AgentSnapshot, ChunkEvent, Ingestor, SnapshotFn, check_events
+from kvgrid.controller.limits import EntryCaps
 from kvgrid.controller.matching import BatchMatch, match_batch
 from kvgrid.controller.metrics import ControllerMetrics, StatsSource
 from kvgrid.controller.registry import AgentLoad, AgentRecord, Registry, StaleEpochError, UnknownPodError
@@ -198,6 +206,7 @@ class Controller:
         index = index if index is not None else make_index(cfg)
         self.index = InstrumentedIndex(index, telemetry.meter) if telemetry is not None else index
         self.registry = Registry(cfg.lease_ttl_ms)
+        self.caps = EntryCaps(self.index, cfg.max_entries_per_pod, cfg.max_index_entries)
         self.ingest = Ingestor(
             self.index,
             snapshots,
@@ -205,6 +214,7 @@ class Controller:
             retry_s=cfg.resync_retry_ms / 1000,
             on_namespaces=self._learn_namespaces,
             max_buffered_events=cfg.max_resync_buffer_events,
+            caps=self.caps,
         )
         self.params = ScoreParams.from_config(cfg)
         self.rejected = 0
@@ -217,6 +227,11 @@ class Controller:
         self._valid_ns_ids: set[str] = set()  # namespace ids already checked
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="kvgrid-lease-sweeper", daemon=True)
+        self._watcher = threading.Thread(target=self._watch_loop, name="kvgrid-backend-watch", daemon=True)
+        self._generation: str | None = None
+        self.backend_available = True
+        self.backend_losses = 0
+        """Times the index backend was found to have lost its data (each one resynced every agent)."""
         self.vllm = [VllmEventSubscriber(src, self.index, self._holder_of_uid) for src in cfg.vllm_sources]
         self.metrics: ControllerMetrics | None = None
         if telemetry is not None:
@@ -229,12 +244,20 @@ class Controller:
                     rejected=lambda: self.rejected,
                     vllm_events=lambda: sum(s.events for s in self.vllm),
                     expired_leases=lambda: self.registry.expired_total,
+                    rejected_entries=lambda: self.caps.rejected_entries,
+                    over_quota_pods=lambda: len(self.caps.over_quota),
+                    backend_losses=lambda: self.backend_losses,
                 ),
             )
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
+        try:
+            self._generation = self.index.data_generation()  # the baseline later checks compare to
+        except Unavailable as e:
+            log.warning("%s", e)
         self._sweeper.start()
+        self._watcher.start()
         for s in self.vllm:
             s.start()
 
@@ -251,6 +274,44 @@ class Controller:
                 self.sweep()
             except Exception:  # keep sweeping whatever one round hit (e.g. Redis briefly down)
                 log.exception("lease sweep failed")
+
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(self.cfg.backend_check_interval_ms / 1000):
+            try:
+                self.check_backend()
+            except Exception:  # keep watching whatever one round hit
+                log.exception("index backend check failed")
+
+    def check_backend(self) -> bool:
+        """Check the index backend once; when it lost its data since the last check, resync every
+        registered agent and rewrite the vLLM GPU entries. Returns True when a loss was found."""
+        try:
+            gen = self.index.data_generation()
+        except Unavailable as e:
+            if self.backend_available:
+                log.warning("%s", e)
+                self.backend_available = False
+            return False
+        if not self.backend_available:
+            log.info("index backend %s reachable again", self.index.backend)
+            self.backend_available = True
+        if self._generation is None or gen == self._generation:
+            self._generation = gen
+            return False
+        log.warning(
+            "index backend %s lost its data (generation %s -> %s): resyncing every agent",
+            self.index.backend,
+            self._generation,
+            gen,
+        )
+        self._generation = gen
+        self.backend_losses += 1
+        self.caps.reset()
+        n = self.ingest.resync_all(self.registry.all())
+        for s in self.vllm:
+            s.rebind(force=True)
+        log.info("index backend loss: %d snapshot pulls started", n)
+        return True
 
     def sweep(self) -> list[AgentRecord]:
         gone = self.registry.expire()

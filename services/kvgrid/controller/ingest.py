@@ -5,7 +5,11 @@ order; a duplicate (sequence <= last) is skipped; a gap, a new stream (reconnect
 incarnation starts a *resync*: a background pull of ``AgentService.Snapshot`` from the agent.
 While it runs, arriving events are buffered; when the snapshot lands, the holder's L1 entries are
 replaced by the snapshot in one atomic index operation and the buffered events with sequence >
-``snapshot.last_sequence`` are applied in order. After that the index equals the agent's truth.
+``snapshot.last_sequence`` are applied in order. After that the index equals the agent's truth
+(or, for a pod over its index-entry cap, a subset of it: :mod:`kvgrid.controller.limits`).
+
+Admits and snapshot replaces go through :class:`~kvgrid.controller.limits.EntryCaps` when one is
+given; :meth:`Ingestor.resync_all` forces a fresh pull of every pod (the index lost its data).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import msgspec
 
 from kvgrid.common.errors import InvalidArgument, KvgridError
 from kvgrid.controller.index import ChunkIndex, IndexTier, check_keys
+from kvgrid.controller.limits import EntryCaps
 from kvgrid.controller.registry import AgentRecord, UnknownPodError
 
 __all__ = ["AgentSnapshot", "ChunkEvent", "EventKind", "Ingestor", "SnapshotFn", "check_events"]
@@ -100,8 +105,10 @@ class Ingestor:
         retry_s: float = 0.5,
         on_namespaces: Callable[[AgentRecord, Sequence[str]], None] | None = None,
         max_buffered_events: int = 100_000,
+        caps: EntryCaps | None = None,
     ) -> None:
         self.index = index
+        self.caps = caps
         self._max_buffered = max_buffered_events
         self._snapshot = snapshot
         self._timeout = snapshot_timeout_s
@@ -129,6 +136,8 @@ class Ingestor:
             with st.lock:
                 st.generation += 1  # an in-flight pull for it is discarded
                 st.buffer.clear()
+        if self.caps is not None:
+            self.caps.forget(holder)
 
     def last_sequence(self, holder: str) -> int:
         st = self._pods.get(holder)
@@ -144,6 +153,21 @@ class Ingestor:
         st = self._state(record)
         with st.lock:
             return self._start_resync_locked(st)
+
+    def resync_all(self, records: Sequence[AgentRecord]) -> int:
+        """Pull a new snapshot of every record's agent now, superseding pulls in flight (their
+        snapshot may have been written before the index lost its data); returns pulls started."""
+        started = 0
+        for rec in records:
+            if rec.dropped or not rec.pod.agent_address:
+                continue
+            st = self._state(rec)
+            with st.lock:
+                st.synced = False
+                st.resyncing = False  # a pull in flight sees the generation change and gives up
+                self._start_resync_locked(st)
+                started += 1
+        return started
 
     def _start_resync_locked(self, st: _PodState) -> bool:
         if not st.resyncing and not self._closed.is_set():
@@ -201,7 +225,10 @@ class Ingestor:
     def _apply(self, holder: str, e: ChunkEvent) -> None:
         if e.kind is EventKind.ADMIT:
             assert e.tier is not None
-            self.index.add(holder, e.tier, e.keys)
+            if self.caps is not None:
+                self.caps.add(holder, e.tier, e.keys)
+            else:
+                self.index.add(holder, e.tier, e.keys)
         elif e.kind is EventKind.EVICT:
             assert e.tier is not None
             self.index.remove(holder, e.tier, e.keys)
@@ -221,8 +248,7 @@ class Ingestor:
                         f"agent at {rec.pod.agent_address} is {snap.pod_uid}/{snap.epoch}, "
                         f"expected {rec.holder}"
                     )
-                keys = snap.keys
-                check_keys(keys, "snapshot.chunk_keys")
+                check_keys(snap.keys, "snapshot.chunk_keys")
             except (KvgridError, ValueError) as exc:
                 log.warning("snapshot pull from %s failed: %s", rec.holder, exc)
                 if self._closed.wait(self._retry):
@@ -239,29 +265,50 @@ class Ingestor:
                     continue  # this snapshot may predate the dropped events: pull again
                 if self._on_namespaces is not None and snap.namespaces:
                     self._on_namespaces(rec, list(snap.namespaces))
-                self.index.replace(rec.holder, IndexTier.L1, keys)
-                last = snap.last_sequence
                 pending = sorted(st.buffer, key=lambda e: e.sequence)
                 st.buffer.clear()
-                for j, e in enumerate(pending):
-                    if e.sequence <= last:
-                        continue
-                    if e.sequence != last + 1:
-                        # A gap inside the buffered events: what we have is still older truth.
-                        st.buffer.extend(pending[j:])
-                        st.last_applied = last
-                        st.generation += 1
-                        generation = st.generation
-                        break
-                    self._apply(rec.holder, e)
-                    last = e.sequence
-                else:
-                    st.last_applied = last
-                    st.synced = True
-                    st.resyncing = False
-                    self.resyncs += 1
+                try:
+                    done = self._install_locked(st, snap, pending)
+                except KvgridError as exc:  # the index is unreachable (e.g. Redis down): pull again
+                    log.warning("resync of %s: snapshot not applied: %s", rec.holder, exc)
+                    st.buffer[:0] = pending  # nothing is lost: a newer snapshot skips what it covers
+                    done = None
+                if done:
                     return
-            # loop again for the gap case
+                if done is False:
+                    generation = st.generation
+                    continue
+            if self._closed.wait(self._retry):
+                return
+            with st.lock:
+                if st.generation != generation:
+                    return
+
+    def _install_locked(self, st: _PodState, snap: AgentSnapshot, pending: list[ChunkEvent]) -> bool:
+        """Replace the pod's L1 entries by ``snap`` and apply the buffered events after it. True when
+        the pod is in sync; False on a gap inside the buffer (a new pull is needed)."""
+        rec = st.record
+        if self.caps is not None:
+            self.caps.replace(rec.holder, IndexTier.L1, snap.keys)
+        else:
+            self.index.replace(rec.holder, IndexTier.L1, snap.keys)
+        last = snap.last_sequence
+        for j, e in enumerate(pending):
+            if e.sequence <= last:
+                continue
+            if e.sequence != last + 1:
+                # A gap inside the buffered events: what we have is still older truth.
+                st.buffer.extend(pending[j:])
+                st.last_applied = last
+                st.generation += 1
+                return False
+            self._apply(rec.holder, e)
+            last = e.sequence
+        st.last_applied = last
+        st.synced = True
+        st.resyncing = False
+        self.resyncs += 1
+        return True
 
     def close(self) -> None:
         self._closed.set()

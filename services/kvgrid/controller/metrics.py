@@ -34,6 +34,9 @@ class StatsSource:
         rejected: Callable[[], int],
         vllm_events: Callable[[], int],
         expired_leases: Callable[[], int],
+        rejected_entries: Callable[[], int] = lambda: 0,
+        over_quota_pods: Callable[[], int] = lambda: 0,
+        backend_losses: Callable[[], int] = lambda: 0,
     ) -> None:
         self.agents = agents
         self.events_ingested = events_ingested
@@ -41,6 +44,9 @@ class StatsSource:
         self.rejected = rejected
         self.vllm_events = vllm_events
         self.expired_leases = expired_leases
+        self.rejected_entries = rejected_entries
+        self.over_quota_pods = over_quota_pods
+        self.backend_losses = backend_losses
 
 
 def observe(read: Callable[[], int], what: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
@@ -65,13 +71,16 @@ class ControllerMetrics:
             unit="{query}",
             description="Queries answered by MatchPrefix/Score (a batch counts each of its queries)",
         )
-        name = "kvgrid_controller_agents"
-        meter.create_observable_gauge(
-            name,
-            [observe(stats.agents, name)],
-            unit="{agent}",
-            description="registered agents with a live lease",
-        )
+        for name, unit, desc, read in (
+            ("kvgrid_controller_agents", "{agent}", "registered agents with a live lease", stats.agents),
+            (
+                "kvgrid_controller_over_quota_pods",
+                "{pod}",
+                "pods with index entries refused by max_entries_per_pod / max_index_entries",
+                stats.over_quota_pods,
+            ),
+        ):
+            meter.create_observable_gauge(name, [observe(read, name)], unit=unit, description=desc)
         counters = (
             (
                 "kvgrid_controller_events_ingested",
@@ -97,6 +106,18 @@ class ControllerMetrics:
                 "{lease}",
                 "agent leases that lapsed (entries dropped)",
                 stats.expired_leases,
+            ),
+            (
+                "kvgrid_controller_rejected_entries",
+                "{entry}",
+                "agent chunk keys not indexed because of max_entries_per_pod / max_index_entries",
+                stats.rejected_entries,
+            ),
+            (
+                "kvgrid_controller_backend_losses",
+                "{loss}",
+                "times the index backend lost its data (every agent was resynced)",
+                stats.backend_losses,
             ),
         )
         for name, unit, desc, read in counters:

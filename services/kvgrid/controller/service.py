@@ -5,7 +5,8 @@ conversions (:mod:`kvgrid.controller.wire`) and this module, which serves the co
 server toolkit (:mod:`kvgrid.common.rpc`: start-up, health, reflection, error -> status mapping
 and per-call metrics) and pulls agent snapshots over gRPC for the core's resyncs. Errors the caller
 caused become their status (INVALID_ARGUMENT, FAILED_PRECONDITION for a stale epoch, NOT_FOUND for
-an unknown pod) and count as rejected requests; anything else is INTERNAL.
+an unknown pod) and count as rejected requests; an index backend that cannot be reached is
+UNAVAILABLE (not counted as rejected: the caller did nothing wrong); anything else is INTERNAL.
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ class ControllerServicer:
             self.ctl.metrics.answered(rpc, queries)
 
     def rejected(self, method: str, error: KvgridError) -> None:
-        """The toolkit's hook for calls refused with a client-facing error (GetStats counts them)."""
-        self.ctl.rejected += 1
+        """The toolkit's hook for calls refused with a client-facing error (GetStats counts them;
+        an outage of the index backend is not the caller's doing and is not counted)."""
+        if not isinstance(error, Unavailable):
+            self.ctl.rejected += 1
 
     def RegisterAgent(self, req: controller_pb2.RegisterAgentRequest) -> controller_pb2.RegisterAgentResponse:
         pod = pod_identity_from_proto(req.pod)

@@ -264,11 +264,12 @@ class VllmEventSubscriber:
         self._thread.join(timeout=2)
 
     # --- holder binding -----------------------------------------------------------------------
-    def rebind(self) -> None:
-        """The pod's incarnation may have changed: re-write what the engine holds under it."""
+    def rebind(self, force: bool = False) -> None:
+        """The pod's incarnation may have changed: re-write what the engine holds under it (with
+        ``force`` even when it did not: the index lost its data)."""
         with self._lock:
             holder = self._holder_of(self.source.pod_uid)
-            if holder == self._holder:
+            if holder == self._holder and not force:
                 return
             self._holder = holder
             if holder is not None:

@@ -166,6 +166,17 @@ class ChunkIndex(ABC):
     def holder_entries(self, holder: str) -> int:
         """Number of (chunk, tier) entries of ``holder``."""
 
+    def holder_tier_entries(self, holder: str, tier: IndexTier) -> int:
+        """Number of ``holder``'s entries in ``tier`` (backends override the default's full read)."""
+        return len(self.holder_keys(holder, tier))
+
+    def data_generation(self) -> str:
+        """A token that changes whenever the backend lost its data (restarted empty, flushed), so
+        the controller knows to rebuild the index from the agents' snapshots. Raises
+        :class:`~kvgrid.common.errors.Unavailable` while the backend cannot be reached. An embedded
+        index loses its data only with the process: constant."""
+        return ""
+
     @abstractmethod
     def holders(self) -> list[str]:
         """Holders that have a slot (hold, or held, entries and were not dropped)."""

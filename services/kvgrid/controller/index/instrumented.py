@@ -92,6 +92,12 @@ class InstrumentedIndex(ChunkIndex):
     def holder_entries(self, holder: str) -> int:
         return self.inner.holder_entries(holder)
 
+    def holder_tier_entries(self, holder: str, tier: IndexTier) -> int:
+        return self.inner.holder_tier_entries(holder, tier)
+
+    def data_generation(self) -> str:
+        return self.inner.data_generation()
+
     def holders(self) -> list[str]:
         return self.inner.holders()
 

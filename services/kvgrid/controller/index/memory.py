@@ -526,6 +526,11 @@ class MemoryIndex(ChunkIndex):
                 return 0
             return self._counts.get((slot, IndexTier.L1), 0) + self._counts.get((slot, IndexTier.GPU), 0)
 
+    def holder_tier_entries(self, holder: str, tier: IndexTier) -> int:
+        with self._lock:
+            slot = self._slots.by_holder.get(holder)
+            return 0 if slot is None else self._counts.get((slot, tier), 0)
+
     def holders(self) -> list[str]:
         with self._lock:
             return list(self._slots.by_holder)

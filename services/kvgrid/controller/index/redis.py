@@ -7,21 +7,31 @@ Layout (every name starts with the configured prefix ``P``, default ``kvg:``)::
     P h:<slot>:<tier>  SET of key16                                  a holder's keys per tier
     P slots            HASH holder -> slot;  P owner  HASH slot -> holder;  P slotmap  bitmap
     P entries, P chunks counters
+    P gen              STRING: the data generation, a random token written when missing
 
 Every write is one Lua script (atomic for readers and for other replicas: a replace is a single
 diff against the holder's set). A lookup is one pipelined round trip: ``HGETALL`` of each chunk's
 hash and speculative hash plus the slot-owner table; the prefix walk happens client-side in
 :mod:`kvgrid.controller.matching`, the same code the in-memory backend uses.
+
+Outages and data loss: while the server cannot be reached every method raises
+:class:`~kvgrid.common.errors.Unavailable` naming the URL (callers get UNAVAILABLE, never INTERNAL).
+``P gen`` tells a server that lost its data (restarted empty, flushed) from one that did not: it is
+written when missing, so :meth:`RedisIndex.data_generation` returns a new token after a loss and
+the controller (every replica) rebuilds the index from the agents' snapshots.
 """
 
 from __future__ import annotations
 
+import functools
+import secrets
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import redis
 
+from kvgrid.common.errors import Unavailable
 from kvgrid.controller.index.base import ChunkIndex, IndexTier, PrefixView, check_keys
 
 __all__ = ["RedisIndex"]
@@ -170,6 +180,24 @@ return 0
 )
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _reachable(fn: _F) -> _F:
+    """Raise :class:`Unavailable` (naming the server) when the server cannot be reached."""
+
+    @functools.wraps(fn)
+    def wrapper(self: RedisIndex, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError) as e:
+            raise Unavailable(
+                f"index backend unavailable: Redis/Valkey at {self.url} cannot be reached ({e}); retry later"
+            ) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
 class RedisIndex(ChunkIndex):
     """Chunk index in Redis/Valkey (see the module docstring for the layout)."""
 
@@ -184,7 +212,7 @@ class RedisIndex(ChunkIndex):
             raise ValueError("prefix='': expected a non-empty key prefix such as 'kvg:'")
         self.url = url
         self.prefix = prefix
-        self._r = client if client is not None else redis.Redis.from_url(url)
+        self._r = client if client is not None else redis.Redis.from_url(url, socket_connect_timeout=2.0)
         self._r.ping()
         self._pb = prefix.encode()
         self._add = self._r.register_script(_ADD)
@@ -192,34 +220,41 @@ class RedisIndex(ChunkIndex):
         self._replace = self._r.register_script(_REPLACE)
         self._drop = self._r.register_script(_DROP)
         self._speculate = self._r.register_script(_SPECULATE)
+        self.data_generation()
 
     def _run(self, script: Any, *args: Any) -> int:
         return int(script(keys=[], args=[self.prefix, *args]))
 
+    @_reachable
     def add(self, holder: str, tier: IndexTier, keys: Sequence[bytes]) -> None:
         check_keys(keys)
         if keys:
             self._run(self._add, holder, int(tier), *keys)
 
+    @_reachable
     def remove(self, holder: str, tier: IndexTier, keys: Sequence[bytes]) -> None:
         check_keys(keys)
         if keys:
             self._run(self._remove, holder, int(tier), *keys)
 
+    @_reachable
     def replace(self, holder: str, tier: IndexTier, keys: Iterable[bytes]) -> None:
         new = list(set(keys))
         check_keys(new)
         self._run(self._replace, holder, int(tier), *new)
 
+    @_reachable
     def drop_holder(self, holder: str) -> int:
         return self._run(self._drop, holder)
 
+    @_reachable
     def add_speculative(self, holder: str, keys: Sequence[bytes], ttl_ms: int) -> None:
         check_keys(keys)
         if keys:
             expiry = int(time.time() * 1000) + ttl_ms
             self._run(self._speculate, holder, expiry, max(1, ttl_ms), *keys)
 
+    @_reachable
     def lookup(self, keys: Sequence[bytes]) -> PrefixView:
         pipe = self._r.pipeline(transaction=False)
         c, s = self._pb + b"c:", self._pb + b"s:"
@@ -273,12 +308,14 @@ class RedisIndex(ChunkIndex):
         s = self._r.hget(self._pb + b"slots", holder)
         return None if s is None else s.decode()
 
+    @_reachable
     def holder_keys(self, holder: str, tier: IndexTier) -> set[bytes]:
         slot = self._slot(holder)
         if slot is None:
             return set()
         return set(self._r.smembers(self._pb + f"h:{slot}:{int(tier)}".encode()))
 
+    @_reachable
     def holder_entries(self, holder: str) -> int:
         slot = self._slot(holder)
         if slot is None:
@@ -288,15 +325,35 @@ class RedisIndex(ChunkIndex):
             pipe.scard(self._pb + f"h:{slot}:{int(tier)}".encode())
         return int(sum(pipe.execute()))
 
+    @_reachable
+    def holder_tier_entries(self, holder: str, tier: IndexTier) -> int:
+        slot = self._slot(holder)
+        if slot is None:
+            return 0
+        return int(self._r.scard(self._pb + f"h:{slot}:{int(tier)}".encode()))
+
+    @_reachable
+    def data_generation(self) -> str:
+        key = self._pb + b"gen"
+        gen = self._r.get(key)
+        if gen is None:  # a new server, or one that lost its data: start a new generation
+            self._r.set(key, secrets.token_hex(8), nx=True)  # another replica may have been first
+            gen = self._r.get(key)
+        return bytes(gen or b"").decode()
+
+    @_reachable
     def holders(self) -> list[str]:
         return [h.decode() for h in self._r.hkeys(self._pb + b"slots")]
 
+    @_reachable
     def num_entries(self) -> int:
         return int(self._r.get(self._pb + b"entries") or 0)
 
+    @_reachable
     def num_chunks(self) -> int:
         return int(self._r.get(self._pb + b"chunks") or 0)
 
+    @_reachable
     def flush(self) -> None:
         """Delete every key under the prefix (tests, benchmarks)."""
         batch = list(self._r.scan_iter(match=self._pb + b"*", count=10_000))
