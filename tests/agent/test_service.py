@@ -157,7 +157,7 @@ def test_bad_requests_are_invalid_argument_and_the_agent_keeps_its_data(
     assert "id 64 at position 5 is outside [0, 64)" in invalid(client.store, "local", keys, bad)
     bad_key = invalid(client.lookup, "local", "r", [keys[0], b"abc"])
     assert "chunk_keys[1]: got 3 bytes, expected a 16-byte chunk key" in bad_key
-    assert "info 1 reads engine group 1 but engine_block_ids has only 1 lists" in invalid(
+    assert "block_ids has 1 lists; instance 'local' registered 2 engine groups" in invalid(
         client.retrieve, "local", "r", keys, [src[0]]
     )
     # Infos that contradict the tensors: a split the tensors do not form, and a block size that

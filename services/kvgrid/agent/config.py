@@ -74,6 +74,14 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         _d("How long a Lookup pins the chunks it found when the request does not say (ms)"),
         msgspec.Meta(gt=0),
     ] = 30_000
+    pin_ttl_max_ms: Annotated[
+        int,
+        _d(
+            "Longest pin a Lookup may ask for (ms); a larger pin_ttl_ms is clamped to it, so no client "
+            "can hold L1 pinned for long"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 60_000
     tokens_per_chunk: Annotated[
         int,
         _d(
@@ -91,7 +99,17 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         _d("How often the agent checks that registered engine processes still live and expires pins (ms)"),
         msgspec.Meta(gt=0),
     ] = 1000
-    grpc_workers: Annotated[int, _d("Threads serving gRPC requests"), msgspec.Meta(gt=0)] = 16
+    grpc_workers: Annotated[
+        int, _d("Threads serving gRPC requests on the engine's Unix socket"), msgspec.Meta(gt=0)
+    ] = 16
+    tcp_grpc_workers: Annotated[
+        int,
+        _d(
+            "Threads serving gRPC requests on the TCP port (peers, the controller): a pool of its own, "
+            "so peer streams cannot starve the engine's Unix socket"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 16
     max_message_bytes: Annotated[
         ByteSize, _d("Largest gRPC message accepted or sent (chunk-key lists of long prompts)")
     ] = 64 * 1024 * 1024
@@ -190,6 +208,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"pin_ttl_ms={self.pin_ttl_ms} <= peer_fetch_timeout_ms={self.peer_fetch_timeout_ms}: "
                 "expected pins to outlive a peer fetch"
+            )
+        if self.pin_ttl_ms > self.pin_ttl_max_ms:
+            raise ValueError(
+                f"pin_ttl_ms={self.pin_ttl_ms} > pin_ttl_max_ms={self.pin_ttl_max_ms}: expected the default "
+                "pin within the cap"
             )
         if self.peer_fetch_part_size < 1024:
             raise ValueError(f"peer_fetch_part_size={self.peer_fetch_part_size}: expected >= 1024 bytes")

@@ -7,6 +7,11 @@ them; its :class:`~kvgrid.agent.transfer.ChunkMover` copies between those tensor
 Locking: the cache has its own lock; copies run outside it on chunks that are either reserved
 (store: invisible to everyone else) or referenced (retrieve: eviction skips them), so several
 clients store and retrieve at once.
+
+Isolation and bounds: every read (lookup, its pins and peer fetch, retrieve) sees only chunks stored
+in the instance's own namespace and layout (the cache indexes chunks by namespace); a lookup pin
+lasts at most ``pin_ttl_max_ms`` (a longer request is clamped); store and retrieve take exactly one
+block-id list per registered engine group.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from kvgrid.agent.peers import PeerFetcher, PeerMetrics
 from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
 from kvgrid.agent.transfer import ChunkMover, build_mover
 from kvgrid.common.errors import InvalidArgument, client_input
-from kvgrid.common.groups import EngineGroupInfo, expand_engine_block_ids
+from kvgrid.common.groups import EngineGroupInfo, expand_engine_block_ids, num_engine_groups
 from kvgrid.common.hashing import KeyNamespace, check_chunk_keys
 from kvgrid.common.identity import PodIdentity
 
@@ -281,6 +286,12 @@ class AgentCore:
         every block it gathers.
         """
         if inst.groups:
+            groups = num_engine_groups(inst.groups)
+            if len(block_ids) != groups:
+                raise InvalidArgument(
+                    f"block_ids has {len(block_ids)} lists; instance {inst.instance_id!r} registered "
+                    f"{groups} engine groups: expected one list per engine group"
+                )
             with client_input():
                 per_info = expand_engine_block_ids(inst.groups, [list(b) for b in block_ids])
         else:
@@ -353,7 +364,8 @@ class AgentCore:
         inst = self.instance(instance_id)
         with client_input():
             keys = check_chunk_keys(keys)
-        ttl = (pin_ttl_ms or self.config.pin_ttl_ms) / 1000.0
+        # Clamped: a pin only protects chunks from eviction until Retrieve; no client may hold L1 longer.
+        ttl = min(pin_ttl_ms or self.config.pin_ttl_ms, self.config.pin_ttl_max_ms) / 1000.0
         owner = (instance_id, request_id)
         with self.tracer.start_as_current_span(
             "agent.lookup", attributes={"instance_id": instance_id, "chunks": len(keys)}

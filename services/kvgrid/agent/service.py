@@ -1,5 +1,10 @@
 """AgentService over gRPC: a Unix socket for the engine, TCP for peers and the controller.
 
+Each listener is its own gRPC server with its own thread pool (``grpc_workers`` for the Unix
+socket, ``tcp_grpc_workers`` for TCP), both serving the same servicer and core: however many
+threads TCP callers hold (slow FetchChunks streams), the engine's Register/Lookup/Store/Retrieve
+and Health on the Unix socket keep their own threads. Both listeners serve every RPC today.
+
 :class:`AgentServicer` converts protobuf to :class:`~kvgrid.agent.core.AgentCore` calls and back;
 the shared server toolkit (:mod:`kvgrid.common.rpc`) serves it: it parses requests (a malformed
 message is INVALID_ARGUMENT naming its type), maps errors to status codes in one place (the
@@ -16,7 +21,6 @@ import socket
 import threading
 from pathlib import Path
 
-import grpc
 from opentelemetry import metrics, trace
 
 from kvgrid.agent.cache import ChunkCache
@@ -29,7 +33,7 @@ from kvgrid.agent.transfer import parse_layout_hints
 from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2
 from kvgrid.common.errors import InvalidArgument, client_input
 from kvgrid.common.identity import PodIdentity
-from kvgrid.common.rpc import RpcServer, ServerOptions
+from kvgrid.common.rpc import RpcMetrics, RpcServer, ServerOptions
 from kvgrid.common.wire import engine_group_infos_from_proto, key_namespace_from_proto, pod_identity_to_proto
 
 __all__ = ["SERVICE_NAME", "AgentServer", "AgentServicer"]
@@ -209,7 +213,7 @@ class AgentServer:
         self.events = EventLog(config.event_buffer_size, buffer=bool(config.controller_address))
         self._pod_arg = pod
         self._meter, self._tracer = meter, tracer
-        self.server: grpc.Server | None = None
+        self.servers: list[RpcServer] = []
         self.core: AgentCore | None = None
         self.publisher: EventPublisher | None = None
         self.tcp_port: int | None = None
@@ -219,31 +223,38 @@ class AgentServer:
 
     def start(self) -> AgentServer:
         cfg = self.config
-        rpc = RpcServer(
-            ServerOptions(
-                max_message_bytes=cfg.max_message_bytes,
-                workers=cfg.grpc_workers,
-                thread_name_prefix="kvgrid-agent",
-            ),
-            self._meter or metrics.get_meter("kvgrid.agent"),
-        )
+        rpc_metrics = RpcMetrics(self._meter or metrics.get_meter("kvgrid.agent"))
+
+        def server(workers: int, name: str) -> RpcServer:
+            opts = ServerOptions(
+                max_message_bytes=cfg.max_message_bytes, workers=workers, thread_name_prefix=name
+            )
+            return RpcServer(opts, rpc_metrics=rpc_metrics)
+
+        servers: list[RpcServer] = []
         if cfg.tcp_port >= 0:
-            port = rpc.bind(f"{cfg.tcp_host}:{cfg.tcp_port}")
+            tcp = server(cfg.tcp_grpc_workers, "kvgrid-agent-tcp")
+            port = tcp.bind(f"{cfg.tcp_host}:{cfg.tcp_port}")
             if port == 0:
                 raise ValueError(f"tcp_host/tcp_port {cfg.tcp_host}:{cfg.tcp_port}: cannot bind")
             self.tcp_port = port
+            servers.append(tcp)
         if cfg.uds_path:
+            uds = server(cfg.grpc_workers, "kvgrid-agent-uds")
             path = Path(cfg.uds_path)
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.is_socket():
                 path.unlink()  # stale socket of a previous run
-            rpc.bind(f"unix:{path}")
+            uds.bind(f"unix:{path}")
             self.uds_path = str(path)
+            servers.append(uds)
         pod = self._pod_arg or PodIdentity.from_env(agent_address=_advertise(cfg, self.tcp_port))
         self.core = AgentCore(cfg, pod, listener=self.events, meter=self._meter, tracer=self._tracer)
-        rpc.add_service(_SERVICE, AgentServicer(self.core, self.events))
-        rpc.start()
-        self.server = rpc.server
+        servicer = AgentServicer(self.core, self.events)
+        for rpc in servers:
+            rpc.add_service(_SERVICE, servicer)
+            rpc.start()
+        self.servers = servers
         self._reaper = threading.Thread(target=self._reap_loop, name="kvgrid-agent-reaper", daemon=True)
         self._reaper.start()
         if cfg.controller_address:
@@ -289,8 +300,9 @@ class AgentServer:
         self._stop.set()
         if self.publisher is not None:
             self.publisher.stop()
-        if self.server is not None:
-            self.server.stop(grace).wait()
+        stopping = [rpc.server.stop(grace) for rpc in self.servers]
+        for done in stopping:
+            done.wait()
         if self.uds_path:
             Path(self.uds_path).unlink(missing_ok=True)
         if self.core is not None:

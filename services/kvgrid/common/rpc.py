@@ -1,7 +1,9 @@
 """The gRPC server toolkit both services use: start-up, error -> status mapping, per-call metrics.
 
 - :class:`RpcServer` builds a ``grpc.Server`` with the shared options (message size limits, no
-  ``SO_REUSEPORT``), binds addresses (:meth:`RpcServer.bind` is the one place a port is added; TLS
+  ``SO_REUSEPORT``, its own pool of ``workers`` threads: a service that must keep one listener's
+  callers from starving another's runs one ``RpcServer`` per listener, sharing one
+  :class:`RpcMetrics`), binds addresses (:meth:`RpcServer.bind` is the one place a port is added; TLS
   would be a credentials argument there), and on :meth:`RpcServer.start` adds the standard health
   service (SERVING for ``""`` and every added service) and reflection.
 - :meth:`RpcServer.add_service` serves an implementation object by the service *descriptor*: one
@@ -196,9 +198,17 @@ def _handler(
 class RpcServer:
     """One gRPC server: ``add_service`` and ``bind`` as needed, then ``start``."""
 
-    def __init__(self, options: ServerOptions, meter: metrics.Meter | None = None) -> None:
+    def __init__(
+        self,
+        options: ServerOptions,
+        meter: metrics.Meter | None = None,
+        *,
+        rpc_metrics: RpcMetrics | None = None,
+    ) -> None:
+        """``rpc_metrics``: instruments shared with another server of the same service (else new
+        ones on ``meter``)."""
         self.options = options
-        self.metrics = RpcMetrics(meter)
+        self.metrics = rpc_metrics if rpc_metrics is not None else RpcMetrics(meter)
         self.server = grpc.server(
             ThreadPoolExecutor(options.workers, thread_name_prefix=options.thread_name_prefix),
             options=[
