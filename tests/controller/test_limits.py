@@ -52,8 +52,28 @@ def _points(reader: InMemoryMetricReader) -> dict[str, int]:
     return out
 
 
-def _synced(agent: FakeAgent) -> None:
-    wait_until(lambda: agent.acked == agent.seq and agent.snapshots > 0, what="events acknowledged")
+def _ended_streams(reader: InMemoryMetricReader) -> list[str]:
+    """Status codes of PublishEvents calls that ended (an open stream is not recorded yet)."""
+    data = reader.get_metrics_data()
+    assert data is not None
+    return [
+        str(p.attributes["code"])
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "kvgrid_rpc_server_calls"
+        for p in m.data.data_points
+        if p.attributes["method"] == "PublishEvents"
+    ]
+
+
+def _synced(srv: Server, agent: FakeAgent) -> None:
+    """Every event of ``agent`` was applied (or refused) by the controller."""
+    holder = f"{agent.pod.pod_uid}/{agent.pod.epoch}"
+    ing = srv.controller.ingest
+    wait_until(
+        lambda: ing.is_synced(holder) and ing.last_sequence(holder) == agent.seq, what="events applied"
+    )
 
 
 def test_defaults_are_documented() -> None:
@@ -71,7 +91,8 @@ def test_one_pod_cannot_publish_past_its_cap(capped: tuple[Server, InMemoryMetri
         keys = rand_keys(3 * PER_POD)
         for i in range(0, len(keys), 30):  # the attack: keep admitting
             a.admit(keys[i : i + 30])
-        _synced(a)  # the stream was not failed: every event was acknowledged
+        _synced(srv, a)
+        assert _ended_streams(reader) == []  # the stream was not failed: it is still open
         held = index_keys(stub, "pod-a")
         assert held is not None and len(held) == PER_POD and held <= a.truth()
         assert srv.controller.index.num_entries() == PER_POD
@@ -85,7 +106,8 @@ def test_one_pod_cannot_publish_past_its_cap(capped: tuple[Server, InMemoryMetri
         a.evict(gone)
         fresh = rand_keys(10)
         a.admit(fresh)
-        _synced(a)
+        _synced(srv, a)
+        assert _ended_streams(reader) == []
         held2 = index_keys(stub, "pod-a")
         assert held2 == (held - set(gone)) | set(fresh)
     finally:
@@ -99,7 +121,7 @@ def test_many_pods_cannot_pass_the_total_cap(capped: tuple[Server, InMemoryMetri
         for a in agents:
             wait_until(lambda a=a: a.snapshots > 0, what="first snapshot")  # type: ignore[misc]
             a.admit(rand_keys(PER_POD))
-            _synced(a)
+            _synced(srv, a)
         assert srv.controller.index.num_entries() == TOTAL
         assert srv.controller.caps.rejected_entries == 3 * PER_POD - TOTAL
         st = controller_pb2_grpc.ControllerServiceStub(grpc.insecure_channel(srv.address)).GetStats(

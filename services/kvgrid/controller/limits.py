@@ -80,8 +80,21 @@ class EntryCaps:
         """Index up to the room left of ``keys`` for ``holder``; returns how many were refused."""
         n = len(keys)
         with self._lock:
-            allowed = max(0, min(n, self._pod_room(holder, n), self._total_room(n)))
-            self._reserve(holder, allowed)
+            pod_hi = self._pod_hi.get(holder)
+            total_hi = self._total_hi
+            if (
+                pod_hi is not None
+                and total_hi is not None
+                and pod_hi + n <= self.per_pod
+                and total_hi + n <= self.total
+            ):  # far from both caps (the common case): reserve without reading the index
+                self._pod_hi[holder] = pod_hi + n
+                self._total_hi = total_hi + n
+                self._inflight += n
+                allowed = n
+            else:
+                allowed = max(0, min(n, self._pod_room(holder, n), self._total_room(n)))
+                self._reserve(holder, allowed)
         try:
             if allowed:
                 self.index.add(holder, tier, keys[:allowed] if allowed < n else keys)
