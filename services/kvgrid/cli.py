@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # kvgrid bench <name> -> (module, one-line help).
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "agent": ("kvgrid.agent.bench", "store/retrieve GB/s through the agent (gRPC + IPC) vs the kernel alone"),
+    "checksum": (
+        "kvgrid.common.checksum_bench",
+        "chunk checksums (xxh3-128, blake2b, crc32): GB/s vs a memory copy of the same bytes",
+    ),
     "hashing": ("kvgrid.common.hashing_bench", "chunk keys for a long prompt: µs and MB/s of token bytes"),
     "lookup": ("kvgrid.controller.bench", "MatchPrefix ops/s, p50/p99 over gRPC, ingest rate, bytes/entry"),
     "transfer": ("kvgrid_kernels.bench", "KV transfer kernels: store/retrieve GB/s vs pinned memcpy"),

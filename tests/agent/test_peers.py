@@ -32,6 +32,7 @@ from kvgrid.agent.peers import PeerCandidate, PeerFetcher, PeerMetrics, choose_p
 from kvgrid.agent.service import AgentServer
 from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.common.checksum import chunk_checksum
 from kvgrid.common.identity import PodIdentity
 from tests.agent.helpers import (
     BPC,
@@ -364,6 +365,7 @@ def _parts(index: int, payload: bytes, part: int, num_chunks: int = 0) -> list[a
         for o in range(0, len(payload), part)
     ]
     out[0].num_chunks = num_chunks
+    out[0].checksum = chunk_checksum(payload)  # a well-behaved peer (tests/agent/test_integrity.py: others)
     return out
 
 

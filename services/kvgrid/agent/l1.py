@@ -124,7 +124,7 @@ class Chunk:
 
     ``refcount`` counts users that need the bytes to stay (a transfer reading them, a lookup pin);
     a chunk with ``refcount > 0`` is never evicted. ``committed`` is False while a store is still
-    writing it (invisible to lookups).
+    writing it (invisible to lookups); ``checksum`` is set by then.
     """
 
     key: bytes
@@ -136,6 +136,10 @@ class Chunk:
     buffer: torch.Tensor = field(repr=False)
     refcount: int = 0
     committed: bool = False
+    checksum: bytes = b""
+    """XXH3-128 of the bytes (``kvgrid.common.checksum``), set when the chunk is committed: computed
+    there for a store, the verified one that came with the bytes for a peer fetch. Sent with the
+    chunk to peers, which verify it before their copy becomes visible."""
 
 
 class L1Pool:

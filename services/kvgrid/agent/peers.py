@@ -12,8 +12,9 @@ Fetching side (:class:`PeerFetcher`, used by ``Lookup``): ask the controller whi
 next keys in L1 (``MatchPrefix`` over the keys after the local hits), map pod -> agent address
 (``ListAgents``, cached), stream ``FetchChunks`` from the best peer into freshly reserved local
 chunks (the same reserve -> fill -> commit path a store takes, so a chunk becomes visible only once
-every byte arrived, and its admit event goes to the controller as usual). Everything runs under one
-deadline; any failure leaves the local cache as it was, plus the chunks that arrived complete.
+every byte arrived and matched the checksum sent with it, and its admit event goes to the
+controller as usual). Everything runs under one deadline; any failure leaves the local cache as it
+was, plus the chunks that arrived complete and intact.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvgrid.agent.cache import ChunkCache, MissCause
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import Chunk
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.common.checksum import ChecksumMismatch, verify_checksum
 from kvgrid.common.errors import FailedPrecondition, InvalidArgument, check_namespace_id, client_input
 from kvgrid.common.hashing import check_chunk_keys
 
@@ -132,7 +134,7 @@ class PeerMetrics:
         self.fetch_failures = meter.create_counter(
             "kvgrid_agent_peer_fetch_failures",
             description="Peer fetches that failed, by reason (controller, unavailable, deadline, "
-            "layout_mismatch, protocol, error)",
+            "layout_mismatch, protocol, checksum, error)",
         )
         self.served_bytes = meter.create_counter(
             "kvgrid_agent_peer_served_bytes", unit="By", description="Bytes streamed to peer agents"
@@ -212,8 +214,10 @@ class ChunkSender:
                         offset=off,
                         data=data[off : off + self.part_bytes].tobytes(),
                     )
-                    if index == 0 and off == 0:
-                        msg.num_chunks = self.num_chunks
+                    if off == 0:
+                        msg.checksum = chunk.checksum  # recorded at store; the fetcher verifies it
+                        if index == 0:
+                            msg.num_chunks = self.num_chunks
                     yield msg
                 with self._lock:
                     if not self._pending or self._pending[0] is not chunk:
@@ -484,7 +488,9 @@ class PeerFetcher:
         filled = 0  # leading chunks received completely
         written = 0  # bytes of chunk ``filled`` received so far
         limit = 0
+        fresh: dict[int, Chunk] = {}
         targets: dict[int, np.ndarray] = {}
+        expected = b""  # checksum of the chunk being received
         try:
             for msg in call:
                 if res is None:
@@ -495,7 +501,8 @@ class PeerFetcher:
                         keys[:n], namespace_id=namespace_id, layout_id=layout_id, nbytes=bytes_per_chunk
                     )
                     limit = len(res.entries)  # stops early when L1 is full (res.reason)
-                    targets = {i: c.buffer.numpy() for i, c, new in res.entries if new}
+                    fresh = {i: c for i, c, new in res.entries if new}
+                    targets = {i: c.buffer.numpy() for i, c in fresh.items()}
                     if limit == 0:
                         break
                 if msg.chunk_index != filled or msg.offset != written:
@@ -510,11 +517,21 @@ class PeerFetcher:
                         f"chunk {filled}: {msg.chunk_bytes} bytes (part of {len(msg.data)} at {written}); "
                         f"expected {bytes_per_chunk} for layout {layout_id}",
                     )
+                if written == 0:
+                    expected = msg.checksum  # sent with the chunk's first part
                 dst = targets.get(filled)
                 if dst is not None:  # None: another store committed the key meanwhile
                     dst[written : written + len(msg.data)] = np.frombuffer(msg.data, dtype=np.uint8)
                 written += len(msg.data)
                 if written == bytes_per_chunk:
+                    if dst is not None:
+                        # Integrity: bytes that do not match the checksum recorded at store (or came
+                        # without one) are never committed, so never reach a lookup or the engine.
+                        try:
+                            verify_checksum(dst, expected)
+                        except ChecksumMismatch as e:
+                            raise PeerError("checksum", f"chunk {filled} discarded: {e}") from None
+                        fresh[filled].checksum = expected
                     filled, written = filled + 1, 0
                     if filled == limit:
                         break

@@ -759,6 +759,7 @@ class FetchChunksResponse(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     NUM_CHUNKS_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
     chunk_index: _builtins.int
     """Index into FetchChunksRequest.chunk_keys."""
     chunk_bytes: _builtins.int
@@ -768,6 +769,13 @@ class FetchChunksResponse(_message.Message):
     data: _builtins.bytes
     num_chunks: _builtins.int
     """First message only: how many leading chunks the stream carries (all were pinned when it began)."""
+    checksum: _builtins.bytes
+    """First part of each chunk (offset 0): the 16-byte XXH3-128 digest (xxh3_128_digest, big-endian)
+    of the whole chunk's bytes, recorded when the chunk was stored. The fetcher verifies the chunk
+    against it before the chunk becomes visible; a chunk without it, or whose bytes do not match,
+    is discarded (counted as peer fetch failure reason "checksum"). Empty from agents older than
+    this field: deliberately refused, so during a rolling upgrade fetches from them miss.
+    """
     def __init__(
         self,
         *,
@@ -776,10 +784,11 @@ class FetchChunksResponse(_message.Message):
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
         num_chunks: _builtins.int = ...,
+        checksum: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "chunk_index", b"chunk_index", "data", b"data", "num_chunks", b"num_chunks", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "chunk_bytes", b"chunk_bytes", "chunk_index", b"chunk_index", "data", b"data", "num_chunks", b"num_chunks", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

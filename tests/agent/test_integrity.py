@@ -1,0 +1,254 @@
+"""Chunk integrity (issue 12, item 4): the checksum recorded at store, carried by FetchChunks and
+verified by the fetching agent before a fetched chunk becomes visible.
+
+The attack: a malicious peer (a real gRPC server on loopback) answers FetchChunks with chunks of
+the right size but the wrong bytes. The fetching agent is a real ``kvgrid agent`` process; its
+engine (this test process) asks it through ``Lookup`` with the peer named (the P/D path, no
+controller needed). Nothing of the forged stream may reach L1, the Lookup answers only the local
+hits, and the failure is counted. The control sends the same stream with the right checksum and
+is accepted, bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from opentelemetry import metrics, trace
+
+from kvgrid.agent.cache import ChunkCache
+from kvgrid.agent.config import AgentConfig
+from kvgrid.agent.l1 import L1Pool
+from kvgrid.agent.peers import ChunkSender, PeerCandidate, PeerFetcher, PeerMetrics
+from kvgrid.api.v1 import agent_pb2
+from kvgrid.common.checksum import CHECKSUM_BYTES, ChecksumMismatch, chunk_checksum, verify_checksum
+from tests.agent.helpers import NAMESPACE, block_ids, keys_for, register_kv, start_agent
+
+NS_ID = NAMESPACE.namespace_id()
+
+
+class MaliciousPeer:
+    """A real gRPC server on loopback answering every FetchChunks with ``make(request)``."""
+
+    def __init__(
+        self, make: Callable[[agent_pb2.FetchChunksRequest], list[agent_pb2.FetchChunksResponse]]
+    ) -> None:
+        self.requests: list[agent_pb2.FetchChunksRequest] = []
+
+        def fetch(raw: bytes, context: grpc.ServicerContext) -> Iterator[agent_pb2.FetchChunksResponse]:
+            req = agent_pb2.FetchChunksRequest.FromString(raw)
+            self.requests.append(req)
+            yield from make(req)
+
+        handler = grpc.method_handlers_generic_handler(
+            "kvgrid.v1.AgentService",
+            {
+                "FetchChunks": grpc.unary_stream_rpc_method_handler(
+                    fetch, response_serializer=lambda m: m.SerializeToString()
+                )
+            },
+        )
+        self.server = grpc.server(ThreadPoolExecutor(2))
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def stream(
+    payloads: list[bytes], part: int, checksums: list[bytes | None]
+) -> list[agent_pb2.FetchChunksResponse]:
+    """FetchChunks messages carrying ``payloads`` in parts; ``checksums[i]`` goes with chunk i's
+    first part (None: none sent)."""
+    out = []
+    for index, (payload, checksum) in enumerate(zip(payloads, checksums, strict=True)):
+        for off in range(0, len(payload), part):
+            msg = agent_pb2.FetchChunksResponse(
+                chunk_index=index, chunk_bytes=len(payload), offset=off, data=payload[off : off + part]
+            )
+            if off == 0:
+                if checksum is not None:
+                    msg.checksum = checksum
+                if index == 0:
+                    msg.num_chunks = len(payloads)
+            out.append(msg)
+    return out
+
+
+def forged(nbytes: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8).tobytes()
+
+
+def flip_last_byte(payload: bytes) -> bytes:
+    return payload[:-1] + bytes([payload[-1] ^ 0x01])
+
+
+# ---- the attack, against a real agent process ------------------------------------------------
+
+
+@pytest.mark.parametrize("attack", ["wrong_bytes", "no_checksum", "checksum_of_other_bytes"])
+def test_forged_peer_chunks_never_reach_l1_or_the_engine(tmp_path: Path, attack: str) -> None:
+    agent = start_agent(tmp_path)
+    peer: MaliciousPeer | None = None
+    try:
+        client = agent.client()
+        tensors, reg = register_kv(client, "victim", tmp_path, seed=3)
+        nbytes = reg.bytes_per_chunk
+        keys = keys_for(1201, 3)
+        # The victim's agent holds chunk 0 itself; chunks 1 and 2 are to come from the peer.
+        assert client.store("victim", keys[:1], block_ids(0, 1)).num_stored_chunks == 1
+
+        real = [forged(nbytes, 10), forged(nbytes, 11)]
+        sent = {
+            # Right size, wrong content: the checksum of the real bytes travels with tampered bytes.
+            "wrong_bytes": (
+                [flip_last_byte(real[0]), forged(nbytes, 99)],
+                [chunk_checksum(real[0]), chunk_checksum(real[1])],
+            ),
+            "no_checksum": (real, [None, None]),
+            "checksum_of_other_bytes": (real, [chunk_checksum(real[1]), chunk_checksum(real[0])]),
+        }[attack]
+        peer = MaliciousPeer(lambda req: stream(sent[0], 4096, list(sent[1])))
+        before = client.health()
+
+        hit = client.lookup("victim", "r1", keys, peer_address=peer.address)
+
+        assert len(peer.requests) >= 1 and list(peer.requests[0].chunk_keys) == keys[1:]
+        # Only the local hit is answered; the fetch counts as a failed peer fetch.
+        assert (hit.num_hit_chunks, hit.num_peer_chunks, hit.miss_cause) == (1, 0, "peer_failed")
+        after = client.health()
+        assert after.peer_fetch_failures > before.peer_fetch_failures
+        assert after.peer_fetched_chunks == before.peer_fetched_chunks
+        # Nothing of the stream was kept: L1 holds the one local chunk, no reservation leaked.
+        assert (after.num_chunks, after.l1_used_bytes) == (before.num_chunks, before.l1_used_bytes)
+        assert set(client.snapshot().chunk_keys) == {keys[0]}
+        # The engine gets the local chunk only: blocks of chunks 1 and 2 are not written.
+        untouched = [t.clone() for t in tensors]
+        res = client.retrieve("victim", "r1", keys, block_ids(0, 3))
+        assert res.hit_mask == [True, False, False]
+        assert all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in zip(tensors, untouched, strict=True)
+        )
+    finally:
+        if peer is not None:
+            peer.server.stop(0)
+        agent.stop()
+
+
+def test_same_stream_with_the_right_checksums_is_accepted(tmp_path: Path) -> None:
+    """The control: the malicious peer's stream, but each chunk with the checksum of its bytes."""
+    agent = start_agent(tmp_path)
+    peer: MaliciousPeer | None = None
+    try:
+        client = agent.client()
+        _, reg = register_kv(client, "victim", tmp_path, seed=3)
+        nbytes = reg.bytes_per_chunk
+        keys = keys_for(1202, 3)
+        assert client.store("victim", keys[:1], block_ids(0, 1)).num_stored_chunks == 1
+        payloads = [forged(nbytes, 20), forged(nbytes, 21)]
+        peer = MaliciousPeer(lambda req: stream(payloads, 4096, [chunk_checksum(p) for p in payloads]))
+        before = client.health()
+
+        hit = client.lookup("victim", "r1", keys, peer_address=peer.address)
+
+        assert (hit.num_hit_chunks, hit.num_peer_chunks, hit.miss_cause) == (3, 2, "none")
+        after = client.health()
+        assert after.peer_fetched_chunks == before.peer_fetched_chunks + 2
+        assert after.peer_fetch_failures == before.peer_fetch_failures
+        # The fetched chunks are in L1 bit for bit, and their recorded checksums travel on.
+        parts = list(client.fetch_chunks(keys, reg.layout_id, namespace_id=NS_ID, max_part_bytes=1 << 20))
+        data: dict[int, bytes] = {}
+        sums: dict[int, bytes] = {}
+        for m in parts:
+            data[m.chunk_index] = data.get(m.chunk_index, b"") + m.data
+            if m.offset == 0:
+                sums[m.chunk_index] = m.checksum
+        assert [data[1], data[2]] == payloads
+        assert [sums[1], sums[2]] == [chunk_checksum(p) for p in payloads]
+        assert sums[0] == chunk_checksum(data[0])  # chunk 0 was stored by the engine here
+        assert client.release("victim", "r1") == 3
+    finally:
+        if peer is not None:
+            peer.server.stop(0)
+        agent.stop()
+
+
+# ---- in-process: partial streams, counters, store-time checksums ----------------------------
+
+
+def _fetcher(cache: ChunkCache, reader_metrics: PeerMetrics) -> PeerFetcher:
+    return PeerFetcher(cache, AgentConfig(), "uid-local", reader_metrics, trace.get_tracer("t"))
+
+
+def test_chunks_before_a_corrupt_one_are_kept_and_the_rest_discarded() -> None:
+    """Chunk 0 intact, chunk 1 tampered, chunk 2 intact: chunk 0 is committed (a prefix), chunk 1
+    never, and the stream stops there (chunk 2 is not kept either: the peer is not trusted)."""
+    cache = ChunkCache(L1Pool(1 << 20, page_bytes=4096, pin=False))
+    keys = keys_for(1203, 3)
+    nbytes = 8192
+    payloads = [forged(nbytes, 30 + i) for i in range(3)]
+    sums = [chunk_checksum(p) for p in payloads]
+    peer = MaliciousPeer(
+        lambda req: stream([payloads[0], flip_last_byte(payloads[1]), payloads[2]], 3000, sums)
+    )
+    peer_metrics = PeerMetrics(metrics.get_meter("test_integrity"))
+    fetcher = _fetcher(cache, peer_metrics)
+    try:
+        cand = PeerCandidate(pod_uid="evil", address=peer.address, l1_chunks=3, total_chunks=3)
+        res = fetcher.fetch_from(cand, keys, NS_ID, "L", nbytes, time.monotonic() + 5)
+    finally:
+        fetcher.close()
+        peer.server.stop(0)
+    assert res.error.startswith("checksum: ") and "chunk 1 discarded" in res.error, res.error
+    assert (res.chunks, res.nbytes) == (1, nbytes)
+    assert peer_metrics.stats.fetch_failures == 1 and peer_metrics.stats.fetched_chunks == 1
+    assert cache.prefix_length(keys, "L", namespace_id=NS_ID)[0] == 1
+    (chunk,), _ = cache.acquire_prefix(keys[:1], "L", namespace_id=NS_ID)
+    assert chunk.buffer.numpy().tobytes() == payloads[0] and chunk.checksum == sums[0]
+    assert cache.stats().used_bytes == cache.pool.pages_for(nbytes) * cache.pool.page_bytes
+
+
+def test_checksum_recorded_at_store_matches_the_bytes_and_is_served() -> None:
+    cache = ChunkCache(L1Pool(1 << 20, page_bytes=4096, pin=False))
+    keys = keys_for(1204, 2)
+    nbytes = 5000  # not a page multiple: the checksum covers the chunk's bytes, not its pages
+    res = cache.reserve_store(keys, namespace_id=NS_ID, layout_id="L", nbytes=nbytes)
+    payloads = [forged(nbytes, 40 + i) for i in range(2)]
+    for (_, chunk), payload in zip(res.new_chunks, payloads, strict=True):
+        assert chunk.checksum == b""
+        chunk.buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    assert cache.commit(res) == (2, 0)
+    chunks, _ = cache.acquire_prefix(keys, "L", namespace_id=NS_ID)
+    try:
+        for chunk, payload in zip(chunks, payloads, strict=True):
+            assert len(chunk.checksum) == CHECKSUM_BYTES
+            assert chunk.checksum == chunk_checksum(payload) == chunk_checksum(chunk.buffer.numpy())
+    finally:
+        cache.release(chunks)
+    # The sender puts each chunk's recorded checksum on its first part, and only there.
+    req = agent_pb2.FetchChunksRequest(chunk_keys=keys, layout_id="L", namespace_id=NS_ID)
+    msgs = list(ChunkSender(cache, req, part_bytes=2048, max_chunks=8, min_part_bytes=1))
+    firsts = [m for m in msgs if m.offset == 0]
+    assert [m.checksum for m in firsts] == [chunk_checksum(p) for p in payloads]
+    assert all(m.checksum == b"" for m in msgs if m.offset != 0)
+
+
+def test_verify_checksum() -> None:
+    data = forged(1 << 16, 50)
+    verify_checksum(data, chunk_checksum(data))
+    verify_checksum(np.frombuffer(data, dtype=np.uint8), chunk_checksum(data))
+    with pytest.raises(ChecksumMismatch, match="xxh3-128"):
+        verify_checksum(flip_last_byte(data), chunk_checksum(data))
+    for bad in (b"", chunk_checksum(data)[:8], chunk_checksum(data) + b"\0"):
+        with pytest.raises(ChecksumMismatch, match="16-byte"):
+            verify_checksum(data, bad)
