@@ -11,6 +11,7 @@ is accepted, bit for bit.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -252,3 +253,21 @@ def test_verify_checksum() -> None:
     for bad in (b"", chunk_checksum(data)[:8], chunk_checksum(data) + b"\0"):
         with pytest.raises(ChecksumMismatch, match="16-byte"):
             verify_checksum(data, bad)
+
+
+def test_bench_checksum_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgrid import cli
+
+    args = ["bench", "checksum", "--sizes-kib", "64,256", "--min-bytes", "1048576", "--repeat", "2"]
+    assert cli.main([*args, "--store-chunks", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [row["size_kib"] for row in report["rows"]] == [64, 256]
+    for row in report["rows"]:
+        assert row["copy_gb_per_s"] > 0
+        assert set(row["results"]) == {"xxh3_128", "blake2b_128", "crc32"}
+        assert all(r["gb_per_s"] > 0 and r["ratio_to_copy"] > 0 for r in row["results"].values())
+    store = report["store_path"]
+    assert store["chunks"] == 2 and store["chunk_bytes"] == 256 * 1024 and store["checksum_ms_per_chunk"] > 0
+    assert cli.main([*args, "--store-path", "false"]) == 0
+    out = capsys.readouterr().out
+    assert "xxh3_128" in out and "ratio" in out and "store path" not in out
