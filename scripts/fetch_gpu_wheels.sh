@@ -11,7 +11,7 @@ venv_pip="$root/.venv/bin/python -m pip"
 version() { $venv_pip show "$1" 2>/dev/null | awk '/^Version:/ {print $2}'; }
 pkgs=()
 for name in protobuf grpcio grpcio-health-checking grpcio-reflection msgspec opentelemetry-api \
-    opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-exporter-otlp-proto-grpc \
+    opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-exporter-otlp-proto-grpc xxhash \
     opentelemetry-exporter-otlp-proto-common opentelemetry-proto opentelemetry-exporter-prometheus \
     googleapis-common-protos; do
     v="$(version "$name")"

@@ -219,7 +219,7 @@ def test_chunks_before_a_corrupt_one_are_kept_and_the_rest_discarded() -> None:
     assert cache.stats().used_bytes == cache.pool.pages_for(nbytes) * cache.pool.page_bytes
 
 
-def test_checksum_recorded_at_store_matches_the_bytes_and_is_served() -> None:
+def test_the_checksum_of_stored_bytes_is_served_with_them() -> None:
     cache = ChunkCache(L1Pool(1 << 20, page_bytes=4096, pin=False))
     keys = keys_for(1204, 2)
     nbytes = 5000  # not a page multiple: the checksum covers the chunk's bytes, not its pages
@@ -229,19 +229,19 @@ def test_checksum_recorded_at_store_matches_the_bytes_and_is_served() -> None:
         assert chunk.checksum == b""
         chunk.buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     assert cache.commit(res) == (2, 0)
-    chunks, _ = cache.acquire_prefix(keys, "L", namespace_id=NS_ID)
-    try:
-        for chunk, payload in zip(chunks, payloads, strict=True):
-            assert len(chunk.checksum) == CHECKSUM_BYTES
-            assert chunk.checksum == chunk_checksum(payload) == chunk_checksum(chunk.buffer.numpy())
-    finally:
-        cache.release(chunks)
-    # The sender puts each chunk's recorded checksum on its first part, and only there.
+    # The sender puts each chunk's checksum on its first part, and only there (computed then, off
+    # the store path), and keeps it with the chunk.
     req = agent_pb2.FetchChunksRequest(chunk_keys=keys, layout_id="L", namespace_id=NS_ID)
     msgs = list(ChunkSender(cache, req, part_bytes=2048, max_chunks=8, min_part_bytes=1))
     firsts = [m for m in msgs if m.offset == 0]
     assert [m.checksum for m in firsts] == [chunk_checksum(p) for p in payloads]
+    assert all(len(m.checksum) == CHECKSUM_BYTES for m in firsts)
     assert all(m.checksum == b"" for m in msgs if m.offset != 0)
+    chunks, _ = cache.acquire_prefix(keys, "L", namespace_id=NS_ID)
+    try:
+        assert [c.checksum for c in chunks] == [chunk_checksum(p) for p in payloads]
+    finally:
+        cache.release(chunks)
 
 
 def test_verify_checksum() -> None:

@@ -28,7 +28,6 @@ import torch
 
 from kvgrid.agent.eviction import EvictionPolicy, LRUPolicy
 from kvgrid.agent.l1 import Chunk, L1Pool
-from kvgrid.common.checksum import chunk_checksum
 
 __all__ = [
     "CacheListener",
@@ -244,20 +243,13 @@ class ChunkCache:
     def commit(self, res: StoreReservation, upto: int | None = None) -> tuple[int, int]:
         """Make reserved chunks visible. Returns (leading chunks held, chunks already present).
 
-        Every new chunk committed gets the checksum of its bytes (``Chunk.checksum``) unless the
-        caller set it (a peer fetch sets the one it verified). A key that another store committed
-        meanwhile keeps the first copy; ours is freed. With
+        A key that another store committed meanwhile keeps the first copy; ours is freed. With
         ``upto``, only entries of chunk index < ``upto`` are committed and the rest are aborted
         (a peer fetch that ended early: chunks it did not fill completely are never visible).
         """
         if res.done:
             raise AssertionError("reservation committed or aborted twice")
         res.done = True
-        # The bytes are final now: record their checksum (outside the lock; a peer fetch has set
-        # the verified one that came with the bytes already).
-        for i, chunk, new in res.entries:
-            if new and not chunk.checksum and (upto is None or i < upto):
-                chunk.checksum = chunk_checksum(chunk.buffer.numpy())
         admitted: list[bytes] = []
         held: set[int] = set()
         present = 0

@@ -124,7 +124,7 @@ class Chunk:
 
     ``refcount`` counts users that need the bytes to stay (a transfer reading them, a lookup pin);
     a chunk with ``refcount > 0`` is never evicted. ``committed`` is False while a store is still
-    writing it (invisible to lookups); ``checksum`` is set by then.
+    writing it (invisible to lookups).
     """
 
     key: bytes
@@ -137,9 +137,10 @@ class Chunk:
     refcount: int = 0
     committed: bool = False
     checksum: bytes = b""
-    """XXH3-128 of the bytes (``kvgrid.common.checksum``), set when the chunk is committed: computed
-    there for a store, the verified one that came with the bytes for a peer fetch. Sent with the
-    chunk to peers, which verify it before their copy becomes visible."""
+    """XXH3-128 of the bytes (``kvgrid.common.checksum``): the verified one that came with the bytes
+    for a peer fetch; for a store, computed the first time the chunk is served (the bytes never
+    change once committed, so it is the checksum of the stored bytes, kept off the engine's store
+    path). Sent with the chunk to peers, which verify it before their copy becomes visible."""
 
 
 class L1Pool:

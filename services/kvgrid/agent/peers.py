@@ -33,7 +33,7 @@ from kvgrid.agent.cache import ChunkCache, MissCause
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import Chunk
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
-from kvgrid.common.checksum import ChecksumMismatch, verify_checksum
+from kvgrid.common.checksum import ChecksumMismatch, chunk_checksum, verify_checksum
 from kvgrid.common.errors import FailedPrecondition, InvalidArgument, check_namespace_id, client_input
 from kvgrid.common.hashing import check_chunk_keys
 
@@ -207,6 +207,10 @@ class ChunkSender:
                     return
                 data = chunk.buffer.numpy()
                 size = chunk.nbytes
+                if not chunk.checksum:
+                    # Computed when first needed, not on the engine's store path: one core hashes a
+                    # 32 MiB chunk in ~3 ms, against ~0.6 ms for the GPU's copy of it into L1.
+                    chunk.checksum = chunk_checksum(data[:size])
                 for off in range(0, size, self.part_bytes):
                     msg = agent_pb2.FetchChunksResponse(
                         chunk_index=index,
@@ -215,7 +219,7 @@ class ChunkSender:
                         data=data[off : off + self.part_bytes].tobytes(),
                     )
                     if off == 0:
-                        msg.checksum = chunk.checksum  # recorded at store; the fetcher verifies it
+                        msg.checksum = chunk.checksum  # the fetcher verifies it
                         if index == 0:
                             msg.num_chunks = self.num_chunks
                     yield msg
