@@ -13,9 +13,12 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import torch
 
 from kvgrid.agent.client import AgentClient
@@ -150,3 +153,38 @@ def start_agent(
     info = json.loads(line)
     assert info["event"] == "serving"
     return AgentProc(proc, info["uds_path"], info["tcp_port"], info["epoch"], pod_uid)
+
+
+class FakePeer:
+    """A real gRPC server on loopback whose FetchChunks answers ``answer(request, context)``: a
+    peer agent that streams exactly what a test says (parts cut short, wrong bytes, an abort)."""
+
+    def __init__(
+        self,
+        answer: Callable[
+            [agent_pb2.FetchChunksRequest, grpc.ServicerContext], Iterable[agent_pb2.FetchChunksResponse]
+        ],
+    ) -> None:
+        self.requests: list[agent_pb2.FetchChunksRequest] = []
+
+        def fetch(raw: bytes, context: grpc.ServicerContext) -> Iterator[agent_pb2.FetchChunksResponse]:
+            req = agent_pb2.FetchChunksRequest.FromString(raw)
+            self.requests.append(req)
+            yield from answer(req, context)
+
+        handler = grpc.method_handlers_generic_handler(
+            "kvgrid.v1.AgentService",
+            {
+                "FetchChunks": grpc.unary_stream_rpc_method_handler(
+                    fetch, response_serializer=lambda m: m.SerializeToString()
+                )
+            },
+        )
+        self.server = grpc.server(ThreadPoolExecutor(2))
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 import torch
@@ -29,40 +27,16 @@ from kvgrid.agent.l1 import L1Pool
 from kvgrid.agent.peers import ChunkSender, PeerCandidate, PeerFetcher, PeerMetrics
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.checksum import CHECKSUM_BYTES, ChecksumMismatch, chunk_checksum, verify_checksum
-from tests.agent.helpers import NAMESPACE, block_ids, keys_for, register_kv, start_agent
+from tests.agent.helpers import NAMESPACE, FakePeer, block_ids, keys_for, register_kv, start_agent
 
 NS_ID = NAMESPACE.namespace_id()
 
 
-class MaliciousPeer:
-    """A real gRPC server on loopback answering every FetchChunks with ``make(request)``."""
-
-    def __init__(
-        self, make: Callable[[agent_pb2.FetchChunksRequest], list[agent_pb2.FetchChunksResponse]]
-    ) -> None:
-        self.requests: list[agent_pb2.FetchChunksRequest] = []
-
-        def fetch(raw: bytes, context: grpc.ServicerContext) -> Iterator[agent_pb2.FetchChunksResponse]:
-            req = agent_pb2.FetchChunksRequest.FromString(raw)
-            self.requests.append(req)
-            yield from make(req)
-
-        handler = grpc.method_handlers_generic_handler(
-            "kvgrid.v1.AgentService",
-            {
-                "FetchChunks": grpc.unary_stream_rpc_method_handler(
-                    fetch, response_serializer=lambda m: m.SerializeToString()
-                )
-            },
-        )
-        self.server = grpc.server(ThreadPoolExecutor(2))
-        self.server.add_generic_rpc_handlers((handler,))
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+def malicious_peer(
+    make: Callable[[agent_pb2.FetchChunksRequest], list[agent_pb2.FetchChunksResponse]],
+) -> FakePeer:
+    """A peer answering every FetchChunks with ``make(request)``."""
+    return FakePeer(lambda req, context: make(req))
 
 
 def stream(
@@ -99,7 +73,7 @@ def flip_last_byte(payload: bytes) -> bytes:
 @pytest.mark.parametrize("attack", ["wrong_bytes", "no_checksum", "checksum_of_other_bytes"])
 def test_forged_peer_chunks_never_reach_l1_or_the_engine(tmp_path: Path, attack: str) -> None:
     agent = start_agent(tmp_path)
-    peer: MaliciousPeer | None = None
+    peer: FakePeer | None = None
     try:
         client = agent.client()
         tensors, reg = register_kv(client, "victim", tmp_path, seed=3)
@@ -118,7 +92,7 @@ def test_forged_peer_chunks_never_reach_l1_or_the_engine(tmp_path: Path, attack:
             "no_checksum": (real, [None, None]),
             "checksum_of_other_bytes": (real, [chunk_checksum(real[1]), chunk_checksum(real[0])]),
         }[attack]
-        peer = MaliciousPeer(lambda req: stream(sent[0], 4096, list(sent[1])))
+        peer = malicious_peer(lambda req: stream(sent[0], 4096, list(sent[1])))
         before = client.health()
 
         hit = client.lookup("victim", "r1", keys, peer_address=peer.address)
@@ -149,7 +123,7 @@ def test_forged_peer_chunks_never_reach_l1_or_the_engine(tmp_path: Path, attack:
 def test_same_stream_with_the_right_checksums_is_accepted(tmp_path: Path) -> None:
     """The control: the malicious peer's stream, but each chunk with the checksum of its bytes."""
     agent = start_agent(tmp_path)
-    peer: MaliciousPeer | None = None
+    peer: FakePeer | None = None
     try:
         client = agent.client()
         _, reg = register_kv(client, "victim", tmp_path, seed=3)
@@ -157,7 +131,7 @@ def test_same_stream_with_the_right_checksums_is_accepted(tmp_path: Path) -> Non
         keys = keys_for(1202, 3)
         assert client.store("victim", keys[:1], block_ids(0, 1)).num_stored_chunks == 1
         payloads = [forged(nbytes, 20), forged(nbytes, 21)]
-        peer = MaliciousPeer(lambda req: stream(payloads, 4096, [chunk_checksum(p) for p in payloads]))
+        peer = malicious_peer(lambda req: stream(payloads, 4096, [chunk_checksum(p) for p in payloads]))
         before = client.health()
 
         hit = client.lookup("victim", "r1", keys, peer_address=peer.address)
@@ -199,7 +173,7 @@ def test_chunks_before_a_corrupt_one_are_kept_and_the_rest_discarded() -> None:
     nbytes = 8192
     payloads = [forged(nbytes, 30 + i) for i in range(3)]
     sums = [chunk_checksum(p) for p in payloads]
-    peer = MaliciousPeer(
+    peer = malicious_peer(
         lambda req: stream([payloads[0], flip_last_byte(payloads[1]), payloads[2]], 3000, sums)
     )
     peer_metrics = PeerMetrics(metrics.get_meter("test_integrity"))

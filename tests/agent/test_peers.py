@@ -40,6 +40,7 @@ from tests.agent.helpers import (
     HINTS,
     NAMESPACE,
     AgentProc,
+    FakePeer,
     keys_for,
     kvgrid_env,
     layer_shape,
@@ -332,29 +333,15 @@ def test_fetch_stream_holds_chunks_until_sent(tmp_path: Path) -> None:
         server.stop(0)
 
 
-class FaultyPeer:
-    """A real gRPC server answering FetchChunks with ``messages`` and then ``abort`` (or a clean end)."""
+def faulty_peer(messages: list[agent_pb2.FetchChunksResponse], abort: grpc.StatusCode | None) -> FakePeer:
+    """A peer answering FetchChunks with ``messages`` and then ``abort`` (or a clean end)."""
 
-    def __init__(self, messages: list[agent_pb2.FetchChunksResponse], abort: grpc.StatusCode | None) -> None:
-        from concurrent.futures import ThreadPoolExecutor
+    def answer(req: agent_pb2.FetchChunksRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        yield from messages
+        if abort is not None:
+            context.abort(abort, "peer going away")
 
-        def fetch(raw: bytes, context: grpc.ServicerContext) -> Iterator[agent_pb2.FetchChunksResponse]:
-            yield from messages
-            if abort is not None:
-                context.abort(abort, "peer going away")
-
-        handler = grpc.method_handlers_generic_handler(
-            "kvgrid.v1.AgentService",
-            {
-                "FetchChunks": grpc.unary_stream_rpc_method_handler(
-                    fetch, response_serializer=lambda m: m.SerializeToString()
-                )
-            },
-        )
-        self.server = grpc.server(ThreadPoolExecutor(2))
-        self.server.add_generic_rpc_handlers((handler,))
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
+    return FakePeer(answer)
 
 
 def _parts(index: int, payload: bytes, part: int, num_chunks: int = 0) -> list[agent_pb2.FetchChunksResponse]:
@@ -378,7 +365,7 @@ def test_fetch_keeps_only_complete_chunks_when_the_peer_fails(fault: str) -> Non
     msgs = _parts(0, c0, 3000, num_chunks=3) + _parts(1, c1, 3000)[:2]
     if fault == "wrong_offset":
         msgs = _parts(0, c0, 3000, num_chunks=3) + _parts(1, c1, 3000)[1:]
-    peer = FaultyPeer(msgs, grpc.StatusCode.UNAVAILABLE if fault == "dies_mid_chunk" else None)
+    peer = faulty_peer(msgs, grpc.StatusCode.UNAVAILABLE if fault == "dies_mid_chunk" else None)
     cfg = AgentConfig(controller_address="127.0.0.1:1")
     fetcher = PeerFetcher(cache, cfg, "uid-local", PeerMetrics(metrics.get_meter("t")), trace.get_tracer("t"))
     try:
