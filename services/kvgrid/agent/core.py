@@ -139,11 +139,10 @@ class AgentCore:
             meter or metrics.get_meter("kvgrid.agent"), self.cache.stats, lambda: len(self._instances)
         )
         self.peer_metrics = PeerMetrics(meter or metrics.get_meter("kvgrid.agent"))
-        self.peers: PeerFetcher | None = None
-        if config.peer_fetch_enabled:
-            self.peers = PeerFetcher(self.cache, config, pod.pod_uid, self.peer_metrics, self.tracer)
+        # Fetches from the holder the controller names (peer fetch on) or from a peer the engine
+        # names (P/D); with neither, a lookup never reaches it.
+        self.peers = PeerFetcher(self.cache, config, pod.pod_uid, self.peer_metrics, self.tracer)
         self.on_instances_changed: Callable[[], None] | None = None
-        self._named: PeerFetcher | None = None
         self.totals = TransferTotals()
         self._totals_lock = threading.Lock()
 
@@ -336,15 +335,6 @@ class AgentCore:
             out.append(per_chunk)
         return out
 
-    def _named_peers(self) -> PeerFetcher:
-        """A fetcher for peers the engine names (P/D), made on first use when controller-directed
-        peer fetch is off."""
-        with self._lock:
-            if self._named is None:
-                uid = self.pod.pod_uid
-                self._named = PeerFetcher(self.cache, self.config, uid, self.peer_metrics, self.tracer)
-            return self._named
-
     # ---- lookup / retrieve / store / release -----------------------------------------------
 
     def lookup(
@@ -380,9 +370,8 @@ class AgentCore:
                 n = len(held)
             local = n
             try:
-                fetcher = self.peers if self.peers is not None or not peer_address else self._named_peers()
-                if cause == MissCause.NOT_FOUND and fetcher is not None:
-                    fetched = fetcher.fetch(
+                if cause == MissCause.NOT_FOUND and (peer_address or self.config.peer_fetch_enabled):
+                    fetched = self.peers.fetch(
                         keys[n:],
                         namespace_id=inst.namespace_id,
                         layout_id=inst.layout_id,
@@ -539,6 +528,4 @@ class AgentCore:
     def close(self) -> None:
         with self._lock:
             self._instances.clear()
-        for fetcher in (self.peers, self._named):
-            if fetcher is not None:
-                fetcher.close()
+        self.peers.close()

@@ -322,7 +322,7 @@ class PeerFetcher:
                 ttl_s=config.peer_directory_ttl_ms / 1000,
                 max_message_bytes=config.max_message_bytes,
             )
-            if config.controller_address
+            if config.peer_fetch_enabled
             else None
         )
         self._lock = threading.Lock()
@@ -386,7 +386,7 @@ class PeerFetcher:
                     )
                     result = self.fetch_from(named, keys, namespace_id, layout_id, bytes_per_chunk, deadline)
                 elif self.directory is None:
-                    result = PeerFetchResult()  # no controller to ask who holds them
+                    result = PeerFetchResult()  # peer fetch is off: nobody to ask who holds them
                 else:
                     result = self._fetch(
                         keys, self.directory, namespace_id, layout_id, bytes_per_chunk, deadline
