@@ -151,6 +151,8 @@ class ConnectorScheduler:
         self._keys: dict[str, list[list[bytes]]] = {}
         self._requests: dict[str, _RequestState] = {}
         self._load_failed: set[str] = set()
+        self._pending_loads: list[_RequestState] = []
+        """Requests whose load order build_meta has yet to emit (after_alloc queues them)."""
         # Layer-wise loads run inside the step; vLLM maps a failed synchronous load back to its
         # request only with one KV cache group, so hybrid models keep asynchronous loads.
         self.in_step_loads = config.layerwise and len(identity.tokens_per_block) == 1
@@ -260,6 +262,7 @@ class ConnectorScheduler:
                 skip_first_n_tokens=found.num_computed_tokens,
                 in_step=self.in_step_loads,
             )
+            self._pending_loads.append(state)
             state.num_stored_chunks = max(state.num_stored_chunks, n)
         elif found is not None and state.pinned and state.load is None:
             self._release(rid)
@@ -267,8 +270,10 @@ class ConnectorScheduler:
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVGridConnectorMetadata:
         meta = KVGridConnectorMetadata()
-        for waiting in self._requests.values():
-            if waiting.load is not None:
+        pending, self._pending_loads = self._pending_loads, []
+        for waiting in pending:
+            # A request that finished meanwhile (aborted) is gone from _requests: nothing to load.
+            if self._requests.get(waiting.request_id) is waiting and waiting.load is not None:
                 waiting.load.block_ids = [list(ids) for ids in waiting.block_ids]
                 meta.loads.append(waiting.load)
                 waiting.load = None

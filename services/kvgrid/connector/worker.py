@@ -235,12 +235,8 @@ class ConnectorWorker:
         """Wait for the step's in-step loads; their missing blocks are reported this step."""
         loads, self._step_loads = self._step_loads, []
         for future in loads:
-            out = future.result()
-            self.stats.chunks_loaded += out.loaded
-            self.stats.chunks_load_failed += out.wanted - out.loaded
             self.stats.loads_in_step += 1
-            if out.loaded < out.wanted:
-                self._invalid_block_ids |= self._failed_blocks(out)
+            self._settle(future.result())  # in-step loads are one-group only: never "failed"
 
     def layer_saved(self, layer_name: str, meta: KVGridConnectorMetadata) -> None:
         """Layer-wise: once the last layer's KV is written, start the step's stores in the
@@ -282,21 +278,28 @@ class ConnectorWorker:
         failed: set[str] = set()
         for out in outcomes:
             finished.add(out.order.request_id)
-            self.stats.chunks_loaded += out.loaded
-            self.stats.chunks_load_failed += out.wanted - out.loaded
-            if out.loaded >= out.wanted:
-                continue
-            if len(self.identity.tokens_per_block) > 1:
+            if self._settle(out):
                 failed.add(out.order.request_id)
-            else:
-                self._invalid_block_ids |= self._failed_blocks(out)
-            log.warning(
-                "kvgrid: request %s loaded %d of %d chunks; vLLM recomputes the rest",
-                out.order.request_id,
-                out.loaded,
-                out.wanted,
-            )
         return finished, failed
+
+    def _settle(self, out: LoadOutcome) -> bool:
+        """Count a load that ended and report the blocks it missed (one KV cache group). True when
+        the request must be reported failed instead: with several groups block ids repeat across
+        groups, so vLLM cannot map them back to the request."""
+        self.stats.chunks_loaded += out.loaded
+        self.stats.chunks_load_failed += out.wanted - out.loaded
+        if out.loaded >= out.wanted:
+            return False
+        log.warning(
+            "kvgrid: request %s loaded %d of %d chunks; vLLM recomputes the rest",
+            out.order.request_id,
+            out.loaded,
+            out.wanted,
+        )
+        if len(self.identity.tokens_per_block) > 1:
+            return True
+        self._invalid_block_ids |= self._failed_blocks(out)
+        return False
 
     def _failed_blocks(self, out: LoadOutcome) -> set[int]:
         tpc = self.identity.tokens_per_chunk
