@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvgrid.common.config import ByteSize, GiB, check_choices
+from kvgrid.common.tls import TlsFiles, tls_files
 
 __all__ = ["AgentConfig", "EvictionPolicyName", "LogLevel", "Switch"]
 
@@ -174,6 +175,51 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         _d("How long the controller's agent list (pod -> peer address) is reused before asking again (ms)"),
         msgspec.Meta(gt=0),
     ] = 5000
+    tier_disk_path: Annotated[
+        str,
+        _d(
+            "Directory of the local-disk tier: chunks evicted from L1 are written there by a background "
+            "writer and read back on a lookup hit; its records are removed at start. Empty = no disk tier"
+        ),
+    ] = ""
+    tier_disk_size: Annotated[
+        ByteSize, _d("Capacity of the disk tier; its least recently used chunks go to the S3 tier (or away)")
+    ] = 16 * GiB
+    tier_s3_endpoint: Annotated[
+        str,
+        _d(
+            "URL of an S3-compatible object store for the object-store tier, e.g. http://seaweedfs:8333 "
+            "(below the disk tier, or below L1 without one). Empty = no object-store tier"
+        ),
+    ] = ""
+    tier_s3_bucket: Annotated[str, _d("Bucket of the object-store tier (must exist)")] = ""
+    tier_s3_prefix: Annotated[
+        str, _d("Object name prefix; objects are <prefix>/<namespace id>/<chunk key hex>")
+    ] = "kvgrid"
+    tier_s3_region: Annotated[str, _d("Region of the object store; empty = the server's default")] = ""
+    tier_s3_credentials_dir: Annotated[
+        str,
+        _d(
+            "Directory with files access_key_id and secret_access_key (a mounted Kubernetes Secret); "
+            "empty = the AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY env variables"
+        ),
+    ] = ""
+    tier_s3_size: Annotated[
+        ByteSize, _d("Bytes of objects this agent keeps in the object-store tier; least recently used go")
+    ] = 256 * GiB
+    tier_s3_part_size: Annotated[
+        ByteSize, _d("Objects larger than this are uploaded in parts of this size (multipart; >= 5MiB)")
+    ] = 16 * 1024 * 1024
+    tier_s3_max_retries: Annotated[
+        int,
+        _d("Retries of an object-store request after a transport error, 5xx or throttling"),
+        msgspec.Meta(ge=0, le=20),
+    ] = 4
+    tier_s3_retry_backoff_ms: Annotated[
+        int,
+        _d("First wait before an object-store retry (ms); doubles per retry, with jitter"),
+        msgspec.Meta(gt=0),
+    ] = 50
     prometheus_port: Annotated[
         int, _d("Port of the Prometheus /metrics endpoint; 0 disables it"), msgspec.Meta(ge=0)
     ] = 0
@@ -182,9 +228,29 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         _d("OTLP gRPC endpoint for metrics and traces; empty = OTEL_EXPORTER_OTLP_ENDPOINT or none"),
     ] = ""
     log_level: Annotated[LogLevel, _d("Logging level: debug, info, warning or error")] = "info"
+    tls_cert_file: Annotated[
+        str,
+        _d(
+            "PEM certificate (chain) of this agent, e.g. /etc/kvgrid/tls/tls.crt; with tls_key_file and "
+            "tls_ca_file it turns on mTLS for the TCP port and for calls to peers and the controller "
+            "(all three or none); reloaded when the file changes"
+        ),
+    ] = ""
+    tls_key_file: Annotated[str, _d("PEM private key of tls_cert_file, e.g. /etc/kvgrid/tls/tls.key")] = ""
+    tls_ca_file: Annotated[
+        str, _d("PEM CA bundle that signs every kvgrid certificate, e.g. /etc/kvgrid/tls/ca.crt")
+    ] = ""
+    tls_trust_domain: Annotated[
+        str, _d("SPIFFE trust domain of accepted identities (spiffe://<domain>/ns/<ns>/role/<role>)")
+    ] = "cluster.local"
 
     def __post_init__(self) -> None:
         check_choices(self)
+        tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+        if not self.tls_trust_domain or "/" in self.tls_trust_domain:
+            raise ValueError(
+                f"tls_trust_domain={self.tls_trust_domain!r}: expected a domain such as cluster.local"
+            )
         if self.low_watermark > self.high_watermark:
             raise ValueError(
                 f"low_watermark={self.low_watermark} > high_watermark={self.high_watermark}: "
@@ -216,11 +282,40 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.peer_fetch_part_size < 1024:
             raise ValueError(f"peer_fetch_part_size={self.peer_fetch_part_size}: expected >= 1024 bytes")
+        self._check_tiers()
         if self.reconnect_max_backoff_ms < self.reconnect_initial_backoff_ms:
             raise ValueError(
                 f"reconnect_max_backoff_ms={self.reconnect_max_backoff_ms} < reconnect_initial_backoff_ms="
                 f"{self.reconnect_initial_backoff_ms}: expected max >= initial"
             )
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """The mTLS files, None when TLS is off."""
+        return tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+
+    def _check_tiers(self) -> None:
+        if self.tier_disk_path and self.tier_disk_size < 1024 * 1024:
+            raise ValueError(
+                f"tier_disk_size={self.tier_disk_size}: expected >= 1MiB when tier_disk_path is set"
+            )
+        if bool(self.tier_s3_endpoint) != bool(self.tier_s3_bucket):
+            raise ValueError(
+                f"tier_s3_endpoint={self.tier_s3_endpoint!r}, tier_s3_bucket={self.tier_s3_bucket!r}: "
+                "expected both set (object-store tier on) or both empty (off)"
+            )
+        if self.tier_s3_endpoint:
+            scheme, _, host = self.tier_s3_endpoint.partition("://")
+            if scheme not in ("http", "https") or not host or "/" in host.rstrip("/"):
+                raise ValueError(
+                    f"tier_s3_endpoint={self.tier_s3_endpoint!r}: expected http://host:port or https://host:port"
+                )
+            if self.tier_s3_part_size < 5 * 1024 * 1024:
+                raise ValueError(
+                    f"tier_s3_part_size={self.tier_s3_part_size}: expected >= 5MiB (the S3 minimum part size)"
+                )
+            if self.tier_s3_size < 1024 * 1024:
+                raise ValueError(f"tier_s3_size={self.tier_s3_size}: expected >= 1MiB")
 
     @property
     def peer_fetch_enabled(self) -> bool:

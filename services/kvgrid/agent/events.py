@@ -5,6 +5,8 @@ event, strictly increasing within this agent's epoch) and keeps events until the
 acknowledges them. :class:`EventPublisher` is a thread that registers the agent with the
 controller, streams the log over ``PublishEvents``, renews the lease with ``Heartbeat`` and, on any
 failure, reconnects with exponential backoff (with jitter), resending what was not acknowledged.
+With TLS files configured every connection is mTLS, made with the files as they are at connect
+time (a rotated certificate is picked up by the next reconnect).
 
 If more than ``max_buffer`` events pile up (controller unreachable for long) the oldest are dropped;
 the controller then sees a gap in the sequence numbers and pulls a snapshot from the agent's
@@ -25,6 +27,7 @@ import grpc
 
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.identity import PodIdentity
+from kvgrid.common.tls import CONTROLLER_SERVER_NAME, ClientTls, make_channel
 from kvgrid.common.wire import pod_identity_to_proto
 
 __all__ = ["AgentLoadFn", "EventLog", "EventPublisher", "LoggedEvent"]
@@ -139,8 +142,12 @@ class EventPublisher:
         heartbeat_interval_s: float = 2.0,
         initial_backoff_s: float = 0.2,
         max_backoff_s: float = 10.0,
+        tls: ClientTls | None = None,
     ) -> None:
+        """``tls``: mTLS to the controller (credentials re-read per connection, so a rotated
+        certificate is used from the next reconnect on); None = plaintext."""
         self.address = controller_address
+        self.tls = tls
         self.log = log_
         self.pod = pod
         self._namespaces = namespaces
@@ -195,7 +202,7 @@ class EventPublisher:
     def _session(self) -> None:
         self._reconnect.clear()
         pod_pb = pod_identity_to_proto(self.pod)
-        with grpc.insecure_channel(self.address) as channel:
+        with make_channel(self.address, self.tls, CONTROLLER_SERVER_NAME) as channel:
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
             resp = stub.RegisterAgent(
                 controller_pb2.RegisterAgentRequest(

@@ -36,6 +36,7 @@ from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2,
 from kvgrid.common.checksum import ChecksumMismatch, chunk_checksum, verify_checksum
 from kvgrid.common.errors import FailedPrecondition, InvalidArgument, check_namespace_id, client_input
 from kvgrid.common.hashing import check_chunk_keys
+from kvgrid.common.tls import AGENT_SERVER_NAME, CONTROLLER_SERVER_NAME, Channels, ClientTls
 
 __all__ = [
     "MIN_PART_BYTES",
@@ -266,11 +267,18 @@ class PeerDirectory:
     """The controller as a directory: who holds which keys (MatchPrefix) and where each pod's agent
     listens (ListAgents, cached for ``ttl_s``). Thread-safe."""
 
-    def __init__(self, controller_address: str, *, ttl_s: float, max_message_bytes: int) -> None:
-        self.channel = grpc.insecure_channel(
-            controller_address, options=[("grpc.max_receive_message_length", max_message_bytes)]
+    def __init__(
+        self,
+        controller_address: str,
+        *,
+        ttl_s: float,
+        max_message_bytes: int,
+        tls: ClientTls | None = None,
+    ) -> None:
+        self.address = controller_address
+        self._channels = Channels(
+            tls, CONTROLLER_SERVER_NAME, [("grpc.max_receive_message_length", max_message_bytes)]
         )
-        self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._addresses: dict[str, str] = {}
@@ -283,6 +291,11 @@ class PeerDirectory:
             chunk_keys=common_pb2.ChunkKeys(keys=list(keys)), namespace_id=namespace_id
         )
         return self.stub.MatchPrefix(req, timeout=timeout_s)
+
+    @property
+    def stub(self) -> controller_pb2_grpc.ControllerServiceStub:
+        """A stub on the current channel (a new one after the TLS files changed)."""
+        return controller_pb2_grpc.ControllerServiceStub(self._channels.get(self.address))
 
     def addresses(self, timeout_s: float, *, refresh: bool = False) -> dict[str, str]:
         with self._lock:
@@ -297,7 +310,7 @@ class PeerDirectory:
         return table
 
     def close(self) -> None:
-        self.channel.close()
+        self._channels.close()
 
 
 class PeerFetcher:
@@ -316,48 +329,38 @@ class PeerFetcher:
         self.self_uid = self_uid
         self.metrics = metrics
         self.tracer = tracer
+        tls = ClientTls(config.tls) if config.tls is not None else None
         self.directory = (
             PeerDirectory(
                 config.controller_address,
                 ttl_s=config.peer_directory_ttl_ms / 1000,
                 max_message_bytes=config.max_message_bytes,
+                tls=tls,
             )
             if config.peer_fetch_enabled
             else None
         )
-        self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels = Channels(
+            tls,
+            AGENT_SERVER_NAME,
+            [
+                ("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.max_send_message_length", config.max_message_bytes),
+            ],
+        )
         self.part_bytes = max(
             1, min(config.peer_fetch_part_size, config.max_message_bytes - _MESSAGE_OVERHEAD)
         )
 
     def _stub(self, address: str) -> agent_pb2_grpc.AgentServiceStub:
-        with self._lock:
-            ch = self._channels.get(address)
-            if ch is None:
-                ch = grpc.insecure_channel(
-                    address,
-                    options=[
-                        ("grpc.max_receive_message_length", self.config.max_message_bytes),
-                        ("grpc.max_send_message_length", self.config.max_message_bytes),
-                    ],
-                )
-                self._channels[address] = ch
-        return agent_pb2_grpc.AgentServiceStub(ch)
+        return agent_pb2_grpc.AgentServiceStub(self._channels.get(address))
 
     def _forget_channels(self, keep: Mapping[str, str]) -> None:
         """Close channels to addresses no agent has any more (pods that went away)."""
-        live = set(keep.values())
-        with self._lock:
-            gone = [a for a in self._channels if a not in live]
-            for a in gone:
-                self._channels.pop(a).close()
+        self._channels.forget(set(keep.values()))
 
     def close(self) -> None:
-        with self._lock:
-            for ch in self._channels.values():
-                ch.close()
-            self._channels.clear()
+        self._channels.close()
         if self.directory is not None:
             self.directory.close()
 

@@ -3,7 +3,14 @@
 Each listener is its own gRPC server with its own thread pool (``grpc_workers`` for the Unix
 socket, ``tcp_grpc_workers`` for TCP), both serving the same servicer and core: however many
 threads TCP callers hold (slow FetchChunks streams), the engine's Register/Lookup/Store/Retrieve
-and Health on the Unix socket keep their own threads. Both listeners serve every RPC today.
+and Health on the Unix socket keep their own threads.
+
+Listener split (docs/security.md): the Unix socket (plaintext; filesystem permissions protect it)
+serves every RPC; the TCP port serves only :data:`TCP_POLICY`'s methods -- FetchChunks to agent
+identities (peers) and Snapshot to the controller identity -- and answers every engine method with
+UNIMPLEMENTED naming the Unix socket. With TLS files configured the TCP port requires mTLS and the
+toolkit checks each caller's certificate identity against :data:`TCP_POLICY`; without them it is
+plaintext, serves those two methods to anyone, and logs a loud warning at start.
 
 :class:`AgentServicer` converts protobuf to :class:`~kvgrid.agent.core.AgentCore` calls and back;
 the shared server toolkit (:mod:`kvgrid.common.rpc`) serves it: it parses requests (a malformed
@@ -31,17 +38,22 @@ from kvgrid.agent.peers import ChunkSender
 from kvgrid.agent.tensors import SharedFileCache, dtype_name, open_layer_tensor
 from kvgrid.agent.transfer import parse_layout_hints
 from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2
+from kvgrid.common.authz import Authorizer, Policy
 from kvgrid.common.errors import InvalidArgument, client_input
 from kvgrid.common.identity import PodIdentity
 from kvgrid.common.rpc import RpcMetrics, RpcServer, ServerOptions
+from kvgrid.common.tls import ClientTls, server_credentials
 from kvgrid.common.wire import engine_group_infos_from_proto, key_namespace_from_proto, pod_identity_to_proto
 
-__all__ = ["SERVICE_NAME", "AgentServer", "AgentServicer"]
+__all__ = ["SERVICE_NAME", "TCP_POLICY", "AgentServer", "AgentServicer"]
 
 log = logging.getLogger(__name__)
 
 _SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 SERVICE_NAME = _SERVICE.full_name
+
+TCP_POLICY = Policy({"FetchChunks": frozenset({"agent"}), "Snapshot": frozenset({"controller"})})
+"""What the TCP port serves and to whom: peers fetch chunks, the controller pulls snapshots."""
 
 
 class AgentServicer:
@@ -225,19 +237,25 @@ class AgentServer:
         cfg = self.config
         rpc_metrics = RpcMetrics(self._meter or metrics.get_meter("kvgrid.agent"))
 
-        def server(workers: int, name: str) -> RpcServer:
+        tls = cfg.tls
+
+        def server(workers: int, name: str, authorizer: Authorizer | None = None) -> RpcServer:
             opts = ServerOptions(
                 max_message_bytes=cfg.max_message_bytes, workers=workers, thread_name_prefix=name
             )
-            return RpcServer(opts, rpc_metrics=rpc_metrics)
+            return RpcServer(opts, rpc_metrics=rpc_metrics, authorizer=authorizer)
 
         servers: list[RpcServer] = []
+        tcp_servers: set[int] = set()
         if cfg.tcp_port >= 0:
-            tcp = server(cfg.tcp_grpc_workers, "kvgrid-agent-tcp")
-            port = tcp.bind(f"{cfg.tcp_host}:{cfg.tcp_port}")
+            authz = Authorizer(TCP_POLICY, cfg.tls_trust_domain) if tls is not None else None
+            tcp = server(cfg.tcp_grpc_workers, "kvgrid-agent-tcp", authz)
+            creds = server_credentials(tls) if tls is not None else None
+            port = tcp.bind(f"{cfg.tcp_host}:{cfg.tcp_port}", creds)
             if port == 0:
                 raise ValueError(f"tcp_host/tcp_port {cfg.tcp_host}:{cfg.tcp_port}: cannot bind")
             self.tcp_port = port
+            tcp_servers.add(id(tcp))
             servers.append(tcp)
         if cfg.uds_path:
             uds = server(cfg.grpc_workers, "kvgrid-agent-uds")
@@ -252,7 +270,16 @@ class AgentServer:
         self.core = AgentCore(cfg, pod, listener=self.events, meter=self._meter, tracer=self._tracer)
         servicer = AgentServicer(self.core, self.events)
         for rpc in servers:
-            rpc.add_service(_SERVICE, servicer)
+            if id(rpc) in tcp_servers:
+                rpc.add_service(
+                    _SERVICE,
+                    servicer,
+                    served=TCP_POLICY.allowed,
+                    not_served="the engine API is served on the agent's Unix socket only "
+                    f"(uds_path); TCP serves {', '.join(sorted(TCP_POLICY.allowed))}",
+                )
+            else:
+                rpc.add_service(_SERVICE, servicer)
             rpc.start()
         self.servers = servers
         self._reaper = threading.Thread(target=self._reap_loop, name="kvgrid-agent-reaper", daemon=True)
@@ -270,6 +297,7 @@ class AgentServer:
                 heartbeat_interval_s=cfg.heartbeat_interval_ms / 1000,
                 initial_backoff_s=cfg.reconnect_initial_backoff_ms / 1000,
                 max_backoff_s=cfg.reconnect_max_backoff_ms / 1000,
+                tls=ClientTls(tls) if tls is not None else None,
             )
             core.on_instances_changed = self.publisher.reregister
             self.publisher.start()
@@ -279,7 +307,10 @@ class AgentServer:
             pod.epoch,
             ", ".join(
                 x
-                for x in (self.uds_path and f"unix:{self.uds_path}", self.tcp_port and f"tcp:{self.tcp_port}")
+                for x in (
+                    self.uds_path and f"unix:{self.uds_path}",
+                    self.tcp_port and f"tcp:{self.tcp_port} ({'mTLS' if tls else 'plaintext'})",
+                )
                 if x
             ),
             self.core.pool.capacity_bytes,

@@ -21,8 +21,10 @@ __all__ = [
     "InvalidArgument",
     "KvgridError",
     "NotFound",
+    "PermissionDenied",
     "ResourceExhausted",
     "Unavailable",
+    "Unimplemented",
     "check_namespace_id",
     "client_input",
     "is_namespace_id",
@@ -55,6 +57,19 @@ class FailedPrecondition(KvgridError):
 
 class ResourceExhausted(KvgridError):
     status = "RESOURCE_EXHAUSTED"
+
+
+class PermissionDenied(KvgridError):
+    """The caller's proven identity may not do this (wrong role, another pod's UID, a pod another
+    identity registered)."""
+
+    status = "PERMISSION_DENIED"
+
+
+class Unimplemented(KvgridError):
+    """The method exists but this listener does not serve it (e.g. the engine API over TCP)."""
+
+    status = "UNIMPLEMENTED"
 
 
 class Unavailable(KvgridError):

@@ -3,9 +3,15 @@
 - :class:`RpcServer` builds a ``grpc.Server`` with the shared options (message size limits, no
   ``SO_REUSEPORT``, its own pool of ``workers`` threads: a service that must keep one listener's
   callers from starving another's runs one ``RpcServer`` per listener, sharing one
-  :class:`RpcMetrics`), binds addresses (:meth:`RpcServer.bind` is the one place a port is added; TLS
-  would be a credentials argument there), and on :meth:`RpcServer.start` adds the standard health
+  :class:`RpcMetrics`), binds addresses (:meth:`RpcServer.bind` is the one place a port is added:
+  with server credentials (:mod:`kvgrid.common.tls`) it is mTLS, without them a TCP address is
+  plaintext and says so loudly in the log), and on :meth:`RpcServer.start` adds the standard health
   service (SERVING for ``""`` and every added service) and reflection.
+- Authorization (:mod:`kvgrid.common.authz`): a server made with an ``authorizer`` checks every
+  call of an added service before the method runs (the caller's certificate identity against the
+  method's roles; PERMISSION_DENIED naming both) and exposes the identity to the method through
+  :func:`kvgrid.common.authz.caller` for the call's duration. ``add_service(served=...)`` serves only
+  the named methods on this server; the others answer UNIMPLEMENTED with the reason given.
 - :meth:`RpcServer.add_service` serves an implementation object by the service *descriptor*: one
   method per RPC, named like it, taking the parsed request (and for client-streaming RPCs an
   iterator of them) and returning the response (or an iterable of them). Requests are parsed here,
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,7 +42,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import metrics
 
-from kvgrid.common.errors import InvalidArgument, KvgridError
+from kvgrid.common.authz import Authorizer, set_caller
+from kvgrid.common.errors import InvalidArgument, KvgridError, Unimplemented
 
 __all__ = ["RPC_CALLS", "RPC_DURATION", "RpcMetrics", "RpcServer", "ServerOptions", "status_of"]
 
@@ -142,8 +149,17 @@ def _client_stream(raw: Iterator[bytes], parse: Callable[[bytes], Message]) -> I
         yield parse(r)
 
 
+def _admit(name: str, context: grpc.ServicerContext, authorizer: Authorizer | None) -> None:
+    """Authorize the call (raises PermissionDenied) and publish its identity to the method."""
+    set_caller(authorizer.check(name, context) if authorizer is not None else None)
+
+
 def _handler(
-    m: MethodDescriptor, fn: Callable[..., Any], metrics: RpcMetrics, on_error: OnError | None
+    m: MethodDescriptor,
+    fn: Callable[..., Any],
+    metrics: RpcMetrics,
+    on_error: OnError | None,
+    authorizer: Authorizer | None,
 ) -> grpc.RpcMethodHandler:
     name = m.name
     parse = _parser(GetMessageClass(m.input_type))
@@ -152,11 +168,13 @@ def _handler(
         def unary_unary(raw: bytes, context: grpc.ServicerContext) -> Message:
             call = _Call(name, metrics, on_error)
             try:
+                _admit(name, context, authorizer)
                 return fn(parse(raw))
             except Exception as exc:
                 call.fail(context, exc)
                 raise AssertionError("unreachable") from None  # abort raises
             finally:
+                set_caller(None)  # pool threads serve other callers next
                 call.done()
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=_serialize)
@@ -165,6 +183,7 @@ def _handler(
         call = _Call(name, metrics, on_error)
         finished = False
         try:
+            _admit(name, context, authorizer)
             if m.client_streaming:
                 out: Iterable[Message] = fn(_client_stream(request, parse))
             else:
@@ -186,6 +205,7 @@ def _handler(
         finally:
             if not finished:  # closed early: the client cancelled or the server is stopping
                 call.code = grpc.StatusCode.CANCELLED
+            set_caller(None)
             call.done()
 
     if m.client_streaming and m.server_streaming:
@@ -193,6 +213,13 @@ def _handler(
     if m.server_streaming:
         return grpc.unary_stream_rpc_method_handler(streaming, response_serializer=_serialize)
     raise NotImplementedError(f"{m.full_name}: client-streaming unary-response RPCs are not served")
+
+
+def _refuse(text: str) -> Callable[..., Any]:
+    def refuse(_request: object) -> Any:
+        raise Unimplemented(text)
+
+    return refuse
 
 
 class RpcServer:
@@ -204,10 +231,13 @@ class RpcServer:
         meter: metrics.Meter | None = None,
         *,
         rpc_metrics: RpcMetrics | None = None,
+        authorizer: Authorizer | None = None,
     ) -> None:
         """``rpc_metrics``: instruments shared with another server of the same service (else new
-        ones on ``meter``)."""
+        ones on ``meter``). ``authorizer``: check every call's certificate identity (mTLS servers);
+        None serves everyone (plaintext or Unix-socket servers)."""
         self.options = options
+        self.authorizer = authorizer
         self.metrics = rpc_metrics if rpc_metrics is not None else RpcMetrics(meter)
         self.server = grpc.server(
             ThreadPoolExecutor(options.workers, thread_name_prefix=options.thread_name_prefix),
@@ -221,20 +251,43 @@ class RpcServer:
         self.health = health.HealthServicer()
 
     def add_service(
-        self, service: ServiceDescriptor, impl: object, *, on_error: OnError | None = None
+        self,
+        service: ServiceDescriptor,
+        impl: object,
+        *,
+        on_error: OnError | None = None,
+        served: Collection[str] | None = None,
+        not_served: str = "",
     ) -> None:
-        """Serve every RPC of ``service`` by the method of ``impl`` with its name."""
-        handlers = {
-            m.name: _handler(m, getattr(impl, m.name), self.metrics, on_error) for m in service.methods
-        }
+        """Serve the RPCs of ``service`` by the methods of ``impl`` with their names: all of them,
+        or only those in ``served``; the others answer UNIMPLEMENTED saying ``not_served`` (why,
+        and where they are served)."""
+        handlers = {}
+        for m in service.methods:
+            if served is not None and m.name not in served:
+                # No identity check first: whoever calls learns where the method lives.
+                refuse = _refuse(f"{service.name}.{m.name} is not served on this listener: {not_served}")
+                handlers[m.name] = _handler(m, refuse, self.metrics, on_error, None)
+            else:
+                handlers[m.name] = _handler(m, getattr(impl, m.name), self.metrics, on_error, self.authorizer)
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service.full_name, handlers),)
         )
         self.service_names.append(service.full_name)
 
-    def bind(self, address: str) -> int:
-        """Listen on ``address`` (``host:port``, ``unix:path``); the bound port, 0 when it failed."""
+    def bind(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+        """Listen on ``address`` (``host:port``, ``unix:path``), with TLS when ``credentials`` are
+        given; the bound port, 0 when it failed."""
         try:
+            if credentials is not None:
+                return int(self.server.add_secure_port(address, credentials))
+            if not address.startswith("unix:"):
+                log.warning(
+                    "%s: serving %s WITHOUT TLS: no client is authenticated, every caller may call "
+                    "every method; set tls_cert_file, tls_key_file and tls_ca_file for mTLS",
+                    self.options.thread_name_prefix,
+                    address,
+                )
             return int(self.server.add_insecure_port(address))
         except RuntimeError:  # newer grpcio raises instead of returning 0
             return 0

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import grpc
 from rich.console import Console
 from rich.table import Table
 
-from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.api.client import controller_stub
+from kvgrid.api.v1 import common_pb2, controller_pb2
+from kvgrid.common.tls import CONTROLLER_SERVER_NAME
 
 __all__ = ["add_arguments", "run"]
 
@@ -16,6 +19,22 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--controller", default="127.0.0.1:50061", help="controller host:port")
     parser.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
+    for name, what in (
+        ("cert", "PEM client certificate (a router identity, e.g. /etc/kvgrid/tls/tls.crt)"),
+        ("key", "PEM private key of --tls-cert-file"),
+        ("ca", "PEM CA bundle that signs the controller's certificate"),
+    ):
+        env = f"KVGRID_TLS_{name.upper()}_FILE"
+        parser.add_argument(
+            f"--tls-{name}-file",
+            default=os.environ.get(env, ""),
+            help=f"{what}; all three TLS files for mTLS, none for plaintext (env {env})",
+        )
+    parser.add_argument(
+        "--tls-server-name",
+        default=CONTROLLER_SERVER_NAME,
+        help="name the controller's certificate must carry (default: %(default)s)",
+    )
     sub = parser.add_subparsers(dest="what", metavar="WHAT", required=True)
     for name, help_text in (("match", "leading chunks per pod and tier"), ("score", "pods ranked by TTFT")):
         p = sub.add_parser(name, help=help_text)
@@ -79,7 +98,13 @@ def _request(args: argparse.Namespace) -> controller_pb2.MatchPrefixRequest:
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
-    stub = controller_pb2_grpc.ControllerServiceStub(grpc.insecure_channel(args.controller))
+    stub = controller_stub(
+        args.controller,
+        cert_file=args.tls_cert_file,
+        key_file=args.tls_key_file,
+        ca_file=args.tls_ca_file,
+        server_name=args.tls_server_name,
+    )
     try:
         if args.what == "match":
             m = stub.MatchPrefix(_request(args), timeout=args.timeout)

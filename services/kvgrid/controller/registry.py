@@ -8,6 +8,9 @@ Rules (docs/controller.md "Consistency"):
 - Registering or heartbeating an *older* epoch than the known one is refused (:class:`StaleEpochError`).
 - A lease lapses ``lease_ttl_ms`` after the last register/heartbeat; :meth:`Registry.expire` returns
   the lapsed records so the caller can drop their entries.
+- With mTLS, a live pod belongs to the certificate identity that registered it
+  (:meth:`Registry.claim`): register, heartbeat and events for it from another identity are
+  PERMISSION_DENIED, whatever epoch they carry; once its lease lapses the pod is free again.
 
 The registry only keeps facts; the service decides what to do with them.
 """
@@ -20,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from kvgrid.common.errors import FailedPrecondition, NotFound, check_namespace_id
+from kvgrid.common.errors import FailedPrecondition, NotFound, PermissionDenied, check_namespace_id
 from kvgrid.common.identity import PodIdentity
 
 __all__ = ["AgentLoad", "AgentRecord", "RegisterOutcome", "Registry", "StaleEpochError", "UnknownPodError"]
@@ -77,8 +80,23 @@ class Registry:
         self.lease_s = lease_ttl_ms / 1000.0
         self._clock = clock
         self._by_uid: dict[str, AgentRecord] = {}
+        self._owners: dict[str, str] = {}
+        """pod UID -> URI of the certificate identity that registered it (mTLS only)."""
         self._lock = threading.Lock()
         self.expired_total = 0
+
+    def claim(self, pod_uid: str, identity: str, *, take: bool = True) -> None:
+        """Let ``identity`` act for ``pod_uid``: PermissionDenied when the pod is registered (live)
+        by another identity; else, with ``take``, ``identity`` becomes its owner."""
+        with self._lock:
+            owner = self._owners.get(pod_uid)
+            if owner is not None and owner != identity and pod_uid in self._by_uid:
+                raise PermissionDenied(
+                    f"pod {pod_uid!r} is registered by identity {owner!r}; the caller {identity!r} may not "
+                    "register, heartbeat or publish for it (any epoch) while its lease is live"
+                )
+            if take:
+                self._owners[pod_uid] = identity
 
     def register(
         self, pod: PodIdentity, namespaces: Sequence[str], l1_capacity_bytes: int = 0
@@ -155,9 +173,11 @@ class Registry:
             gone = [r for r in self._by_uid.values() if r.lease_deadline <= now]
             for r in gone:
                 del self._by_uid[r.pod.pod_uid]
+                self._owners.pop(r.pod.pod_uid, None)
             self.expired_total += len(gone)
             return gone
 
     def remove(self, pod_uid: str) -> AgentRecord | None:
         with self._lock:
+            self._owners.pop(pod_uid, None)
             return self._by_uid.pop(pod_uid, None)

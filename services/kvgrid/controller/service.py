@@ -7,6 +7,13 @@ and per-call metrics) and pulls agent snapshots over gRPC for the core's resyncs
 caused become their status (INVALID_ARGUMENT, FAILED_PRECONDITION for a stale epoch, NOT_FOUND for
 an unknown pod) and count as rejected requests; an index backend that cannot be reached is
 UNAVAILABLE (not counted as rejected: the caller did nothing wrong); anything else is INTERNAL.
+
+Authorization (mTLS configured; docs/security.md): :data:`POLICY` lets only agent identities call
+the write RPCs (RegisterAgent, Heartbeat, PublishEvents) and every kvgrid identity (agent,
+controller, router) the read RPCs. An agent acts only for its own pod: a per-pod certificate's pod
+UID must equal the request's, and a live pod belongs to the identity that registered it
+(:meth:`~kvgrid.controller.registry.Registry.claim`), so no other identity can heartbeat it, publish
+for it or take it over with a newer epoch. Without TLS everyone may call everything (logged loudly).
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ import grpc
 import msgspec
 
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2
-from kvgrid.common.errors import KvgridError, Unavailable, within
+from kvgrid.common.authz import ANY_ROLE, Authorizer, Policy, Role, caller
+from kvgrid.common.errors import KvgridError, PermissionDenied, Unavailable, within
 from kvgrid.common.rpc import RpcServer, ServerOptions
+from kvgrid.common.tls import AGENT_SERVER_NAME, Channels, ClientTls, server_credentials
 from kvgrid.common.wire import pod_identity_from_proto
 from kvgrid.controller import wire
 from kvgrid.controller.config import ControllerConfig
@@ -34,6 +43,7 @@ if TYPE_CHECKING:
     from kvgrid.common.telemetry import Telemetry
 
 __all__ = [
+    "POLICY",
     "SERVICE_NAME",
     "AgentSnapshots",
     "Controller",
@@ -50,24 +60,38 @@ log = logging.getLogger(__name__)
 _SERVICE = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]
 SERVICE_NAME = _SERVICE.full_name
 
+_AGENT: frozenset[Role] = frozenset({"agent"})
+POLICY = Policy(
+    {
+        # Writes: only agents, each for its own pod (checked by the servicer).
+        "RegisterAgent": _AGENT,
+        "Heartbeat": _AGENT,
+        "PublishEvents": _AGENT,
+        # Reads (Score with reserve=true adds a speculative entry: a router's routing decision).
+        "MatchPrefix": ANY_ROLE,
+        "BatchMatchPrefix": ANY_ROLE,
+        "Score": ANY_ROLE,
+        "BatchScore": ANY_ROLE,
+        "ListAgents": ANY_ROLE,
+        "GetStats": ANY_ROLE,
+        "SnapshotIndex": ANY_ROLE,
+    }
+)
+"""ControllerService method -> the roles that may call it over mTLS."""
+
 
 class AgentSnapshots:
-    """Pulls ``AgentService.Snapshot`` from a record's ``agent_address`` (one channel per address)."""
+    """Pulls ``AgentService.Snapshot`` from a record's ``agent_address`` (one channel per address;
+    mTLS with the controller's certificate when ``tls`` is set)."""
 
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
+    def __init__(self, tls: ClientTls | None = None) -> None:
+        self._channels = Channels(tls, AGENT_SERVER_NAME, [("grpc.max_receive_message_length", 256 << 20)])
 
     def __call__(self, record: AgentRecord, timeout_s: float) -> AgentSnapshot:
         addr = record.pod.agent_address
         if not addr:
             raise ValueError(f"pod {record.pod.pod_uid!r} registered without agent_address; cannot pull")
-        with self._lock:
-            ch = self._channels.get(addr)
-            if ch is None:
-                ch = self._channels[addr] = grpc.insecure_channel(
-                    addr, options=[("grpc.max_receive_message_length", 256 << 20)]
-                )
+        ch = self._channels.get(addr)
         try:
             snap = agent_pb2_grpc.AgentServiceStub(ch).Snapshot(
                 agent_pb2.SnapshotRequest(), timeout=timeout_s
@@ -77,10 +101,7 @@ class AgentSnapshots:
         return wire.agent_snapshot_from_proto(snap)
 
     def close(self) -> None:
-        with self._lock:
-            for ch in self._channels.values():
-                ch.close()
-            self._channels.clear()
+        self._channels.close()
 
 
 class ControllerServicer:
@@ -88,6 +109,32 @@ class ControllerServicer:
 
     def __init__(self, ctl: Controller) -> None:
         self.ctl = ctl
+        # A registration's ownership check and the registration itself happen as one step.
+        self._register_lock = threading.Lock()
+
+    def _act_for(self, pod_uid: str, what: str, *, take: bool) -> None:
+        """Refuse (PERMISSION_DENIED) an mTLS caller acting for a pod that is not its own."""
+        ident = caller()
+        if ident is None:
+            return  # TLS off: unauthenticated mode
+        if ident.pod_uid and ident.pod_uid != pod_uid:
+            raise PermissionDenied(
+                f"{what} for pod_uid={pod_uid!r}: the caller's certificate {ident.uri!r} proves pod "
+                f"{ident.pod_uid!r}; an agent may act only for its own pod"
+            )
+        self.ctl.registry.claim(pod_uid, ident.uri, take=take)
+
+    def _own_events(
+        self, requests: Iterator[controller_pb2.PublishEventsRequest]
+    ) -> Iterator[controller_pb2.PublishEventsRequest]:
+        checked = ""
+        for req in requests:
+            if req.HasField("pod") and req.pod.pod_uid != checked:
+                # A stream may register its pod implicitly (a newer epoch): same rule as RegisterAgent.
+                with self._register_lock:
+                    self._act_for(req.pod.pod_uid, "PublishEvents", take=True)
+                checked = req.pod.pod_uid
+            yield req
 
     def _answered(self, rpc: str, queries: int) -> None:
         if self.ctl.metrics is not None:
@@ -101,16 +148,20 @@ class ControllerServicer:
 
     def RegisterAgent(self, req: controller_pb2.RegisterAgentRequest) -> controller_pb2.RegisterAgentResponse:
         pod = pod_identity_from_proto(req.pod)
-        return wire.registration_to_proto(self.ctl.register(pod, list(req.namespaces), req.l1_capacity_bytes))
+        with self._register_lock:
+            self._act_for(pod.pod_uid, "RegisterAgent", take=True)
+            reg = self.ctl.register(pod, list(req.namespaces), req.l1_capacity_bytes)
+        return wire.registration_to_proto(reg)
 
     def Heartbeat(self, req: controller_pb2.HeartbeatRequest) -> controller_pb2.HeartbeatResponse:
+        self._act_for(req.pod_uid, "Heartbeat", take=False)
         load = wire.load_from_proto(req.load) if req.HasField("load") else None
         return wire.lease_to_proto(self.ctl.heartbeat(req.pod_uid, req.epoch, load))
 
     def PublishEvents(
         self, requests: Iterator[controller_pb2.PublishEventsRequest]
     ) -> Iterator[controller_pb2.PublishEventsResponse]:
-        for ack in self.ctl.publish(wire.event_messages_from_proto(requests)):
+        for ack in self.ctl.publish(wire.event_messages_from_proto(self._own_events(requests))):
             yield wire.publish_ack_to_proto(ack)
 
     def SnapshotIndex(self, req: controller_pb2.SnapshotIndexRequest) -> controller_pb2.SnapshotIndexResponse:
@@ -184,7 +235,8 @@ def serve(
     records its ``kvgrid_controller_*`` metrics and the toolkit its ``kvgrid_rpc_server_*`` ones on
     ``telemetry.meter``.
     """
-    snapshots = AgentSnapshots()
+    tls = cfg.tls
+    snapshots = AgentSnapshots(ClientTls(tls) if tls is not None else None)
     ctl = Controller(cfg, index, telemetry, snapshots=snapshots)
     rpc = RpcServer(
         ServerOptions(
@@ -193,10 +245,11 @@ def serve(
             thread_name_prefix="kvgrid-controller",
         ),
         telemetry.meter if telemetry is not None else None,
+        authorizer=Authorizer(POLICY, cfg.tls_trust_domain) if tls is not None else None,
     )
     servicer = ControllerServicer(ctl)
     rpc.add_service(_SERVICE, servicer, on_error=servicer.rejected)
-    port = rpc.bind(cfg.listen)
+    port = rpc.bind(cfg.listen, server_credentials(tls) if tls is not None else None)
     if port == 0:
         ctl.stop()
         snapshots.close()

@@ -1,0 +1,133 @@
+"""Who the caller is (its verified certificate's URI SAN) and which methods its role may call.
+
+Identity scheme (the chart issues exactly these; docs/security.md)::
+
+    spiffe://<trust-domain>/ns/<namespace>/role/agent                 one shared agent certificate
+    spiffe://<trust-domain>/ns/<namespace>/role/agent/pod/<pod-uid>   a per-pod agent certificate
+    spiffe://<trust-domain>/ns/<namespace>/role/controller
+    spiffe://<trust-domain>/ns/<namespace>/role/router
+
+Invariants:
+
+- An identity is read only from a certificate gRPC verified against the CA (``peer_uri`` of the
+  call's auth context); nothing a client *sends* names it. A certificate with several kvgrid URIs
+  is the most specific one (a per-pod agent URI wins over the shared one).
+- A caller outside the trust domain, without a kvgrid URI, or whose role the method's
+  :class:`Policy` entry does not list is PERMISSION_DENIED with a text naming the method, the roles
+  it needs and the caller's URI. A method absent from the policy is refused for everyone.
+- :func:`caller` is the identity of the call the current thread serves (set by the server toolkit,
+  :mod:`kvgrid.common.rpc`, for the duration of a call); None on a listener without TLS.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Mapping
+from typing import Literal, get_args
+
+import grpc
+import msgspec
+
+from kvgrid.common.errors import PermissionDenied
+
+__all__ = [
+    "ANY_ROLE",
+    "Authorizer",
+    "Identity",
+    "Policy",
+    "Role",
+    "caller",
+    "parse_identity",
+    "set_caller",
+]
+
+Role = Literal["agent", "controller", "router"]
+ROLES: tuple[Role, ...] = get_args(Role)
+ANY_ROLE: frozenset[Role] = frozenset(ROLES)
+
+
+class Identity(msgspec.Struct, frozen=True):
+    uri: str
+    trust_domain: str
+    namespace: str
+    role: Role
+    pod_uid: str = ""
+    """Set only by a per-pod agent certificate: the pod it proves."""
+
+
+def parse_identity(uri: str) -> Identity | None:
+    """The kvgrid identity a URI SAN names, or None when it is not one."""
+    if not uri.startswith("spiffe://"):
+        return None
+    td, _, path = uri[len("spiffe://") :].partition("/")
+    parts = path.split("/")
+    if not td or len(parts) not in (4, 6) or parts[0] != "ns" or parts[2] != "role" or not parts[1]:
+        return None
+    role = parts[3]
+    if role not in ROLES:
+        return None
+    if len(parts) == 6:
+        if role != "agent" or parts[4] != "pod" or not parts[5]:
+            return None
+        return Identity(uri, td, parts[1], "agent", parts[5])
+    return Identity(uri, td, parts[1], role)
+
+
+class Policy(msgspec.Struct, frozen=True):
+    """Method name -> the roles that may call it, for one service on one listener."""
+
+    allowed: Mapping[str, frozenset[Role]]
+
+
+_CALLER: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("kvgrid_caller", default=None)
+
+
+def caller() -> Identity | None:
+    """The proven identity of the call being served (None when the listener runs without TLS)."""
+    return _CALLER.get()
+
+
+def set_caller(identity: Identity | None) -> contextvars.Token[Identity | None]:
+    return _CALLER.set(identity)
+
+
+def reset_caller(token: contextvars.Token[Identity | None]) -> None:
+    _CALLER.reset(token)
+
+
+def _roles(roles: frozenset[Role]) -> str:
+    return " or ".join(sorted(roles)) or "no"
+
+
+class Authorizer:
+    """Checks one call: identity from the TLS auth context, then the policy's roles."""
+
+    def __init__(self, policy: Policy, trust_domain: str) -> None:
+        self.policy = policy
+        self.trust_domain = trust_domain
+
+    def identify(self, context: grpc.ServicerContext) -> Identity:
+        raw: list[object] = list(context.auth_context().get("peer_uri", []))
+        uris = [u.decode(errors="replace") if isinstance(u, bytes) else str(u) for u in raw]
+        ids = [i for i in map(parse_identity, uris) if i is not None]
+        if not ids:
+            raise PermissionDenied(
+                f"client certificate carries no kvgrid identity (URI SANs: {uris or 'none'}); expected "
+                f"spiffe://{self.trust_domain}/ns/<namespace>/role/<agent|controller|router>"
+            )
+        ours = [i for i in ids if i.trust_domain == self.trust_domain]
+        if not ours:
+            raise PermissionDenied(
+                f"client identity {ids[0].uri!r} is outside trust domain {self.trust_domain!r}"
+            )
+        return max(ours, key=lambda i: bool(i.pod_uid))
+
+    def check(self, method: str, context: grpc.ServicerContext) -> Identity:
+        """The caller's identity if its role may call ``method``; else PermissionDenied."""
+        ident = self.identify(context)
+        roles = self.policy.allowed.get(method, frozenset())
+        if ident.role not in roles:
+            raise PermissionDenied(
+                f"{method} needs a {_roles(roles)} identity; the caller {ident.uri!r} is a {ident.role}"
+            )
+        return ident
