@@ -161,7 +161,7 @@ def test_metrics_are_recorded() -> None:
         assert duration.keys() == calls.keys()
         assert all(0 < p.sum < 5 for p in duration.values())  # seconds, not milliseconds
         lookups = {p.attributes["op"]: p.count for p in points["kvgrid_controller_index_lookup_duration"]}
-        assert lookups == {"lookup_batch": 2}
+        assert lookups == {"lookup_batch": 1, "lookup_one": 1}  # a single query takes the one-query path
         assert [p.value for p in points["kvgrid_controller_chunks"]] == [4]
         assert [p.value for p in points["kvgrid_controller_entries"]] == [4]
         assert [p.value for p in points["kvgrid_controller_agents"]] == [1]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvgrid.controller.index import ChunkIndex, IndexTier, MemoryIndex, batch_view_from_prefix_views
 from kvgrid.controller.index.redis import RedisIndex
-from kvgrid.controller.matching import BatchMatch, PodPrefix, match_batch, match_prefix
+from kvgrid.controller.matching import BatchMatch, PodPrefix, match_batch, match_one, match_prefix
 from tests.controller.support import rand_keys, unique_prefix
 
 L1, GPU = IndexTier.L1, IndexTier.GPU
@@ -60,6 +60,12 @@ def test_batch_matches_reference_memory(width: int, holders: int, data: st.DataO
         want = _reference(index, q, eligible[b], max_pods[b])
         assert _named(m, view.holders, b) == want
         assert _named(m2, packed.holders, b) == want
+        # the single-query path: pure-Python probe (bytes keys and packed words) and group matching
+        one = index.lookup_one(q)
+        words = np.frombuffer(b"".join(q), dtype="<u8").reshape(-1, 2) if q else np.zeros((0, 2), np.uint64)
+        assert index.lookup_one(words) == one
+        mask = sum(1 << int(s) for s in np.flatnonzero(eligible[b]))
+        assert _named(match_one(one.l1, one.gpu, mask, max_pods[b]), one.holders, 0) == want
         assert m.pods.tolist() == sorted(set(m.pods.tolist()))
 
 
@@ -96,6 +102,11 @@ def test_lookup_batch_every_backend(index: ChunkIndex) -> None:
     assert _named(m, view.holders, 2) == ([], 0)  # first chunk held by nobody
     assert _named(m, view.holders, 3) == ([], 0)
     assert m.offsets.tolist() == [0, 4, 8, 8, 8] and len(m.pod_index) == 8
+    for b, q in enumerate(queries):  # the single-query path gives the same answers on every backend
+        one = index.lookup_one(q)
+        assert _named(match_one(one.l1, one.gpu, (1 << 64 * one.nwords) - 1), one.holders, 0) == _named(
+            m, view.holders, b
+        )
 
 
 def test_match_batch_rules() -> None:

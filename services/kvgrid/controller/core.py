@@ -39,11 +39,11 @@ from kvgrid.common.errors import (
 from kvgrid.common.hashing import CHUNK_KEY_BYTES, DEFAULT_TOKENS_PER_CHUNK, KeyNamespace, chunk_keys
 from kvgrid.common.identity import PodIdentity
 from kvgrid.controller.config import ControllerConfig
-from kvgrid.controller.index import BatchView, ChunkIndex, IndexTier, check_keys, make_index
+from kvgrid.controller.index import BatchView, ChunkIndex, IndexTier, MaskView, check_keys, make_index
 from kvgrid.controller.index.instrumented import InstrumentedIndex
 from kvgrid.controller.ingest import AgentSnapshot, ChunkEvent, Ingestor, SnapshotFn, check_events
 from kvgrid.controller.limits import EntryCaps
-from kvgrid.controller.matching import BatchMatch, match_batch
+from kvgrid.controller.matching import BatchMatch, match_batch, match_one
 from kvgrid.controller.metrics import ControllerMetrics, StatsSource
 from kvgrid.controller.registry import AgentLoad, AgentRecord, Registry, StaleEpochError, UnknownPodError
 from kvgrid.controller.scoring import Candidate, Estimate, ScoreParams, rank
@@ -225,6 +225,8 @@ class Controller:
         self._holders_version = 0
         self._slot_table: tuple[tuple[int, int, int], SlotTable] | None = None
         self._valid_ns_ids: set[str] = set()  # namespace ids already checked
+        # eligible slots per namespace as one int, for the single-query path (per slot table)
+        self._eligible_ints: tuple[SlotTable | None, dict[str, int]] = (None, {})
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="kvgrid-lease-sweeper", daemon=True)
         self._watcher = threading.Thread(target=self._watch_loop, name="kvgrid-backend-watch", daemon=True)
@@ -481,7 +483,7 @@ class Controller:
         if "" in p.candidates:
             raise InvalidArgument("packed_candidate_pod_uids: contains an empty UID")
 
-    def slot_table(self, view: BatchView) -> SlotTable:
+    def slot_table(self, view: BatchView | MaskView) -> SlotTable:
         """The :class:`SlotTable` for ``view``'s slots (cached while neither side changes)."""
         nslots = 64 * view.nwords
         version = self._holders_version  # read before _holders: a racing change only misses the cache
@@ -507,8 +509,40 @@ class Controller:
                 resolved.append(self.resolve(q))
         return self.match_queries(resolved)
 
+    def _eligible_int(self, table: SlotTable, namespace_id: str, candidates: frozenset[str]) -> int:
+        """:meth:`SlotTable.eligible` (and candidates) as a bitmask over slots."""
+        cached_table, by_ns = self._eligible_ints
+        if cached_table is not table:
+            by_ns = {}
+            self._eligible_ints = (table, by_ns)
+        mask = by_ns.get(namespace_id)
+        if mask is None:
+            mask = int.from_bytes(
+                np.packbits(table.eligible(namespace_id), bitorder="little").tobytes(), "little"
+            )
+            if len(by_ns) < 4096:  # bounded: namespace ids come from requests
+                by_ns[namespace_id] = mask
+        if candidates:
+            mask &= int.from_bytes(
+                np.packbits(table.candidates(candidates), bitorder="little").tobytes(), "little"
+            )
+        return mask
+
+    def match_one(
+        self, keys: Sequence[bytes] | np.ndarray, namespace_id: str, candidates: frozenset[str], max_pods: int
+    ) -> MatchResult:
+        """One query without numpy until the result (a router's usual request): index masks as Python
+        ints (:meth:`ChunkIndex.lookup_one`) and :func:`match_one`; the same answer as a batch of one."""
+        view = self.index.lookup_one(keys)
+        table = self.slot_table(view)
+        m = match_one(view.l1, view.gpu, self._eligible_int(table, namespace_id, candidates), max_pods)
+        return MatchResult(m, table, [len(keys)])
+
     def match_queries(self, qs: Sequence[Query]) -> MatchResult:
         """Match resolved queries at once: one index lookup and one set of numpy calls per batch."""
+        if len(qs) == 1:
+            q = qs[0]
+            return self.match_one(q.keys, q.namespace_id, q.candidates, q.max_pods)
         view = self.index.lookup_batch([q.keys for q in qs])
         table = self.slot_table(view)
         nslots = 64 * view.nwords
@@ -527,6 +561,8 @@ class Controller:
     def match_packed(self, p: PackedQueries) -> MatchResult:
         """:meth:`match_queries` of packed queries (one namespace, candidates and max_pods for all)."""
         self.check_packed(p)
+        if len(p.counts) == 1:
+            return self.match_one(p.keys, p.namespace_id, p.candidates, p.max_pods)
         view = self.index.lookup_packed(p.keys, p.counts)
         table = self.slot_table(view)
         nq = len(p.counts)

@@ -10,8 +10,12 @@ is available to all pods when its L1 mask is non-zero, and only to its GPU holde
 calls over the holder bitmasks as uint64 words ``[chunk, query, word]``: the per-pod "still
 matching" mask is a running AND over chunks of the words, and per-pod counts come from unpacking
 the masks to bits once and summing over chunks. Its cost hardly depends on the number of pods.
-:func:`match_prefix` does one :class:`PrefixView` with Python big ints (bit-sliced counters); it
-is the reference the batch path is tested against.
+:func:`match_one` answers a single query (a router's usual request) in plain Python with no numpy
+call until the result: consecutive chunks with the same holders form one run, and pods that share
+their history so far share one group (a bitmask with its counts), so the work grows with the
+number of runs and distinct groups, not with chunks or pods. Same answer as :func:`match_batch`
+(tested). :func:`match_prefix` does one :class:`PrefixView` with Python big ints (bit-sliced
+counters); it is the reference both are tested against.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 
 from kvgrid.controller.index import PrefixView
 
-__all__ = ["BatchMatch", "PodPrefix", "PrefixMatch", "match_batch", "match_prefix"]
+__all__ = ["BatchMatch", "PodPrefix", "PrefixMatch", "match_batch", "match_one", "match_prefix"]
 
 
 class PodPrefix(msgspec.Struct, frozen=True):
@@ -213,4 +217,84 @@ def match_batch(words: np.ndarray, eligible: np.ndarray, max_pods: Sequence[int]
         l1=egl[2],
         peer=egl[0] - egl[1] - egl[2],
         peer_fetchable=peer_fetchable.astype(np.int64, copy=False),
+    )
+
+
+def match_one(l1s: Sequence[int], gpus: Sequence[int], eligible: int, max_pods: int = 0) -> BatchMatch:
+    """One query's match (as :func:`match_batch` of a batch of one) from per-chunk holder bitmasks.
+
+    ``l1s[i]`` / ``gpus[i]``: the L1 / GPU holder bitmasks of chunk ``i`` (Python ints, as
+    :attr:`PrefixView.l1` / ``.gpu``; they may stop at the first chunk nobody holds). ``eligible``:
+    bitmask of the slots that may be listed. Pods are grouped by identical counts so far: a run of
+    chunks with the same masks splits each group at most three ways (GPU, own L1, neither), and
+    groups with equal counts merge again, so a query costs runs x groups big-int operations.
+    """
+    n = len(l1s)
+    peer_fetchable = n
+    owners = 0
+    for i in range(n):
+        if not l1s[i] and peer_fetchable == n:
+            peer_fetchable = i
+        owners |= l1s[i] | gpus[i]
+    owners &= eligible
+    alive: dict[tuple[int, int], int] = {(0, 0): owners} if owners else {}  # (gpu, own L1) -> pods
+    ended: dict[tuple[int, int, int], int] = {}  # (matched, gpu, own L1) -> pods that stopped there
+    i = 0
+    while i < n and alive:
+        l1, g = l1s[i], gpus[i]
+        j = i + 1
+        while j < n and l1s[j] == l1 and gpus[j] == g:
+            j += 1
+        run = j - i
+        nxt: dict[tuple[int, int], int] = {}
+        parts: tuple[tuple[tuple[int, int], int], ...]
+        for (gc, lc), pods in alive.items():
+            if not l1:  # available only to its GPU holders: the others stop before this run
+                dead = pods & ~g
+                if dead:
+                    ended[(i, gc, lc)] = ended.get((i, gc, lc), 0) | dead
+                parts = (((gc + run, lc), pods & g),)
+            else:  # some L1 holds it: every pod continues, counting its own tier
+                own_l1 = pods & l1 & ~g
+                parts = (
+                    ((gc + run, lc), pods & g),
+                    ((gc, lc + run), own_l1),
+                    ((gc, lc), pods & ~g & ~own_l1),
+                )
+            for key, m in parts:
+                if m:
+                    nxt[key] = nxt.get(key, 0) | m
+        alive = nxt
+        i = j
+    for (gc, lc), pods in alive.items():
+        ended[(i, gc, lc)] = ended.get((i, gc, lc), 0) | pods
+    # Longest first, then more GPU, then more own L1, then lower slot; pods with nothing of their own
+    # are not listed. Groups expand to slots with one numpy pass (ascending within a group).
+    groups = sorted(
+        ((key, pods) for key, pods in ended.items() if key[1] or key[2]),
+        key=lambda kv: (-kv[0][0], -kv[0][1], -kv[0][2]),
+    )
+    none = np.zeros(0, dtype=np.int64)
+    if not groups:
+        return BatchMatch(none, np.zeros(2, np.int64), none, none, none, none, np.array([peer_fetchable]))
+    nb = (max(p.bit_length() for _, p in groups) + 7) // 8
+    bits = np.unpackbits(
+        np.frombuffer(b"".join(p.to_bytes(nb, "little") for _, p in groups), dtype=np.uint8).reshape(-1, nb),
+        axis=1,
+        bitorder="little",
+    )
+    gi, slots = np.nonzero(bits)  # row-major: group order, then ascending slots
+    if max_pods and len(slots) > max_pods:
+        gi, slots = gi[:max_pods], slots[:max_pods]
+    counts = np.array([key for key, _ in groups], dtype=np.int64)[gi]  # [K, 3]: matched, GPU, own L1
+    used = np.zeros(8 * nb, dtype=bool)
+    used[slots] = True
+    return BatchMatch(
+        pods=np.flatnonzero(used),
+        offsets=np.array([0, len(slots)], dtype=np.int64),
+        pod_index=(np.cumsum(used) - 1)[slots],
+        gpu=counts[:, 1],
+        l1=counts[:, 2],
+        peer=counts[:, 0] - counts[:, 1] - counts[:, 2],
+        peer_fetchable=np.array([peer_fetchable], dtype=np.int64),
     )

@@ -29,6 +29,7 @@ __all__ = [
     "BatchView",
     "ChunkIndex",
     "IndexTier",
+    "MaskView",
     "PrefixView",
     "batch_view_from_prefix_views",
     "check_keys",
@@ -76,6 +77,21 @@ class BatchView(msgspec.Struct, frozen=True):
     @property
     def nwords(self) -> int:
         return int(self.words.shape[2]) // 2
+
+
+class MaskView(msgspec.Struct, frozen=True):
+    """One query's holder masks as Python ints (:meth:`ChunkIndex.lookup_one`, the single-query path).
+
+    ``l1`` / ``gpu`` as in :class:`PrefixView` (stopping at the first chunk nobody holds);
+    ``holders``, ``slots_version`` and ``nwords`` as in :class:`BatchView`, so the same
+    slot table serves both.
+    """
+
+    l1: list[int]
+    gpu: list[int]
+    holders: dict[int, str]
+    slots_version: int | None
+    nwords: int
 
 
 def batch_view_from_prefix_views(views: Sequence[PrefixView]) -> BatchView:
@@ -132,6 +148,18 @@ class ChunkIndex(ABC):
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> PrefixView:
         """Holder masks of the leading chunks of ``keys`` (see :class:`PrefixView`)."""
+
+    def lookup_one(self, keys: Sequence[bytes] | np.ndarray) -> MaskView:
+        """One query's masks for :func:`~kvgrid.controller.matching.match_one`: ``keys`` as bytes
+        keys or as uint64 ``[n, 2]`` words (:meth:`lookup_packed`'s form). The default wraps
+        :meth:`lookup`; backends override it with something faster.
+        """
+        if isinstance(keys, np.ndarray):
+            raw = np.ascontiguousarray(keys, dtype="<u8").tobytes()
+            keys = [raw[i : i + CHUNK_KEY_BYTES] for i in range(0, len(raw), CHUNK_KEY_BYTES)]
+        v = self.lookup(keys)
+        nwords = max(1, -(-(max(v.slots, default=0) + 1) // 64))
+        return MaskView(l1=v.l1, gpu=v.gpu, holders=v.slots, slots_version=None, nwords=nwords)
 
     def lookup_batch(self, queries: Sequence[Sequence[bytes]]) -> BatchView:
         """Holder masks of the chunks of every query as machine words (see :class:`BatchView`).

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from opentelemetry import metrics
 
-from kvgrid.controller.index.base import BatchView, ChunkIndex, IndexTier, PrefixView
+from kvgrid.controller.index.base import BatchView, ChunkIndex, IndexTier, MaskView, PrefixView
 from kvgrid.controller.metrics import observe
 
 __all__ = ["InstrumentedIndex"]
@@ -44,7 +44,7 @@ class InstrumentedIndex(ChunkIndex):
             description="Time of one index lookup (a whole batch of queries), by operation",
             explicit_bucket_boundaries_advisory=_LOOKUP_BUCKETS_S,
         )
-        self._attrs = {op: {"op": op} for op in ("lookup", "lookup_batch", "lookup_packed")}
+        self._attrs = {op: {"op": op} for op in ("lookup", "lookup_one", "lookup_batch", "lookup_packed")}
 
     @property
     def shared(self) -> bool:
@@ -68,6 +68,13 @@ class InstrumentedIndex(ChunkIndex):
             return self.inner.lookup(keys)
         finally:
             self._lookup.record(time.perf_counter() - t0, self._attrs["lookup"])
+
+    def lookup_one(self, keys: Sequence[bytes] | np.ndarray) -> MaskView:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.lookup_one(keys)
+        finally:
+            self._lookup.record(time.perf_counter() - t0, self._attrs["lookup_one"])
 
     def lookup_batch(self, queries: Sequence[Sequence[bytes]]) -> BatchView:
         t0 = time.perf_counter()

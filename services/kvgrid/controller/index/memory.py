@@ -16,7 +16,7 @@ from itertools import chain, repeat
 import numpy as np
 
 from kvgrid.common.hashing import CHUNK_KEY_BYTES
-from kvgrid.controller.index.base import BatchView, ChunkIndex, IndexTier, PrefixView, check_keys
+from kvgrid.controller.index.base import BatchView, ChunkIndex, IndexTier, MaskView, PrefixView, check_keys
 
 __all__ = ["MemoryIndex"]
 
@@ -89,6 +89,7 @@ class MemoryIndex(ChunkIndex):
         self._spec: dict[bytes, dict[int, float]] = {}
         self._lock = threading.RLock()
         self._n = 0  # full rows (distinct chunks)
+        self._holders_copy: tuple[int, dict[int, str]] = (-1, {})  # (slots version, by_slot copy)
         self._alloc(_MIN_CAP)
 
     @property
@@ -443,6 +444,55 @@ class MemoryIndex(ChunkIndex):
                 slots[s] = by_slot[s]
                 union ^= b
         return PrefixView(l1=l1, gpu=gpu, slots=slots)
+
+    def lookup_one(self, keys: Sequence[bytes] | np.ndarray) -> MaskView:
+        # One query: one probe chain per key in Python over memoryviews (numpy's per-call cost is
+        # most of a single query's lookup), stopping at the first chunk nobody holds.
+        n = len(keys)
+        if isinstance(keys, np.ndarray):
+            words = iter(keys.reshape(-1).tolist())
+        else:
+            check_keys(keys)
+            words = iter(struct.unpack(f"<{2 * n}Q", b"".join(keys)))
+        l1: list[int] = []
+        gpu: list[int] = []
+        with self._lock:
+            mask, shift, w = len(self._state) - 1, self._shift, self._w
+            st, mt, stride = self._mst, self._mt, self._stride
+            spec, now = self._spec, time.monotonic()
+            for lo, hi in zip(words, words, strict=True):
+                i = (lo ^ hi >> 1) >> shift
+                m = g = 0
+                while True:
+                    s = st[i]
+                    if s == _FULL:
+                        j = i * stride
+                        if mt[j] == lo and mt[j + 1] == hi:
+                            if w == 1:
+                                m, g = mt[j + 2], mt[j + 3]
+                            else:
+                                for k in range(w):
+                                    m |= mt[j + 2 + k] << (64 * k)
+                                    g |= mt[j + 2 + w + k] << (64 * k)
+                            break
+                    elif s == _EMPTY:
+                        break
+                    i = (i + 1) & mask
+                if spec:
+                    d = spec.get(_KEY.pack(lo, hi))
+                    if d:
+                        for slot, t in d.items():
+                            if t > now:
+                                g |= 1 << slot
+                if not m and not g:
+                    break
+                l1.append(m)
+                gpu.append(g)
+            version = self._slots.version
+            if self._holders_copy[0] != version:
+                self._holders_copy = (version, dict(self._slots.by_slot))
+            holders = self._holders_copy[1]
+        return MaskView(l1=l1, gpu=gpu, holders=holders, slots_version=version, nwords=w)
 
     def lookup_batch(self, queries: Sequence[Sequence[bytes]]) -> BatchView:
         # Keys go chunk-major ([chunk, query]) before probing, so the gathered rows are the
