@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -57,7 +58,7 @@ def read(directory: Path) -> tuple[bytes, bytes, bytes]:
     return tuple((directory / n).read_bytes() for n in ("tls.crt", "tls.key", "ca.crt"))  # type: ignore[return-value]
 
 
-def tls_flags(directory: Path) -> dict[str, str]:
+def tls_flags(directory: Path) -> dict[str, Any]:
     return {
         "tls_cert_file": str(directory / "tls.crt"),
         "tls_key_file": str(directory / "tls.key"),
@@ -84,9 +85,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 @pytest.fixture(scope="module")
 def tls_controller(pki: Pki) -> Iterator[Server]:
     """A real controller (embedded index) serving ControllerService with mTLS on loopback."""
-    server = serve(
-        ControllerConfig(listen="127.0.0.1:0", lease_ttl_ms=60_000, **tls_flags(pki.controller()))  # type: ignore[arg-type]
-    )
+    server = serve(ControllerConfig(listen="127.0.0.1:0", lease_ttl_ms=60_000, **tls_flags(pki.controller())))
     yield server
     server.stop()
 
@@ -133,7 +132,7 @@ class SnapshotAgent:
 
         self.pulls = 0
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(_Snap(), self.server)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(_Snap(), self.server)  # type: ignore[abstract]
         files = TlsFiles(str(who / "tls.crt"), str(who / "tls.key"), str(who / "ca.crt"))
         port = self.server.add_secure_port("127.0.0.1:0", server_credentials(files))
         self.server.start()

@@ -34,7 +34,7 @@ ENGINE_METHODS = (
 def _agent(tmp_path: Path, tls: Path | None) -> AgentServer:
     cfg = AgentConfig(
         uds_path=str(tmp_path / "agent.sock"), tcp_host="127.0.0.1", tcp_port=0,
-        l1_size=4 << 20, l1_page_size=4096, **(tls_flags(tls) if tls else {}),  # type: ignore[arg-type]
+        l1_size=4 << 20, l1_page_size=4096, **(tls_flags(tls) if tls else {}),
     )  # fmt: skip
     return AgentServer(cfg, pod=PodIdentity(pod_uid="pod-srv", epoch=1)).start()
 

@@ -200,7 +200,7 @@ def lapsing_controller(pki: Pki) -> Iterator[Server]:
         ControllerConfig(
             listen="127.0.0.1:0", lease_ttl_ms=200, sweep_interval_ms=20, **tls_flags(pki.controller())
         )
-    )  # type: ignore[arg-type]
+    )
     yield server
     server.stop()
 

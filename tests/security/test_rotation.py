@@ -48,7 +48,7 @@ def test_server_and_client_certificates_rotate_without_a_restart(tmp_path: Path)
     srv = old_ca.write(tmp_path / "srv", spiffe("controller"), dns=(CONTROLLER_SERVER_NAME,))
     old_router = old_ca.write(tmp_path / "old-router", spiffe("router"), ca=both)
     new_router = new_ca.write(tmp_path / "new-router", spiffe("router"), ca=new_ca.pem)
-    server = serve(ControllerConfig(listen="127.0.0.1:0", **tls_flags(srv)))  # type: ignore[arg-type]
+    server = serve(ControllerConfig(listen="127.0.0.1:0", **tls_flags(srv)))
     addr = server.address
     try:
         # Before: the server's certificate is the old CA's and only old-CA clients are accepted.
@@ -84,7 +84,7 @@ def test_a_broken_file_during_rotation_keeps_the_previous_certificate(tmp_path: 
     ca = TestCA()
     srv = ca.write(tmp_path / "srv", spiffe("controller"), dns=(CONTROLLER_SERVER_NAME,))
     router = ca.write(tmp_path / "router", spiffe("router"))
-    server = serve(ControllerConfig(listen="127.0.0.1:0", **tls_flags(srv)))  # type: ignore[arg-type]
+    server = serve(ControllerConfig(listen="127.0.0.1:0", **tls_flags(srv)))
     try:
         (srv / "tls.crt").write_bytes(b"half-written")
         assert _stats(channel_as(server.address, router, CONTROLLER_SERVER_NAME)) == 0
