@@ -8,6 +8,13 @@ the leading hits (refcount +1, so eviction cannot take them mid-copy), copies, t
 Every state change and every event callback happens under one lock, so a snapshot's key set and
 its last event sequence number always agree.
 
+Lower tiers (optional, ``spill``): a chunk evicted from L1 that no lower tier holds yet leaves
+the index at once (an evict event, invisible to readers) but keeps its pages until the tier
+writer has written it (``begin_spill``/``end_spill``); eviction counts those pages as free to
+come, so it does not evict more to make up for them. When a store or fetch cannot allocate, spills
+the writer has not started are given up first (``dropped_spills``): the request path never waits
+for a disk or the network.
+
 Tenant isolation: chunks are indexed by (namespace_id, key), never by key alone. Every read (prefix
 walk, pin, acquire, ``contains``, ``layout_of``) names the reader's namespace and sees only chunks
 stored in that namespace; a chunk another namespace stored under the same key is invisible to it
@@ -34,6 +41,7 @@ __all__ = [
     "CacheStats",
     "ChunkCache",
     "MissCause",
+    "SpillSink",
     "StoreReservation",
 ]
 
@@ -46,6 +54,13 @@ class MissCause(enum.StrEnum):
     LAYOUT_MISMATCH = "layout_mismatch"
     PEER_FAILED = "peer_failed"
     """A peer fetch of the next chunks failed (Lookup only; the hits are still valid)."""
+
+
+class SpillSink(Protocol):
+    """Where chunks evicted from L1 go (``kvgrid.agent.tiers.TierChain``)."""
+
+    def holds(self, namespace_id: str, key: bytes) -> bool: ...
+    def submit(self, chunk: Chunk) -> None: ...
 
 
 class CacheListener(Protocol):
@@ -100,6 +115,10 @@ class CacheStats:
     evictions: int
     evicted_bytes: int
     allocation_failures: int
+    spilling_chunks: int = 0
+    """Chunks evicted from L1 whose pages wait for the tier writer."""
+    dropped_spills: int = 0
+    """Evicted chunks never written to a lower tier (L1 needed their pages first)."""
 
 
 def _index_key(namespace_id: str, key: bytes) -> bytes:
@@ -120,6 +139,7 @@ class ChunkCache:
         low_watermark: float = 0.85,
         listener: CacheListener | None = None,
         clock: Callable[[], float] = time.monotonic,
+        spill: SpillSink | None = None,
     ) -> None:
         if not 0.0 < low_watermark <= high_watermark <= 1.0:
             raise ValueError(
@@ -138,6 +158,11 @@ class ChunkCache:
         self.evictions = 0
         self.evicted_bytes = 0
         self.allocation_failures = 0
+        self.spill = spill
+        self._spilling: dict[bytes, Chunk] = {}  # by index key: out of the index, pages held
+        self._spill_started: set[bytes] = set()
+        self._spilling_bytes = 0
+        self.dropped_spills = 0
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -294,23 +319,37 @@ class ChunkCache:
 
     # ---- eviction ------------------------------------------------------------------------
 
-    def _evict_locked(self, want_free_bytes: int, *, stop_when_allocatable: int = 0) -> None:
+    def _evict_locked(
+        self, want_free_bytes: int, *, stop_when_allocatable: int = 0, spill: bool = True
+    ) -> None:
         """Evict unreferenced chunks (policy order) until ``used <= capacity - want_free_bytes``
-        or, with ``stop_when_allocatable``, until a run of that many pages is free."""
+        (pages waiting for the tier writer count as free) or, with ``stop_when_allocatable``,
+        until a run of that many pages is free. With ``spill`` (and a sink), a victim no lower
+        tier holds goes to the sink instead of being freed."""
         evicted: dict[str, list[bytes]] = {}
         target_used = self.pool.capacity_bytes - want_free_bytes
         for ikey in self.policy.candidates():
             if stop_when_allocatable:
                 if self.pool.allocator.largest_free_run() >= stop_when_allocatable:
                     break
-            elif self.pool.used_bytes <= target_used:
+            elif self.pool.used_bytes - self._spilling_bytes <= target_used:
                 break
             chunk = self._chunks[ikey]
             if chunk.refcount > 0:
                 continue
             del self._chunks[ikey]
             self.policy.on_remove(ikey)
-            self.pool.free(chunk.start_page, chunk.num_pages)
+            if (
+                spill
+                and self.spill is not None
+                and ikey not in self._spilling  # an older copy of the same bytes is on its way
+                and not self.spill.holds(chunk.namespace_id, chunk.key)
+            ):
+                self._spilling[ikey] = chunk
+                self._spilling_bytes += chunk.num_pages * self.pool.page_bytes
+                self.spill.submit(chunk)
+            else:
+                self.pool.free(chunk.start_page, chunk.num_pages)
             self.evictions += 1
             self.evicted_bytes += chunk.nbytes
             evicted.setdefault(chunk.namespace_id, []).append(chunk.key)
@@ -325,17 +364,54 @@ class ChunkCache:
     def _allocate_locked(self, nbytes: int) -> tuple[int, int, torch.Tensor] | None:
         self._evict_to_watermark_locked(self.pool.pages_for(nbytes) * self.pool.page_bytes)
         got = self.pool.allocate(nbytes)
+        if got is None and self._spilling:
+            # The request path never waits for the tier writer: give up writes not started yet.
+            self._drop_spills_locked(self.pool.pages_for(nbytes))
+            got = self.pool.allocate(nbytes)
         if got is None:
-            # Enough bytes may be free but fragmented: evict until one run is large enough.
-            self._evict_locked(0, stop_when_allocatable=self.pool.pages_for(nbytes))
+            # Enough bytes may be free but fragmented: evict until one run is large enough
+            # (freed now, not spilled: this allocation needs the pages).
+            self._evict_locked(0, stop_when_allocatable=self.pool.pages_for(nbytes), spill=False)
             got = self.pool.allocate(nbytes)
         return got
+
+    # ---- spills to lower tiers (the tier writer's side) -----------------------------------
+
+    def _drop_spills_locked(self, pages: int) -> None:
+        """Give up queued spills (newest first: the writer takes the oldest next) until a run of
+        ``pages`` pages is free."""
+        for ikey in [k for k in reversed(self._spilling) if k not in self._spill_started]:
+            if self.pool.allocator.largest_free_run() >= pages:
+                return
+            chunk = self._spilling.pop(ikey)
+            self._spilling_bytes -= chunk.num_pages * self.pool.page_bytes
+            self.pool.free(chunk.start_page, chunk.num_pages)
+            self.dropped_spills += 1
+
+    def begin_spill(self, chunk: Chunk) -> bool:
+        """The writer is about to read ``chunk``'s pages; False if the cache took them back."""
+        ikey = _index_key(chunk.namespace_id, chunk.key)
+        with self._lock:
+            if self._spilling.get(ikey) is not chunk:
+                return False
+            self._spill_started.add(ikey)
+            return True
+
+    def end_spill(self, chunk: Chunk) -> None:
+        """The writer is done with ``chunk`` (written or failed): free its pages."""
+        ikey = _index_key(chunk.namespace_id, chunk.key)
+        with self._lock:
+            if self._spilling.get(ikey) is chunk:
+                del self._spilling[ikey]
+                self._spill_started.discard(ikey)
+                self._spilling_bytes -= chunk.num_pages * self.pool.page_bytes
+                self.pool.free(chunk.start_page, chunk.num_pages)
 
     def clear(self) -> int:
         """Drop every unreferenced chunk (admin reset). Returns how many went."""
         with self._lock:
             before = len(self._chunks)
-            self._evict_locked(self.pool.capacity_bytes)
+            self._evict_locked(self.pool.capacity_bytes, spill=False)
             return before - len(self._chunks)
 
     # ---- pins ----------------------------------------------------------------------------
@@ -414,4 +490,6 @@ class ChunkCache:
                 evictions=self.evictions,
                 evicted_bytes=self.evicted_bytes,
                 allocation_failures=self.allocation_failures,
+                spilling_chunks=len(self._spilling),
+                dropped_spills=self.dropped_spills,
             )

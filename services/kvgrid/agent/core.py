@@ -8,6 +8,12 @@ Locking: the cache has its own lock; copies run outside it on chunks that are ei
 (store: invisible to everyone else) or referenced (retrieve: eviction skips them), so several
 clients store and retrieve at once.
 
+Lower tiers (optional, ``kvgrid.agent.tiers``): chunks evicted from L1 go to disk and then an
+object store through a background writer; a Lookup whose walk stops at a chunk a tier holds reads
+the following tier chunks back into L1 first (synchronously, verified, through the same reserve ->
+fill -> commit path as a store) and counts them, before any peer fetch. Local hits stay pinned or
+referenced meanwhile, so bringing chunks back never evicts the prefix it extends.
+
 Isolation and bounds: every read (lookup, its pins and peer fetch, retrieve) sees only chunks stored
 in the instance's own namespace and layout (the cache indexes chunks by namespace); a lookup pin
 lasts at most ``pin_ttl_max_ms`` (a longer request is clamped); store and retrieve take exactly one
@@ -33,6 +39,8 @@ from kvgrid.agent.l1 import Chunk, L1Pool
 from kvgrid.agent.metrics import AgentMetrics
 from kvgrid.agent.peers import PeerFetcher, PeerMetrics
 from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
+from kvgrid.agent.tiers.build import build_tier_chain
+from kvgrid.agent.tiers.metrics import TierMetrics
 from kvgrid.agent.transfer import ChunkMover, build_mover
 from kvgrid.common.errors import InvalidArgument, client_input
 from kvgrid.common.groups import EngineGroupInfo, expand_engine_block_ids, num_engine_groups
@@ -125,13 +133,21 @@ class AgentCore:
         self.config = config
         self.pod = pod
         self.pool = L1Pool(config.l1_size, page_bytes=config.l1_page_size, pin=config.pin_memory)
+        # Lower tiers (None when off): L1 evictions spill into them, lookups read them back.
+        self.tiers = build_tier_chain(config)
         self.cache = ChunkCache(
             self.pool,
             make_policy(config.eviction_policy),
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
             listener=listener,
+            spill=self.tiers,
         )
+        if self.tiers is not None:
+            self.tiers.begin, self.tiers.end = self.cache.begin_spill, self.cache.end_spill
+            TierMetrics(
+                meter or metrics.get_meter("kvgrid.agent"), self.tiers, lambda: self.cache.dropped_spills
+            )
         self._instances: dict[str, EngineInstance] = {}
         self._lock = threading.Lock()
         self.tracer = tracer or trace.get_tracer("kvgrid.agent")
@@ -369,7 +385,18 @@ class AgentCore:
                 held, cause = self.cache.acquire_prefix(keys, inst.layout_id, namespace_id=inst.namespace_id)
                 n = len(held)
             local = n
+            tier = 0
             try:
+                if cause == MissCause.NOT_FOUND and self.tiers is not None and self._promote(inst, keys[n:]):
+                    if request_id:
+                        n, cause = self.cache.pin(
+                            owner, keys, inst.layout_id, ttl, namespace_id=inst.namespace_id
+                        )
+                    else:
+                        n, cause = self.cache.prefix_length(
+                            keys, inst.layout_id, namespace_id=inst.namespace_id
+                        )
+                tier = n - local
                 if cause == MissCause.NOT_FOUND and (peer_address or self.config.peer_fetch_enabled):
                     fetched = self.peers.fetch(
                         keys[n:],
@@ -392,17 +419,48 @@ class AgentCore:
             finally:
                 if held:
                     self.cache.release(held)
-            peer = max(0, n - local)
+            peer = max(0, n - local - tier)
             span.set_attribute("hit_chunks", n)
+            span.set_attribute("tier_chunks", tier)
             span.set_attribute("peer_chunks", peer)
-        self._count_hits(self.metrics.lookup_chunks, len(keys), n, cause, peer)
+        self._count_hits(self.metrics.lookup_chunks, len(keys), n, cause, peer, tier)
         return LookupResult(num_hit_chunks=n, miss_cause=str(cause), num_peer_chunks=peer)
 
+    def _promote(self, inst: EngineInstance, keys: Sequence[bytes]) -> int:
+        """Read the leading ``keys`` the lower tiers hold back into L1 (verified, committed like a
+        store); returns how many chunks came back. A record that fails its checks ends the run."""
+        assert self.tiers is not None
+        ns, layout = inst.namespace_id, inst.layout_id
+        m = self.tiers.prefix_length(keys, layout, namespace_id=ns)
+        if not m:
+            return 0
+        with self.tracer.start_as_current_span("agent.tier_read", attributes={"chunks": m}):
+            res = self.cache.reserve_store(
+                keys[:m], namespace_id=ns, layout_id=layout, nbytes=inst.bytes_per_chunk
+            )
+            filled = read = 0
+            try:
+                for i, chunk, new in res.entries:
+                    if i != filled:
+                        break
+                    if new:
+                        got = self.tiers.read_into(ns, chunk.key, layout, chunk.buffer.numpy())
+                        if got is None:
+                            break
+                        chunk.checksum = got
+                        read += 1
+                    filled += 1
+            finally:
+                self.cache.commit(res, upto=filled)
+        return read
+
     def _count_hits(
-        self, counter: metrics.Counter, asked: int, hits: int, cause: MissCause, peer: int = 0
+        self, counter: metrics.Counter, asked: int, hits: int, cause: MissCause, peer: int = 0, tier: int = 0
     ) -> None:
-        if hits > peer:
-            counter.add(hits - peer, {"result": "hit"})
+        if hits > peer + tier:
+            counter.add(hits - peer - tier, {"result": "hit"})
+        if tier:
+            counter.add(tier, {"result": "hit_tier"})
         if peer:
             counter.add(peer, {"result": "hit_peer"})
         if asked > hits:
@@ -529,3 +587,5 @@ class AgentCore:
         with self._lock:
             self._instances.clear()
         self.peers.close()
+        if self.tiers is not None:
+            self.tiers.close()

@@ -1,0 +1,337 @@
+"""A lower tier (a blob store with a capacity and an LRU index) and the chain of tiers below L1.
+
+``Tier`` keeps, in memory, which (namespace, key) records its store holds, with each record's
+layout, size and checksum, in LRU order. ``TierChain`` orders the tiers (fastest first: disk,
+then the object store) and runs the **background writer**: chunks evicted from L1 are queued by
+the cache (``submit``) and written by one thread, off the request path; making room in a full
+tier demotes its least recently used records to the next tier (or drops them from the last).
+
+Invariants:
+
+- Only the writer thread adds records or evicts them, so capacity accounting needs no
+  reservation: ``used_bytes <= capacity_bytes`` after every write.
+- A read (``read_into``) serves bytes only when the record's header matches the (namespace, key)
+  asked for, its layout and size match the index, and the payload's XXH3-128 matches the
+  checksum recorded when it was written; anything else is counted as a checksum mismatch (or an
+  error), the record is dropped, and the read is a miss. Nothing unverified reaches L1.
+- Reads name (namespace, key) and see only records of that namespace (tenant isolation); a
+  record of another layout is a miss.
+- The cache decides what may be written: ``begin`` (may the writer read the chunk's L1 pages?
+  False if the cache took them back) and ``end`` (the writer is done; the pages may be freed).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvgrid.agent.l1 import Chunk
+from kvgrid.agent.tiers.base import (
+    HEADER_BYTES,
+    BlobMissing,
+    BlobStore,
+    CorruptRecord,
+    RecordHeader,
+    decode_header,
+    encode_header,
+    record_name,
+)
+from kvgrid.common.checksum import ChecksumMismatch, chunk_checksum, verify_checksum
+
+__all__ = ["Tier", "TierChain", "TierEntry", "TierStats", "byte_view"]
+
+log = logging.getLogger(__name__)
+
+
+def byte_view(a: np.ndarray) -> memoryview:
+    """The bytes of a contiguous array, as a flat memoryview (no copy)."""
+    return a.reshape(-1).view(np.uint8).data.cast("B")
+
+
+@dataclass(frozen=True)
+class TierEntry:
+    layout_id: str
+    nbytes: int
+    checksum: bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        return HEADER_BYTES + self.nbytes
+
+
+@dataclass(frozen=True)
+class TierStats:
+    tier: str
+    capacity_bytes: int
+    used_bytes: int
+    chunks: int
+    writes: int
+    written_bytes: int
+    reads: int
+    read_bytes: int
+    evictions: int
+    checksum_mismatches: int
+    errors: int
+
+
+class Tier:
+    """One blob store with a byte capacity and LRU order. Thread-safe."""
+
+    def __init__(self, store: BlobStore, capacity_bytes: int) -> None:
+        if capacity_bytes <= HEADER_BYTES:
+            raise ValueError(f"{store.kind} tier capacity {capacity_bytes} bytes: expected > {HEADER_BYTES}")
+        self.store = store
+        self.name = store.kind
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._index: OrderedDict[tuple[str, bytes], TierEntry] = OrderedDict()
+        self._lock = threading.Lock()
+        self.writes = self.written_bytes = self.reads = self.read_bytes = 0
+        self.evictions = self.checksum_mismatches = self.errors = 0
+
+    def entry(self, namespace_id: str, key: bytes) -> TierEntry | None:
+        with self._lock:
+            return self._index.get((namespace_id, key))
+
+    def fits(self, nbytes: int) -> bool:
+        return HEADER_BYTES + nbytes <= self.capacity_bytes
+
+    def make_room(self, nbytes: int) -> list[tuple[str, bytes, TierEntry]]:
+        """Take least recently used records out of the index until ``nbytes`` more fit; returns
+        them (the caller demotes or deletes their blobs). Writer thread only."""
+        need = HEADER_BYTES + nbytes
+        out = []
+        with self._lock:
+            while self._index and self.used_bytes + need > self.capacity_bytes:
+                (ns, key), e = self._index.popitem(last=False)
+                self.used_bytes -= e.stored_bytes
+                self.evictions += 1
+                out.append((ns, key, e))
+        return out
+
+    def write(
+        self, namespace_id: str, key: bytes, layout_id: str, checksum: bytes, payload: memoryview
+    ) -> None:
+        """Write a record and index it (after :meth:`make_room`). Writer thread only."""
+        entry = TierEntry(layout_id, len(payload), checksum)
+        header = encode_header(
+            RecordHeader(
+                namespace_id=namespace_id,
+                key=key,
+                layout_id=layout_id,
+                nbytes=len(payload),
+                checksum=checksum,
+            )
+        )
+        self.store.write(record_name(namespace_id, key), header, payload)
+        with self._lock:
+            old = self._index.pop((namespace_id, key), None)
+            if old is not None:
+                self.used_bytes -= old.stored_bytes
+            self._index[(namespace_id, key)] = entry
+            self.used_bytes += entry.stored_bytes
+            self.writes += 1
+            self.written_bytes += len(payload)
+
+    def read_into(self, namespace_id: str, key: bytes, layout_id: str, dst: np.ndarray) -> bytes | None:
+        """Fill ``dst`` (uint8, the chunk's size) with the verified record and return its checksum;
+        None (a miss) when the tier does not hold it in this layout and size, or a check fails."""
+        e = self.entry(namespace_id, key)
+        if e is None or e.layout_id != layout_id or e.nbytes != dst.nbytes:
+            return None
+        header = bytearray(HEADER_BYTES)
+        name = record_name(namespace_id, key)
+        try:
+            got = self.store.read_into(name, header, byte_view(dst))
+            if got != e.nbytes:
+                raise CorruptRecord(f"{got} of {e.nbytes} payload bytes (torn record)")
+            h = decode_header(header, namespace_id=namespace_id, key=key)
+            if (h.layout_id, h.nbytes, h.checksum) != (e.layout_id, e.nbytes, e.checksum):
+                raise CorruptRecord("record header does not match what was written")
+            verify_checksum(dst, e.checksum)
+        except BlobMissing:
+            self._drop(namespace_id, key, e, "missing")
+            return None
+        except (CorruptRecord, ChecksumMismatch) as err:
+            log.warning("%s tier: refused %s: %s", self.name, name, err)
+            self._drop(namespace_id, key, e, "checksum")
+            return None
+        except Exception as err:  # a failing store is a miss, never a failed lookup
+            log.warning("%s tier: read of %s failed: %s", self.name, name, err)
+            with self._lock:
+                self.errors += 1
+            return None
+        with self._lock:
+            if (namespace_id, key) in self._index:
+                self._index.move_to_end((namespace_id, key))
+            self.reads += 1
+            self.read_bytes += e.nbytes
+        return e.checksum
+
+    def _drop(self, namespace_id: str, key: bytes, e: TierEntry, why: str) -> None:
+        with self._lock:
+            if self._index.get((namespace_id, key)) is e:
+                del self._index[(namespace_id, key)]
+                self.used_bytes -= e.stored_bytes
+            if why == "checksum":
+                self.checksum_mismatches += 1
+            else:
+                self.errors += 1
+        if why == "checksum":
+            try:
+                self.store.delete(record_name(namespace_id, key))
+            except Exception as err:
+                log.warning("%s tier: could not delete refused record: %s", self.name, err)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(
+                tier=self.name,
+                capacity_bytes=self.capacity_bytes,
+                used_bytes=self.used_bytes,
+                chunks=len(self._index),
+                writes=self.writes,
+                written_bytes=self.written_bytes,
+                reads=self.reads,
+                read_bytes=self.read_bytes,
+                evictions=self.evictions,
+                checksum_mismatches=self.checksum_mismatches,
+                errors=self.errors,
+            )
+
+
+class TierChain:
+    """The tiers below L1, fastest first, and the background writer that fills them."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        if not tiers:
+            raise ValueError("a tier chain needs at least one tier")
+        self.tiers = list(tiers)
+        self.begin: Callable[[Chunk], bool] = lambda _c: True
+        self.end: Callable[[Chunk], None] = lambda _c: None
+        self.dropped = 0
+        """Chunks evicted from L1 whose write was given up (L1 needed the pages first)."""
+        self.write_failures = 0
+        self._queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._scratch: dict[int, np.ndarray] = {}
+        self._thread = threading.Thread(target=self._run, name="kvgrid-tier-writer", daemon=True)
+        self._thread.start()
+
+    # ---- reads (request path) ------------------------------------------------------------
+
+    def holds(self, namespace_id: str, key: bytes) -> bool:
+        return any(t.entry(namespace_id, key) is not None for t in self.tiers)
+
+    def prefix_length(self, keys: Sequence[bytes], layout_id: str, *, namespace_id: str) -> int:
+        """Leading ``keys`` some tier holds in ``namespace_id`` and ``layout_id`` (no I/O)."""
+        n = 0
+        for key in keys:
+            if not any(
+                (e := t.entry(namespace_id, key)) is not None and e.layout_id == layout_id for t in self.tiers
+            ):
+                break
+            n += 1
+        return n
+
+    def read_into(self, namespace_id: str, key: bytes, layout_id: str, dst: np.ndarray) -> bytes | None:
+        """Fill ``dst`` from the fastest tier that serves the record verified; its checksum, or
+        None (a miss)."""
+        for t in self.tiers:
+            checksum = t.read_into(namespace_id, key, layout_id, dst)
+            if checksum is not None:
+                return checksum
+        return None
+
+    # ---- writes (background) -------------------------------------------------------------
+
+    def submit(self, chunk: Chunk) -> None:
+        """Queue an L1 chunk for writing (called under the cache lock: only a queue put)."""
+        with self._idle:
+            self._pending += 1
+        self._queue.put(chunk)
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every submitted chunk is written (or given up); False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._queue.get()
+            if chunk is None:
+                return
+            try:
+                if self.begin(chunk):
+                    try:
+                        self._write_chunk(chunk)
+                    except Exception as e:
+                        self.write_failures += 1
+                        log.warning("tier write of chunk %s failed: %s", chunk.key.hex(), e)
+                    finally:
+                        self.end(chunk)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _write_chunk(self, chunk: Chunk) -> None:
+        data = chunk.buffer.numpy()
+        checksum = chunk.checksum or chunk_checksum(data)  # the bytes are final: L1 keeps the pages meanwhile
+        self._put(0, chunk.namespace_id, chunk.key, chunk.layout_id, checksum, byte_view(data))
+
+    def _put(
+        self, level: int, ns: str, key: bytes, layout_id: str, checksum: bytes, payload: memoryview
+    ) -> None:
+        while level < len(self.tiers) and not self.tiers[level].fits(len(payload)):
+            level += 1  # larger than this tier: the next one
+        if level == len(self.tiers):
+            return
+        tier = self.tiers[level]
+        for vns, vkey, ventry in tier.make_room(len(payload)):
+            self._demote(level, vns, vkey, ventry)
+        tier.write(ns, key, layout_id, checksum, payload)
+
+    def _demote(self, level: int, ns: str, key: bytes, entry: TierEntry) -> None:
+        """Move a record evicted from tier ``level`` to the next tier (verified), or drop it."""
+        tier = self.tiers[level]
+        name = record_name(ns, key)
+        try:
+            if level + 1 < len(self.tiers):
+                buf = self._scratch.get(level)
+                if buf is None or buf.nbytes != entry.nbytes:
+                    buf = self._scratch[level] = np.empty(entry.nbytes, dtype=np.uint8)
+                header = bytearray(HEADER_BYTES)
+                got = tier.store.read_into(name, header, byte_view(buf))
+                h = decode_header(header, namespace_id=ns, key=key)
+                if got != entry.nbytes or h.checksum != entry.checksum:
+                    raise CorruptRecord(f"{name}: torn or altered record")
+                verify_checksum(buf, entry.checksum)
+                self._put(level + 1, ns, key, entry.layout_id, entry.checksum, byte_view(buf))
+        except (CorruptRecord, ChecksumMismatch) as e:
+            tier.checksum_mismatches += 1
+            log.warning("%s tier: not demoting %s: %s", tier.name, name, e)
+        except Exception as e:
+            tier.errors += 1
+            log.warning("%s tier: demoting %s failed: %s", tier.name, name, e)
+        finally:
+            try:
+                tier.store.delete(name)
+            except Exception as e:
+                log.warning("%s tier: delete of %s failed: %s", tier.name, name, e)
+
+    def stats(self) -> list[TierStats]:
+        return [t.stats() for t in self.tiers]
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        for t in self.tiers:
+            t.store.close()
