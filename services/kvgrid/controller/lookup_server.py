@@ -138,7 +138,7 @@ class LookupServer:
             raise ValueError(f"listen={listen!r}: could not bind ({failure[0]})") from failure[0]
         assert self._server is not None
         bound = self._server.sockets[0].getsockname()
-        self.address = f"{host}:{bound[1]}"
+        self.address: str = f"{host}:{bound[1]}"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
