@@ -40,9 +40,9 @@ def lookup(server: Server) -> Iterator[LookupClient]:
     ls.stop()
 
 
-def _req(keys: list[bytes], **kw: object) -> controller_pb2.MatchPrefixRequest:
+def _req(keys: list[bytes], max_pods: int = 0) -> controller_pb2.MatchPrefixRequest:
     return controller_pb2.MatchPrefixRequest(
-        chunk_keys=common_pb2.ChunkKeys(keys=keys), namespace_id=NS_ID, **kw
+        chunk_keys=common_pb2.ChunkKeys(keys=keys), namespace_id=NS_ID, max_pods=max_pods
     )
 
 
