@@ -214,3 +214,26 @@ def test_a_pod_is_free_again_once_its_lease_lapsed(lapsing_controller: Server, p
     assert _code(lambda: _register(shared, "pod-l", 2))[0] == grpc.StatusCode.PERMISSION_DENIED
     _wait(lambda: lapsing_controller.controller.registry.get("pod-l") is None, "the lease to lapse")
     assert _register(shared, "pod-l", 2).lease_ttl_ms == 200
+
+
+def test_the_plaintext_health_port_serves_health_only(pki: Pki, free_port: Callable[[], int]) -> None:
+    """Kubelet gRPC probes cannot present a certificate: ``health_port`` answers grpc.health.v1 in
+    plaintext and nothing else."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    server = serve(
+        ControllerConfig(listen="127.0.0.1:0", health_port=free_port(), **tls_flags(pki.controller()))
+    )
+    try:
+        with grpc.insecure_channel(server.health_address) as ch:
+            ok = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert ok.status == health_pb2.HealthCheckResponse.SERVING
+            code, _ = _code(lambda: Stub(ch).GetStats(controller_pb2.GetStatsRequest(), timeout=5))
+            assert code == grpc.StatusCode.UNIMPLEMENTED
+        with grpc.insecure_channel(server.address) as ch:
+            code, _ = _code(
+                lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
+            )
+            assert code == grpc.StatusCode.UNAVAILABLE  # the main port stays mTLS-only
+    finally:
+        server.stop()

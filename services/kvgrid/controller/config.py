@@ -122,6 +122,15 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True):
         list[VllmEventSource], msgspec.Meta(description="vLLM KV-event publishers to subscribe to (YAML)")
     ] = msgspec.field(default_factory=list)
     prometheus_port: Annotated[int, msgspec.Meta(ge=0, description="Prometheus scrape port (0 = off)")] = 0
+    health_port: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            le=65535,
+            description="port of a plaintext listener serving only grpc.health.v1 (kubelet gRPC probes "
+            "cannot do mTLS), on the listen host; 0 = none",
+        ),
+    ] = 0
     tls_cert_file: Annotated[
         str,
         msgspec.Meta(

@@ -21,10 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import msgspec
+from grpc_health.v1 import health_pb2_grpc
 
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2
 from kvgrid.common.authz import ANY_ROLE, Authorizer, Policy, Role, caller
@@ -218,8 +220,13 @@ class Server(msgspec.Struct):
     grpc_server: Any
     address: str
     snapshots: AgentSnapshots | None = None
+    health_server: Any = None
+    health_address: str = ""
+    """host:port of the plaintext health-only listener ("" when ``health_port`` is 0)."""
 
     def stop(self, grace: float | None = 0.5) -> None:
+        if self.health_server is not None:
+            self.health_server.stop(0)
         self.grpc_server.stop(grace).wait()
         self.controller.stop()
         if self.snapshots is not None:
@@ -254,7 +261,28 @@ def serve(
         ctl.stop()
         snapshots.close()
         raise ValueError(f"listen={cfg.listen!r}: could not bind")
+    host = cfg.listen.rpartition(":")[0]
+    health_server, health_address = None, ""
+    if cfg.health_port:
+        # Kubelet gRPC probes speak plaintext and present no certificate: with mTLS on the main port
+        # they need a listener of their own that serves nothing but grpc.health.v1.
+        health_server = grpc.server(ThreadPoolExecutor(2, thread_name_prefix="kvgrid-controller-health"))
+        health_pb2_grpc.add_HealthServicer_to_server(rpc.health, health_server)
+        hport = health_server.add_insecure_port(f"{host}:{cfg.health_port}")
+        if not hport:
+            ctl.stop()
+            snapshots.close()
+            raise ValueError(f"health_port={cfg.health_port}: could not bind on {host}")
+        health_address = f"{host}:{hport}"
     ctl.start()
     rpc.start()
-    host = cfg.listen.rpartition(":")[0]
-    return Server(controller=ctl, grpc_server=rpc.server, address=f"{host}:{port}", snapshots=snapshots)
+    if health_server is not None:
+        health_server.start()
+    return Server(
+        controller=ctl,
+        grpc_server=rpc.server,
+        address=f"{host}:{port}",
+        snapshots=snapshots,
+        health_server=health_server,
+        health_address=health_address,
+    )
