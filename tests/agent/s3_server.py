@@ -94,11 +94,17 @@ def start_seaweedfs(directory: Path, bucket: str = "kvgrid-test") -> SeaweedFS:
 
 
 def _bucket_ready(server: SeaweedFS) -> bool:
+    import urllib3
     from minio import Minio
 
     try:
-        return Minio(server.host, access_key=ACCESS_KEY, secret_key=SECRET_KEY, secure=False).bucket_exists(
-            server.bucket
+        client = Minio(
+            server.host,
+            access_key=ACCESS_KEY,
+            secret_key=SECRET_KEY,
+            secure=False,
+            http_client=urllib3.PoolManager(retries=False, timeout=2.0),  # the loop above retries
         )
+        return client.bucket_exists(server.bucket)
     except Exception:
         return False

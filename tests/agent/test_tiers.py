@@ -378,7 +378,7 @@ def test_credentials_from_a_mounted_secret_or_env(tmp_path: Path) -> None:
             {"tier_s3_endpoint": "http://h:1", "tier_s3_bucket": "b", "tier_s3_part_size": MiB},
             "tier_s3_part_size=1048576: expected >= 5MiB",
         ),
-        ({"tier_disk_path": "/x", "tier_disk_size": 1000}, "tier_disk_size=1000: expected >= 1MiB"),
+        ({"tier_disk_path": "/x", "tier_disk_size": 1000}, "tier_disk_size=1000: expected >= 64KiB"),
     ],
 )
 def test_config_validation(fields: dict[str, object], message: str) -> None:

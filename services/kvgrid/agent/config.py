@@ -295,9 +295,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         return tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
 
     def _check_tiers(self) -> None:
-        if self.tier_disk_path and self.tier_disk_size < 1024 * 1024:
+        if self.tier_disk_path and self.tier_disk_size < 64 * 1024:
             raise ValueError(
-                f"tier_disk_size={self.tier_disk_size}: expected >= 1MiB when tier_disk_path is set"
+                f"tier_disk_size={self.tier_disk_size}: expected >= 64KiB when tier_disk_path is set"
             )
         if bool(self.tier_s3_endpoint) != bool(self.tier_s3_bucket):
             raise ValueError(
@@ -314,8 +314,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(
                     f"tier_s3_part_size={self.tier_s3_part_size}: expected >= 5MiB (the S3 minimum part size)"
                 )
-            if self.tier_s3_size < 1024 * 1024:
-                raise ValueError(f"tier_s3_size={self.tier_s3_size}: expected >= 1MiB")
+            if self.tier_s3_size < 64 * 1024:
+                raise ValueError(f"tier_s3_size={self.tier_s3_size}: expected >= 64KiB")
 
     @property
     def peer_fetch_enabled(self) -> bool:

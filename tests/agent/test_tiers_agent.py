@@ -1,0 +1,123 @@
+"""The lower tiers through a real agent process (gRPC on its Unix socket, shared-memory KV): a prefix
+goes L1 -> disk -> (evicted from disk) -> a real SeaweedFS S3 server -> back into L1 on a Lookup,
+and Retrieve writes it into the engine's blocks bit for bit; a corrupted object is refused."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from minio import Minio
+
+from kvgrid.agent.tiers.base import HEADER_BYTES, record_name
+
+from .helpers import NAMESPACE, block_ids, blocks_of, keys_for, register_kv, start_agent
+from .s3_server import ACCESS_KEY, SECRET_KEY, SeaweedFS, start_seaweedfs
+
+PREFIX = "agent-e2e"
+
+
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()
+
+
+def wait_for(cond: object, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_prefix_goes_l1_disk_s3_and_back_bit_for_bit(tmp_path: Path, seaweed: SeaweedFS) -> None:
+    secret = tmp_path / "s3-secret"  # what a mounted Kubernetes Secret looks like
+    secret.mkdir()
+    (secret / "access_key_id").write_text(ACCESS_KEY)
+    (secret / "secret_access_key").write_text(SECRET_KEY)
+    disk = tmp_path / "disk-tier"
+    ns = NAMESPACE.namespace_id()
+    s3 = Minio(seaweed.host, access_key=ACCESS_KEY, secret_key=SECRET_KEY, secure=False)
+
+    def on_disk(keys: list[bytes]) -> list[bool]:
+        return [(disk / (record_name(ns, k) + ".kvc")).exists() for k in keys]
+
+    def on_s3(keys: list[bytes]) -> list[bool]:
+        names = {
+            o.object_name for o in s3.list_objects(seaweed.bucket, prefix=f"{PREFIX}/{ns}/", recursive=True)
+        }
+        return [f"{PREFIX}/{record_name(ns, k)}" in names for k in keys]
+
+    # L1 of 320 KiB (16 chunks of 20 KiB), eviction from 60% down to 30% (the headroom lets the
+    # writer catch up); a disk tier of 4 records; S3 below it.
+    agent = start_agent(
+        tmp_path,
+        "--high-watermark", "0.6", "--low-watermark", "0.3",
+        "--tier-disk-path", str(disk), "--tier-disk-size", str(4 * (HEADER_BYTES + 20 * 1024)),
+        "--tier-s3-endpoint", seaweed.endpoint, "--tier-s3-bucket", seaweed.bucket,
+        "--tier-s3-prefix", PREFIX, "--tier-s3-credentials-dir", str(secret),
+        l1_size="320KiB",
+    )  # fmt: skip
+    try:
+        c = agent.client()
+        tensors, reg = register_kv(c, "e", tmp_path, seed=3)
+        assert HEADER_BYTES + reg.bytes_per_chunk <= HEADER_BYTES + 20 * 1024
+        a = keys_for(1, 4)
+        src = block_ids(0, 4)
+        want = blocks_of(tensors, src)
+        assert c.store("e", a, src).num_stored_chunks == 4
+
+        def in_l1(keys: list[bytes]) -> list[bool]:
+            held = set(c.snapshot().chunk_keys)
+            return [k in held for k in keys]
+
+        # Fillers push A out of L1 onto disk, then out of disk into S3.
+        for f in range(40):
+            assert c.store("e", keys_for(100 + f, 4), src).num_stored_chunks == 4
+            if f == 2:
+                wait_for(lambda: all(on_disk(a)), "A written to the disk tier")
+                assert not any(in_l1(a))
+            if all(on_s3(a)) and not any(on_disk(a)):
+                break
+            time.sleep(0.1)  # the writer runs between stores
+        assert all(on_s3(a)) and not any(on_disk(a)) and not any(in_l1(a))
+
+        # Back into L1 on a Lookup (counted as hits), then into other blocks of the engine.
+        dst = block_ids(16, 4)
+        for t in tensors:
+            t.zero_()
+        res = c.lookup("e", "r1", a)
+        assert (res.num_hit_chunks, res.num_peer_chunks, res.miss_cause) == (4, 0, "none")
+        assert all(in_l1(a))
+        assert c.retrieve("e", "r1", a, dst).num_retrieved_chunks == 4
+        got = blocks_of(tensors, dst)
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+
+        # A corrupted object is refused: push A out of L1 again (S3 still holds it: no rewrite),
+        # flip one payload bit of chunk 2's object, and the lookup stops before it.
+        for f in range(40):
+            c.store("e", keys_for(200 + f, 4), src)
+            if not any(in_l1(a)):
+                break
+        assert not any(in_l1(a))
+        obj = f"{PREFIX}/{record_name(ns, a[2])}"
+        resp = s3.get_object(seaweed.bucket, obj)
+        blob = bytearray(resp.read())
+        resp.close()
+        resp.release_conn()
+        blob[HEADER_BYTES + 100] ^= 0x10
+        s3.put_object(seaweed.bucket, obj, io.BytesIO(bytes(blob)), len(blob))
+        res = c.lookup("e", "r2", a)
+        assert (res.num_hit_chunks, res.miss_cause) == (2, "not_found")
+        assert in_l1(a) == [True, True, False, False]
+        assert not on_s3([a[2]])[0]  # the refused object was deleted, never tried again
+        c.release("e", "r2")
+    finally:
+        agent.stop()
