@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -11,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvgrid.api.v1 import controller_pb2, controller_pb2_grpc
+from kvgrid.common.authz import Authorizer, Identity, Policy, caller, parse_identity
 from kvgrid.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -22,6 +25,7 @@ from kvgrid.common.errors import (
     within,
 )
 from kvgrid.common.rpc import RpcServer, ServerOptions, status_of
+from kvgrid.common.tls import ClientTls, TlsFiles, make_channel, server_credentials
 
 _SERVICE = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]
 
@@ -147,3 +151,89 @@ def test_namespace_ids_are_checked_in_one_place() -> None:
         assert not is_namespace_id(bad)
         with pytest.raises(InvalidArgument, match=r"^ns="):
             check_namespace_id(bad, "ns")
+
+
+def test_methods_not_served_answer_unimplemented_with_the_reason() -> None:
+    rpc = RpcServer(ServerOptions(max_message_bytes=1 << 20, workers=2))
+    rpc.add_service(_SERVICE, _Impl(), served={"Heartbeat"}, not_served="ask the other listener")
+    port = rpc.bind("127.0.0.1:0")
+    rpc.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = controller_pb2_grpc.ControllerServiceStub(ch)
+            assert stub.Heartbeat(controller_pb2.HeartbeatRequest(), timeout=5).lease_ttl_ms == 7
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ListAgents(controller_pb2.ListAgentsRequest(), timeout=5)
+    finally:
+        rpc.stop(0)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.details() == (
+        "ControllerService.ListAgents is not served on this listener: ask the other listener"
+    )
+
+
+def test_a_plaintext_tcp_listener_warns_and_a_unix_socket_does_not(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    rpc = RpcServer(ServerOptions(max_message_bytes=1 << 20, workers=1, thread_name_prefix="t"))
+    with caplog.at_level(logging.WARNING, logger="kvgrid.common.rpc"):
+        rpc.bind(f"unix:{tmp_path / 's.sock'}")
+        assert not caplog.records
+        rpc.bind("127.0.0.1:0")
+    rpc.stop(0)
+    (rec,) = caplog.records
+    assert "WITHOUT TLS" in rec.getMessage() and "127.0.0.1:0" in rec.getMessage()
+
+
+def test_the_toolkit_authorizes_and_hands_the_identity_to_the_method(tmp_path: Path) -> None:
+    """With an authorizer the method sees the caller's certificate identity; a role the policy does
+    not list never reaches the method."""
+    from tests.security.pki import TestCA, spiffe
+
+    seen: list[Identity | None] = []
+
+    class Impl(_Impl):
+        def Heartbeat(self, req: controller_pb2.HeartbeatRequest) -> controller_pb2.HeartbeatResponse:
+            seen.append(caller())
+            return controller_pb2.HeartbeatResponse(lease_ttl_ms=7)
+
+    ca = TestCA()
+    srv = ca.write(tmp_path / "srv", spiffe("controller"), dns=("kvgrid-controller",))
+    policy = Policy({"Heartbeat": frozenset({"agent"})})
+    rpc = RpcServer(
+        ServerOptions(max_message_bytes=1 << 20, workers=1), authorizer=Authorizer(policy, "cluster.local")
+    )
+    rpc.add_service(_SERVICE, Impl())
+    port = rpc.bind(
+        "127.0.0.1:0", server_credentials(TlsFiles(*(str(srv / n) for n in ("tls.crt", "tls.key", "ca.crt"))))
+    )
+    rpc.start()
+    try:
+        for who in (spiffe("agent", "pod-7"), spiffe("router")):
+            d = ca.write(tmp_path / who.rsplit("/", 1)[-1], who)
+            files = TlsFiles(*(str(d / n) for n in ("tls.crt", "tls.key", "ca.crt")))
+            with make_channel(f"127.0.0.1:{port}", ClientTls(files), "kvgrid-controller") as ch:
+                stub = controller_pb2_grpc.ControllerServiceStub(ch)
+                try:
+                    stub.Heartbeat(controller_pb2.HeartbeatRequest(), timeout=5)
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.PERMISSION_DENIED and who == spiffe("router")
+                    assert e.details() == f"Heartbeat needs a agent identity; the caller {who!r} is a router"
+    finally:
+        rpc.stop(0)
+    assert seen == [Identity(spiffe("agent", "pod-7"), "cluster.local", "kvgrid-test", "agent", "pod-7")]
+    assert caller() is None  # nothing leaks into threads that did not serve the call
+
+
+def test_identities_parse_only_from_the_scheme() -> None:
+    assert parse_identity("spiffe://td/ns/n/role/router") == Identity(
+        "spiffe://td/ns/n/role/router", "td", "n", "router"
+    )
+    for bad in (
+        "spiffe://td/ns/n/role/admin",
+        "spiffe://td/ns/n/role/router/pod/x",  # only agents have a pod
+        "spiffe://td/ns//role/agent",
+        "https://td/ns/n/role/agent",
+        "spiffe://td/ns/n/role/agent/pod/",
+    ):
+        assert parse_identity(bad) is None, bad
