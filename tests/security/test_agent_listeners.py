@@ -15,7 +15,7 @@ from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.service import TCP_POLICY, AgentServer
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.identity import PodIdentity
-from kvgrid.common.tls import AGENT_SERVER_NAME
+from kvgrid.common.tls import AGENT_SERVER_NAME, ClientTls, TlsFiles
 from tests.security.conftest import Pki, channel_as, tls_flags
 from tests.security.pki import spiffe
 
@@ -136,6 +136,8 @@ def test_snapshot_only_for_the_controller_identity(tls_agent: AgentServer, pki: 
             agent_pb2_grpc.AgentServiceStub(ch).Snapshot(agent_pb2.SnapshotRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "Snapshot needs a controller identity" in (err.value.details() or "")
-    with channel_as(address, pki.controller(), AGENT_SERVER_NAME) as ch:
-        snap = agent_pb2_grpc.AgentServiceStub(ch).Snapshot(agent_pb2.SnapshotRequest(), timeout=5)
+    ctl = pki.controller()
+    files = TlsFiles(str(ctl / "tls.crt"), str(ctl / "tls.key"), str(ctl / "ca.crt"))
+    with AgentClient(address, timeout_s=5, tls=ClientTls(files)) as client:
+        snap = client.snapshot()
     assert snap.pod.pod_uid == "pod-srv" and bytes([4]) * 16 in snap.chunk_keys

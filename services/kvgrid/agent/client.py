@@ -1,7 +1,11 @@
-"""Engine-side client of the agent (what the vLLM connector uses), over the Unix socket or TCP.
+"""Engine-side client of the agent (what the vLLM connector uses), over the Unix socket.
 
-Results come back as the msgspec structs of :mod:`kvgrid.agent.results`; gRPC errors surface as
-``grpc.RpcError`` (INVALID_ARGUMENT carries the agent's explanation).
+The engine API (register, lookup, retrieve, store, release, health) is served on the agent's Unix
+socket only; over TCP an agent serves just FetchChunks (to agent identities) and Snapshot (to the
+controller), so a ``host:port`` target is for those two -- with ``tls`` (the caller's certificate)
+when the agent requires mTLS. Results come back as the msgspec structs of
+:mod:`kvgrid.agent.results`; gRPC errors surface as ``grpc.RpcError`` (INVALID_ARGUMENT carries the
+agent's explanation; an engine method over TCP is UNIMPLEMENTED).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from kvgrid.agent.tensors import export_layer_tensor
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.groups import EngineGroupInfo, to_proto
 from kvgrid.common.hashing import KeyNamespace
+from kvgrid.common.tls import AGENT_SERVER_NAME, ClientTls, make_channel
 from kvgrid.common.wire import block_ids_to_proto, key_namespace_to_proto
 
 __all__ = ["AgentClient", "agent_target"]
@@ -36,12 +41,23 @@ def agent_target(address: str) -> str:
 class AgentClient:
     """One channel to one agent. Thread-safe (gRPC channels are)."""
 
-    def __init__(self, address: str, *, timeout_s: float = 60.0, max_message_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 60.0,
+        max_message_bytes: int = 64 << 20,
+        tls: ClientTls | None = None,
+    ) -> None:
+        """``tls``: mTLS credentials for a TCP target (ignored for a Unix socket, always plaintext)."""
         self.target = agent_target(address)
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(
+        unix = self.target.startswith(("unix:", "unix-abstract:"))
+        self.channel = make_channel(
             self.target,
-            options=[
+            None if unix else tls,
+            AGENT_SERVER_NAME,
+            [
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
             ],
