@@ -37,9 +37,12 @@ def _start(port: int) -> subprocess.Popen[bytes]:
         stderr=subprocess.STDOUT,
     )
     assert proc.stdout is not None
-    line = proc.stdout.readline().decode()
-    assert "listening on" in line, line
-    return proc
+    lines = []
+    for _ in range(10):  # the log (e.g. the no-TLS warning) may come first
+        lines.append(proc.stdout.readline().decode())
+        if "listening on" in lines[-1]:
+            return proc
+    raise AssertionError("".join(lines))
 
 
 def test_kill_9_and_restart_resyncs_from_agents(free_port: Callable[[], int]) -> None:
