@@ -171,20 +171,3 @@ def test_metrics_are_recorded() -> None:
         ch.close()
         srv.stop()
         telemetry.shutdown()
-
-
-def test_lookup_bench_runs_small(capsys: pytest.CaptureFixture[str]) -> None:
-    import argparse
-    import json
-
-    from kvgrid.controller import bench
-
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    small = {"--pods": "8", "--chunks": "3000", "--batch": "8", "--seconds": "0.2", "--sweep": "4"}
-    args = parser.parse_args([*(x for kv in small.items() for x in kv), "--json"])
-    assert bench.run(args) == 0  # it also checks that compact and readable answers agree
-    out = json.loads(capsys.readouterr().out)
-    assert out["pods_listed_per_answer"] > 0 and out["match_ops_s"] > 0
-    assert set(out["compact_batch_sweep"]) == {"4"}
-    assert out["answer_bytes_per_query"]["compact"] < out["answer_bytes_per_query"]["readable"]

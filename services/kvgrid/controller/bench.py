@@ -1,28 +1,35 @@
-"""Lookup service: MatchPrefix ops/s and p50/p99 over gRPC, ingest events/s, bytes per index entry.
+"""``kvgrid bench lookup``: what a router sees per request, beside Dynamo's indexers, in one run.
 
-Workload: a shared-prefix multi-turn chat fleet. ``--prompts`` long system prompts; many
-conversations, each pinned to one of ``--pods`` pods, each a system prompt followed by its own turns.
-Every pod holds the system prompts it serves (L1, and GPU for the most recent ones) and its
-conversations (L1, the latest turns also in GPU). Queries are ``--query-chunks``-chunk prefixes of
-random conversations, answered by the real gRPC server on loopback from a separate client process
-(requests serialized once up front and sent as bytes, answers received as bytes, so the client
-costs little CPU: its CPU per call is measured and printed, as is the server's CPU per query).
+Workload (:mod:`kvgrid.controller.bench_workload`): a multi-turn chat fleet over ``--pods`` pods,
+~``--chunks`` distinct chunks; queries are a fixed mix of a conversation's next turn (whole history
+plus a new, uncached turn: the GPU tier is reached), an edit of an earlier turn, a new conversation
+on a known system prompt, and complete misses.
 
-MatchPrefix is measured unary, batched in the readable form (a PodMatch per listed pod) and batched
-in the compact form (``BatchMatchPrefixRequest.compact``: pod table + packed arrays); the goal is
-judged on the compact form. The compact form is also measured with packed requests
-(``BatchMatchPrefixRequest.packed_*``: one key buffer per batch, no bytes object per key). What a
-client pays to parse each form is measured in-process. Each measurement cycles through ~16k distinct
-pre-built queries (``QUERIES_PER_RUN``), so it touches most of the index, as a fleet's traffic
-would; the in-process figure repeats one batch (hot caches).
+What is measured, in this order:
 
-The bench's pods never heartbeat, so the controller runs with a one-hour lease, and the index is
-checked to be intact after the last measurement (a lapsed lease would empty it and make every
-later measurement meaningless).
+1. **Ingest through the real stream**: every pod's agent registers and streams its admit events
+   through ``PublishEvents`` (``--events-per-message`` events per message, ``--streams`` pods at a
+   time, from a separate process, after the controller's snapshot pull of the new stream); event
+   messages/s, events/s and chunk keys/s, and the controller's CPU per key. The index this builds
+   is the one every lookup below uses, and it is checked complete.
+2. **Memory**: RSS growth of the controller process over that ingest per (chunk, pod, tier) entry
+   and per (chunk, pod) pair (the unit a tier-less index stores), and ``tracemalloc`` of a second
+   build of the same index.
+3. **Answers**: the same queries through gRPC ``MatchPrefix``, the lean lookup listener
+   (:mod:`kvgrid.controller.lookup_server`), in-process, and packed batches must agree; with
+   ``--peers`` every query's longest match must equal Dynamo's (in-process and service). Any
+   difference stops the bench.
+4. ``--rounds`` interleaved rounds of ``--seconds`` each: one query per call in-process (kvgrid
+   ``Controller.match``; Dynamo ``RadixTree.find_matches``), one query per call over the network at
+   each ``--concurrency`` (kvgrid gRPC ``MatchPrefix``, kvgrid lean listener, Dynamo's indexer
+   service ``/query_by_hash``), and kvgrid packed compact batches of ``--batch``. Medians and
+   [min-max] over the rounds, kvgrid/Dynamo ratios per round, server CPU per query (from /proc of
+   the serving process), client CPU, and the machine's load average at start and end.
 
-Reference limits measured in the same run: the same request bytes echoed by a bare gRPC handler
-(transport limit), a plain ``dict`` insert of the same keys (ingest limit) and the 16-byte key
-itself (memory limit); ratios are printed next to the goals.
+Peers (``--peers``) run in ``--peers-python`` (an environment with ``ai-dynamo-runtime``; its pins
+conflict with kvgrid's environment) through :mod:`kvgrid.controller.bench_peers`; a peer that is
+not installed is reported as absent with the reason. Clients are Python in every case (gRPC's,
+a socket, ``http.client``), each in its own process.
 """
 
 from __future__ import annotations
@@ -30,36 +37,38 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import os
 import platform
-import random
-import resource
 import statistics
-import threading
+import subprocess
+import sys
+import tempfile
 import time
 import tracemalloc
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
+import msgspec
 
-from kvgrid.api.v1 import common_pb2, controller_pb2
-from kvgrid.common.identity import PodIdentity
-from kvgrid.controller import wire
+from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.controller import bench_clients as clients
+from kvgrid.controller.bench_workload import QUERY_MIX, Query, Workload
+from kvgrid.controller.compact import read_compact
 from kvgrid.controller.config import ControllerConfig
+from kvgrid.controller.core import PrefixQuery
 from kvgrid.controller.index import IndexTier, MemoryIndex
-from kvgrid.controller.ingest import ChunkEvent, EventKind, Ingestor
-from kvgrid.controller.registry import AgentRecord
+from kvgrid.controller.lookup_server import METHOD_MATCH, LookupClient, LookupServer
 from kvgrid.controller.service import serve
 
 __all__ = ["add_arguments", "run"]
 
-GOALS = {"match_ops_s": 30_000.0, "match_p99_ms": 3.0, "ingest_events_s": 500_000.0, "bytes_per_entry": 64.0}
 NS_ID = "00" * 16
-METHOD = "/kvgrid.v1.ControllerService/BatchMatchPrefix"
-ECHO = "/bench.Echo/Echo"
-QUERIES_PER_RUN = 16_384
+MATCH = "/kvgrid.v1.ControllerService/MatchPrefix"
+BATCH_MATCH = "/kvgrid.v1.ControllerService/BatchMatchPrefix"
+QUERIES = 4096  # distinct pre-built queries each measurement cycles through
+CHECKED = 256  # queries whose answers are compared across paths and systems
+GOAL_INGEST_KEYS_S = 500_000.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,465 +77,415 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=4, help="shared system prompts")
     parser.add_argument("--prompt-chunks", type=int, default=16, help="chunks per system prompt")
     parser.add_argument("--turn-chunks", type=int, default=8, help="chunks added per conversation turn")
-    parser.add_argument("--turns", type=int, default=6, help="turns per conversation")
-    parser.add_argument("--query-chunks", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=64, help="queries per BatchMatchPrefix call")
-    parser.add_argument("--concurrency", type=int, default=1, help="client calls in flight")
-    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each gRPC measurement")
-    parser.add_argument("--max-pods", type=int, default=0, help="MatchPrefixRequest.max_pods (0 = every pod)")
+    parser.add_argument("--turns", type=int, default=6, help="cached turns per conversation")
+    parser.add_argument("--batch", type=int, default=64, help="queries per packed BatchMatchPrefix call")
+    parser.add_argument("--concurrency", default="1,4", help="calls in flight for the network rows")
+    parser.add_argument("--seconds", type=float, default=2.0, help="duration of each measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every measurement")
+    parser.add_argument("--events-per-message", type=int, default=16, help="events per PublishEvents message")
+    parser.add_argument("--streams", type=int, default=16, help="agents streaming at once during ingest")
     parser.add_argument(
-        "--sweep",
-        default="32,48",
-        help="batch sizes also measured in the compact form (throughput vs latency; '' = none)",
+        "--peers", action="store_true", help="also run Dynamo's indexers on the same workload"
+    )
+    parser.add_argument(
+        "--peers-python",
+        default=os.environ.get("KVGRID_PEERS_PYTHON", sys.executable),
+        help="Python with ai-dynamo-runtime, pyzmq and msgspec installed (env KVGRID_PEERS_PYTHON)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-# --- workload -------------------------------------------------------------------------------------
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-class Workload:
-    def __init__(self, a: argparse.Namespace, seed: int = 7) -> None:
-        rng = random.Random(seed)
-        self.rng = rng
-        self.prompts = [[rng.randbytes(16) for _ in range(a.prompt_chunks)] for _ in range(a.prompts)]
-        per_conv = a.turns * a.turn_chunks
-        n_conv = -(-max(0, a.chunks - a.prompts * a.prompt_chunks) // per_conv)
-        self.convs: list[tuple[int, int, list[bytes]]] = []  # (pod, prompt, own chunks)
-        for _ in range(n_conv):
-            self.convs.append(
-                (
-                    rng.randrange(a.pods),
-                    rng.randrange(a.prompts),
-                    [rng.randbytes(16) for _ in range(per_conv)],
-                )
-            )
-        self.a = a
+def _pod_uid(p: int) -> str:
+    return f"pod-{p:03d}"
 
-    def events(self) -> dict[int, list[tuple[IndexTier, list[bytes]]]]:
-        """Per pod: admit events in arrival order (one per turn; GPU for the latest turn)."""
-        out: dict[int, list[tuple[IndexTier, list[bytes]]]] = {p: [] for p in range(self.a.pods)}
-        served: set[tuple[int, int]] = set()
-        tc = self.a.turn_chunks
-        for pod, prompt, own in self.convs:
-            if (pod, prompt) not in served:
-                served.add((pod, prompt))
-                out[pod].append((IndexTier.L1, self.prompts[prompt]))
-                out[pod].append((IndexTier.GPU, self.prompts[prompt]))
-            for t in range(0, len(own), tc):
-                out[pod].append((IndexTier.L1, own[t : t + tc]))
-            out[pod].append((IndexTier.GPU, own[-tc:]))
+
+def _match_request(q: Query) -> controller_pb2.MatchPrefixRequest:
+    return controller_pb2.MatchPrefixRequest(chunk_keys=common_pb2.ChunkKeys(keys=q.keys), namespace_id=NS_ID)
+
+
+def _packed(qs: list[Query]) -> bytes:
+    return controller_pb2.BatchMatchPrefixRequest(
+        packed_chunk_keys=b"".join(b"".join(q.keys) for q in qs),
+        packed_query_chunks=[len(q.keys) for q in qs],
+        packed_namespace_id=NS_ID,
+        compact=True,
+    ).SerializeToString()
+
+
+def _best(resp: controller_pb2.MatchPrefixResponse) -> int:
+    """Longest match any pod gets (what a tier-less peer index reports as its top score)."""
+    return max((m.gpu_chunks + m.l1_chunks + m.peer_chunks for m in resp.matches), default=0)
+
+
+def _med(rs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in rs)
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+class _Peers:
+    """The peer runner process (:mod:`kvgrid.controller.bench_peers`), one JSON line per command."""
+
+    def __init__(self, python: str, workload_file: str) -> None:
+        script = Path(__file__).with_name("bench_peers.py")
+        self.proc = subprocess.Popen(
+            [python, str(script), workload_file], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        first = self._read()
+        self.error: str | None = first.get("error")
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            return {"error": f"peer runner exited with {self.proc.wait()}"}
+        out: dict[str, Any] = json.loads(line)
         return out
 
-    def queries(self, n: int) -> list[list[bytes]]:
-        qs = []
-        for _ in range(n):
-            _, prompt, own = self.convs[self.rng.randrange(len(self.convs))]
-            q = (self.prompts[prompt] + own)[: self.a.query_chunks]
-            qs.append(q)
-        return qs
+    def call(self, cmd: str, *args: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, "args": list(args)}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(30)
 
 
-def _holder(pod: int) -> AgentRecord:
-    from kvgrid.controller.registry import AgentLoad
+def _ingest(addr: str, w: Workload, args: argparse.Namespace) -> dict[str, float]:
+    evs = w.events()
+    per_pod = [
+        clients.ingest_messages(_pod_uid(p), evs[p], NS_ID, args.events_per_message) for p in range(args.pods)
+    ]
+    n_msgs = sum(map(len, per_pod))
+    n_events = sum(map(len, evs.values()))
+    n_keys = sum(len(k) for lst in evs.values() for _, k in lst)
+    import multiprocessing as mp
 
-    p = PodIdentity(pod_uid=f"pod-{pod:03d}", pod_name=f"vllm-{pod}", epoch=1, agent_address="")
-    return AgentRecord(
-        pod=p,
-        namespaces=(NS_ID,),
-        l1_capacity_bytes=0,
-        load=AgentLoad(),
-        lease_deadline=1e18,
-        registered_at=0,
-    )
-
-
-# --- measurements ---------------------------------------------------------------------------------
-
-
-def _ingest(index: MemoryIndex, evs: dict[int, list[tuple[IndexTier, list[bytes]]]]) -> tuple[float, int]:
-    """Feed every event through Ingestor.publish (sequence checks + index); returns (seconds, keys)."""
-    ing = Ingestor(index, lambda r, t: None)  # type: ignore[arg-type,return-value]
-    recs = {p: _holder(p) for p in evs}
-    chunk_events = {}
-    n = 0
-    for p, lst in evs.items():
-        ce = []
-        for i, (tier, keys) in enumerate(lst):
-            ce.append(ChunkEvent(sequence=i + 1, kind=EventKind.ADMIT, tier=tier, keys=tuple(keys)))
-            n += len(keys)
-        chunk_events[p] = ce
-    for rec in recs.values():  # mark synced at sequence 0 without a pull
-        st = ing._state(rec)
-        st.synced = True
-    t0 = time.perf_counter()
-    for p, ce in chunk_events.items():
-        for i in range(0, len(ce), 64):  # a PublishEvents message carries a batch of events
-            ing.publish(recs[p], ce[i : i + 64], new_stream=False)
-    dt = time.perf_counter() - t0
-    ing.close()
-    return dt, n
-
-
-def _dict_limit(evs: dict[int, list[tuple[IndexTier, list[bytes]]]]) -> float:
-    d: dict[bytes, int] = {}
-    n = 0
-    t0 = time.perf_counter()
-    for lst in evs.values():
-        for _, keys in lst:
-            for k in keys:
-                d[k] = 1
-            n += len(keys)
-    return n / (time.perf_counter() - t0)
-
-
-def _client(addr: str, method: str, payloads: list[bytes], seconds: float, concurrency: int, q: Any) -> None:
-    ch = grpc.insecure_channel(addr)
-    call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(
-        method
-    )  # bytes in, bytes out: no client-side protobuf work
-    for p in payloads[:20]:  # warm up
-        call(p)
-    lat: list[float] = []
-    calls = 0
-    stop = time.perf_counter() + seconds
-    lock = threading.Lock()
-
-    def worker(k: int) -> None:
-        nonlocal calls
-        i = k
-        mine = []
-        while time.perf_counter() < stop:
-            t = time.perf_counter()
-            call(payloads[i % len(payloads)])
-            mine.append(time.perf_counter() - t)
-            i += concurrency
-        with lock:
-            lat.extend(mine)
-            calls += len(mine)
-
-    cpu0 = time.process_time()
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as ex:
-        list(ex.map(worker, range(concurrency)))
-    wall = time.perf_counter() - t0
-    q.put({"calls": calls, "seconds": wall, "cpu": time.process_time() - cpu0, "lat": sorted(lat)})
-    ch.close()
-
-
-def _cpu_self() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def _drive(addr: str, method: str, payloads: list[bytes], seconds: float, concurrency: int) -> dict[str, Any]:
-    """Load ``addr`` from a separate client process; the server's CPU is this process's CPU meanwhile."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_client, args=(addr, method, payloads, seconds, concurrency, q))
-    cpu0 = _cpu_self()
-    p.start()
-    r = q.get(timeout=seconds + 120)
-    server_cpu = _cpu_self() - cpu0
-    p.join(10)
-    lat = r["lat"]
+    proc = ctx.Process(target=clients.ingest, args=(addr, per_pod, NS_ID, args.streams, q))
+    cpu0 = clients.cpu_seconds(os.getpid())
+    proc.start()
+    r = q.get(timeout=1800)
+    cpu = clients.cpu_seconds(os.getpid()) - cpu0
+    proc.join(30)
+    s = r["seconds"]
     return {
-        "calls_s": r["calls"] / r["seconds"],
-        "p50_ms": 1000 * lat[len(lat) // 2],
-        "p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))],
-        # per call; the server's includes the 20 warm-up calls (counted in)
-        "server_cpu_ms": 1000 * server_cpu / (r["calls"] + 20),
-        "client_cpu_ms": 1000 * r["cpu"] / max(1, r["calls"]),
+        "messages": n_msgs,
+        "events": n_events,
+        "keys": n_keys,
+        "seconds": s,
+        "messages_s": n_msgs / s,
+        "events_s": n_events / s,
+        "keys_s": n_keys / s,
+        "server_cpu_us_per_key": 1e6 * cpu / n_keys,
     }
 
 
-def _echo_server() -> tuple[grpc.Server, str]:
-    server = grpc.server(ThreadPoolExecutor(max_workers=8))
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)}
-    )
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, f"127.0.0.1:{port}"
+def _tracemalloc_bytes(w: Workload) -> tuple[int, int]:
+    """Bytes tracemalloc sees for a fresh build of the same index, and its entries."""
+    evs = w.events()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    idx = MemoryIndex()
+    for p, lst in evs.items():
+        for tier, keys in lst:
+            idx.add(f"{_pod_uid(p)}/1", IndexTier.L1 if tier == "l1" else IndexTier.GPU, keys)
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return used, idx.num_entries()
 
 
-def _requests(
-    w: Workload, batch: int, n: int, max_pods: int = 0
-) -> list[controller_pb2.BatchMatchPrefixRequest]:
-    out = []
-    for _ in range(n):
-        req = controller_pb2.BatchMatchPrefixRequest()
-        for q in w.queries(batch):
-            req.requests.add(chunk_keys=common_pb2.ChunkKeys(keys=q), namespace_id=NS_ID, max_pods=max_pods)
-        out.append(req)
-    return out
-
-
-def _calls_for(batch: int) -> int:
-    """Distinct pre-built calls per measurement: ~16k distinct queries whatever the batch size, so
-    every measurement touches a similar share of the index (cache misses are most of a lookup)."""
-    return max(32, QUERIES_PER_RUN // batch)
-
-
-def _serialized(reqs: list[controller_pb2.BatchMatchPrefixRequest], compact: bool) -> list[bytes]:
-    out = []
-    for r in reqs:
-        r.compact = compact
-        out.append(r.SerializeToString())
-    return out
-
-
-def _packed(reqs: list[controller_pb2.BatchMatchPrefixRequest]) -> list[bytes]:
-    """The same batches in the packed request form (one key buffer per batch), compact answers."""
-    out = []
-    for r in reqs:
-        qs = [list(q.chunk_keys.keys) for q in r.requests]
-        p = controller_pb2.BatchMatchPrefixRequest(
-            packed_chunk_keys=b"".join(b"".join(q) for q in qs),
-            packed_query_chunks=[len(q) for q in qs],
-            packed_namespace_id=NS_ID,
-            packed_max_pods=r.requests[0].max_pods if len(r.requests) else 0,
-            compact=True,
-        )
-        out.append(p.SerializeToString())
-    return out
-
-
-def _parse_us(raw: bytes, queries: int, reps: int = 50) -> float:
-    """Microseconds per query a client spends parsing ``raw`` (a BatchMatchPrefixResponse)."""
+def _inproc(fn: Any, items: list[Any], seconds: float) -> dict[str, float]:
+    for x in items[:50]:
+        fn(x)
+    lat = []
+    i = 0
+    stop = time.perf_counter() + seconds
     t0 = time.perf_counter()
-    for _ in range(reps):
-        controller_pb2.BatchMatchPrefixResponse.FromString(raw)
-    return 1e6 * (time.perf_counter() - t0) / (reps * queries)
-
-
-def _same_answers(
-    readable: controller_pb2.BatchMatchPrefixResponse, compact: controller_pb2.BatchMatchPrefixResponse
-) -> bool:
-    """The compact form decodes to exactly the readable form."""
-    if len(readable.responses) != len(compact.compact):
-        return False
-    for r, c in zip(readable.responses, compact.compact, strict=True):
-        got = [
-            (compact.pods[i].pod_uid, compact.pods[i].pod_name, g, lo, p)
-            for i, g, lo, p in zip(c.pod_index, c.gpu_chunks, c.l1_chunks, c.peer_chunks, strict=True)
-        ]
-        want = [(m.pod_uid, m.pod_name, m.gpu_chunks, m.l1_chunks, m.peer_chunks) for m in r.matches]
-        if got != want or (r.num_query_chunks, r.peer_fetchable_chunks) != (
-            c.num_query_chunks,
-            c.peer_fetchable_chunks,
-        ):
-            return False
-    return True
+    while time.perf_counter() < stop:
+        t = time.perf_counter()
+        fn(items[i % len(items)])
+        lat.append(time.perf_counter() - t)
+        i += 1
+    wall = time.perf_counter() - t0
+    lat.sort()
+    return {
+        "calls_s": len(lat) / wall,
+        "p50_ms": 1000 * lat[len(lat) // 2],
+        "p99_ms": 1000 * lat[int(len(lat) * 0.99)],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     say = (lambda *a: None) if args.json else print
-    w = Workload(args)
-    evs = w.events()
+    load_start = os.getloadavg()
+    w = Workload(args.pods, args.chunks, args.prompts, args.prompt_chunks, args.turns, args.turn_chunks)
+    queries = w.queries(QUERIES)
+    kinds = {k: sum(q.kind == k for q in queries) for k, _ in QUERY_MIX}
     say(
         f"workload: {args.pods} pods, {args.prompts} system prompts x {args.prompt_chunks} chunks, "
-        f"{len(w.convs)} conversations x {args.turns} turns x {args.turn_chunks} chunks"
+        f"{len(w.convs):,} conversations x {args.turns} turns x {args.turn_chunks} chunks; queries: "
+        + ", ".join(f"{k} {v}" for k, v in kinds.items())
+        + f" (mean {statistics.mean(len(q.keys) for q in queries):.0f} chunks)"
     )
-
-    # 1. ingest rate (fresh index, no tracing) and the dict-insert limit
-    index = MemoryIndex()
-    dt, n_keys = _ingest(index, evs)
-    ingest = n_keys / dt
-    dict_rate = _dict_limit(evs)
-    entries, chunks = index.num_entries(), index.num_chunks()
-    say(
-        f"ingest: {n_keys:,} chunk events in {dt:.2f} s = {ingest:,.0f} events/s "
-        f"(dict insert limit {dict_rate:,.0f}/s); index: {chunks:,} chunks, {entries:,} entries"
-    )
-
-    # 2. memory per entry (tracemalloc over a second build of the same index)
-    del index
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
-    mem_index = MemoryIndex()
-    for p, lst in evs.items():
-        h = _holder(p).holder
-        for tier, keys in lst:
-            mem_index.add(h, tier, keys)
-    used = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
-    bpe = used / max(1, mem_index.num_entries())
-    say(
-        f"memory: {used / 2**20:,.1f} MiB for {mem_index.num_entries():,} entries = {bpe:.1f} B/entry "
-        f"({used / max(1, mem_index.num_chunks()):.1f} B/chunk; key itself 16 B)"
-    )
-
-    # 3. MatchPrefix over gRPC: the controller in this process, clients in another
+    peers: _Peers | None = None
+    peer_info: dict[str, Any] = {}
+    tmp = tempfile.TemporaryDirectory(prefix="kvgrid-bench-")
     cfg = ControllerConfig(
         listen="127.0.0.1:0", max_batch=max(4096, args.batch), grpc_workers=16, lease_ttl_ms=3_600_000
     )
-    srv = serve(cfg, index=mem_index)
-    for p in evs:
-        srv.controller.registry.register(_holder(p).pod, [NS_ID])
-    srv.controller._refresh_holders()
-    echo, echo_addr = _echo_server()
+    rss0 = _rss()
+    srv = serve(cfg)
+    lean: LookupServer | None = None
     try:
-        one = _serialized(_requests(w, 1, 512, args.max_pods), compact=False)
-        reqs = _requests(w, args.batch, _calls_for(args.batch), args.max_pods)
-        readable = _serialized(reqs, compact=False)
-        compact = _serialized(reqs, compact=True)
-        packed = _packed(reqs)
-        # sanity: the answers are real, and both forms say the same
-        with grpc.insecure_channel(
-            srv.address
-        ) as ch:  # closed: no client threads left in the server's process
-            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(METHOD)
-            raw_r, raw_c = call(readable[0]), call(compact[0])
-            if call(packed[0]) != raw_c:
-                raise AssertionError("packed and per-query BatchMatchPrefix requests answer differently")
-        resp = controller_pb2.BatchMatchPrefixResponse.FromString(raw_r)
-        resp_c = controller_pb2.BatchMatchPrefixResponse.FromString(raw_c)
-        if not _same_answers(resp, resp_c):
-            raise AssertionError("compact and readable BatchMatchPrefix answers differ")
-        hits = sum(1 for r in resp.responses if r.matches)
-        pods_listed = statistics.mean(len(r.matches) for r in resp.responses)
-        parse_r, parse_c = _parse_us(raw_r, args.batch), _parse_us(raw_c, args.batch)
+        # 1-2. ingest through PublishEvents, RSS growth
+        ingest = _ingest(srv.address, w, args)
         ctl = srv.controller
-        qs = [ctl.resolve(wire.prefix_query_from_proto(r)) for r in reqs[0].requests]
-        inproc = {}
-        for form in ("readable", "compact"):
-            t0 = time.perf_counter()
-            for _ in range(20):
-                wire.batch_match_to_proto(ctl.match_queries(qs), form == "compact").SerializeToString()
-            inproc[form] = 20 * len(qs) / (time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            preq = controller_pb2.BatchMatchPrefixRequest.FromString(packed[0])
-            wire.batch_match_to_proto(
-                ctl.match_packed(wire.packed_from_proto(preq)), True
-            ).SerializeToString()
-        inproc["packed"] = 20 * len(qs) / (time.perf_counter() - t0)
-        unary = _drive(srv.address, METHOD, one, args.seconds, args.concurrency)
-        batch = _drive(srv.address, METHOD, readable, args.seconds, args.concurrency)
-        fast = _drive(srv.address, METHOD, compact, args.seconds, args.concurrency)
-        fastp = _drive(srv.address, METHOD, packed, args.seconds, args.concurrency)
-        echo_b = _drive(echo_addr, ECHO, compact, args.seconds, args.concurrency)
-        sweep = {}
-        for size in [int(x) for x in args.sweep.split(",") if x.strip()]:
-            d = _drive(
-                srv.address,
-                METHOD,
-                _serialized(_requests(w, size, _calls_for(size), args.max_pods), compact=True),
-                args.seconds,
-                args.concurrency,
-            )
-            sweep[size] = {
-                "ops_s": d["calls_s"] * size,
-                "p50_ms": d["p50_ms"],
-                "p99_ms": d["p99_ms"],
-                "server_cpu_us_per_query": 1000 * d["server_cpu_ms"] / size,
-            }
-        if mem_index.num_entries() != entries:
+        entries, chunks = ctl.index.num_entries(), ctl.index.num_chunks()
+        if entries != ingest["keys"]:
             raise AssertionError(
-                f"index changed during the run: {mem_index.num_entries()} != {entries} entries"
+                f"index incomplete after ingest: {entries} entries, {ingest['keys']} admitted"
+            )
+        pairs = sum(len(k) for lst in w.chains().values() for _, k in lst)  # (chunk, pod) pairs
+        rss = _rss() - rss0
+        traced, traced_entries = _tracemalloc_bytes(w)
+        memory = {
+            "entries": entries,
+            "chunk_pod_pairs": pairs,
+            "chunks": chunks,
+            "rss_bytes": rss,
+            "rss_per_entry": rss / entries,
+            "rss_per_pair": rss / pairs,
+            "tracemalloc_per_entry": traced / traced_entries,
+            "tracemalloc_per_pair": traced / pairs,
+        }
+        say(
+            f"ingest through PublishEvents ({args.events_per_message} events/message, "
+            f"{args.streams} streams): "
+            f"{ingest['messages_s']:,.0f} messages/s = {ingest['events_s']:,.0f} events/s = "
+            f"{ingest['keys_s']:,.0f} keys/s; controller CPU {ingest['server_cpu_us_per_key']:.2f} us/key"
+        )
+        say(
+            f"index: {chunks:,} chunks, {entries:,} (chunk, pod, tier) entries, "
+            f"{pairs:,} (chunk, pod) pairs; "
+            f"RSS growth {rss / 2**20:,.1f} MiB = {memory['rss_per_entry']:.1f} B/entry, "
+            f"{memory['rss_per_pair']:.1f} B/pair; "
+            f"tracemalloc {memory['tracemalloc_per_entry']:.1f} B/entry"
+        )
+        lean = LookupServer(ctl, "127.0.0.1:0")
+
+        # 3. answers agree across paths (and with the peers)
+        reqs = [_match_request(q) for q in queries]
+        singles = [r.SerializeToString() for r in reqs]
+        checked = queries[:CHECKED]
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = controller_pb2_grpc.ControllerServiceStub(ch)
+            via_grpc = [stub.MatchPrefix(r) for r in reqs[:CHECKED]]
+            batched: list[controller_pb2.MatchPrefixResponse] = []
+            for lo in range(0, CHECKED, args.batch):
+                req = controller_pb2.BatchMatchPrefixRequest.FromString(
+                    _packed(checked[lo : lo + args.batch])
+                )
+                batched += read_compact(stub.BatchMatchPrefix(req))
+        lc = LookupClient(lean.address)
+        via_lean = [lc.match(r) for r in reqs[:CHECKED]]
+        lc.close()
+        if via_lean != via_grpc or batched != via_grpc:
+            raise AssertionError("kvgrid answers differ between gRPC, the lean listener and packed batches")
+        best = [_best(r) for r in via_grpc]
+        pairs_bk = list(zip(best, checked, strict=True))
+        by_kind = {k: statistics.mean(b for b, q in pairs_bk if q.kind == k) for k, _ in QUERY_MIX
+                   if any(q.kind == k for q in checked)}  # fmt: skip
+        say(
+            "mean longest match (chunks) by query kind: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in by_kind.items())
+            + f"; pods listed per answer {statistics.mean(len(r.matches) for r in via_grpc):.1f}"
+        )
+        if args.peers:
+            wl = {
+                "pods": args.pods,
+                "chains": {str(p): c for p, c in w.chains().items()},
+                "queries": [q.keys for q in queries],
+            }
+            wf = Path(tmp.name) / "workload.msgpack"
+            wf.write_bytes(msgspec.msgpack.encode(wl))
+            peers = _Peers(args.peers_python, str(wf))
+            if peers.error is not None:
+                peer_info["error"] = peers.error
+                say(f"peers absent: {peers.error} (--peers-python {args.peers_python})")
+                peers.close()
+                peers = None
+        http_bodies: list[bytes] = []
+        if peers is not None:
+            for name, cmd, extra in (
+                ("dynamo_inproc", "dynamo_inproc", ()),
+                ("dynamo_http", "dynamo_http", (4,)),
+            ):
+                r = peers.call(cmd, *extra)
+                peer_info[name] = r
+                if "error" in r:
+                    say(f"{name}: failed: {r['error']}")
+                    continue
+                per_pair = r["rss_bytes"] / pairs
+                r["rss_per_pair"] = per_pair
+                say(
+                    f"{name}: RSS growth {r['rss_bytes'] / 2**20:,.1f} MiB = {per_pair:.1f} B "
+                    "per (chunk, pod) "
+                    f"pair; events applied in {r.get('apply_s', r.get('ingest_s', 0)):.2f} s "
+                    f"({r['events'] / r.get('apply_s', r.get('ingest_s', 1)):,.0f} events/s)"
+                )
+            theirs = peers.call("answers", CHECKED)
+            for system, answers in theirs.items():
+                if answers != best:
+                    bad = next(i for i, (a, b) in enumerate(zip(answers, best, strict=True)) if a != b)
+                    raise AssertionError(
+                        f"Dynamo {system} answers differ from kvgrid's: query {bad} ({checked[bad].kind}): "
+                        f"{answers[bad]} vs {best[bad]} chunks"
+                    )
+            say(f"answers: kvgrid == Dynamo ({', '.join(theirs)}) on {CHECKED} queries")
+            if "error" not in peer_info.get("dynamo_http", {"error": 1}):
+                http_bodies = [b.encode() for b in peers.call("bodies")["bodies"]]
+
+        # 4. interleaved rounds
+        conc = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        packed = [_packed(queries[lo : lo + args.batch]) for lo in range(0, len(queries), args.batch)]
+        pqs = [PrefixQuery(chunk_keys=q.keys, namespace_id=NS_ID) for q in queries]
+        rows: dict[str, list[dict[str, float]]] = {}
+
+        def add(name: str, r: dict[str, float]) -> None:
+            rows.setdefault(name, []).append(r)
+
+        me = os.getpid()
+        dyn_pid = peer_info.get("dynamo_http", {}).get("pid")
+        dyn_addr = peer_info.get("dynamo_http", {}).get("address", "")
+
+        def network(
+            name: str, target: Any, addr: str, method: Any, payloads: list[bytes], c: int, pid: int
+        ) -> None:
+            add(name, clients.drive(target, (addr, method, payloads, args.seconds, c), pid))
+
+        for _ in range(args.rounds):
+            add("kvgrid in-process, 1 query", _inproc(ctl.match, pqs, args.seconds))
+            if peers is not None and "error" not in peer_info.get("dynamo_inproc", {"error": 1}):
+                add("Dynamo in-process RadixTree, 1 query", peers.call("inproc_single", args.seconds))
+            for c in conc:
+                network(
+                    f"kvgrid gRPC MatchPrefix, c={c}", clients.grpc_caller, srv.address, MATCH, singles, c, me
+                )
+                network(
+                    f"kvgrid lean listener MatchPrefix, c={c}",
+                    clients.lean_caller, lean.address, METHOD_MATCH, singles, c, me,
+                )  # fmt: skip
+                if http_bodies and dyn_pid:
+                    network(
+                        f"Dynamo indexer service HTTP, c={c}",
+                        clients.http_caller, dyn_addr, "/query_by_hash", http_bodies, c, dyn_pid,
+                    )  # fmt: skip
+            network(f"kvgrid gRPC packed compact x{args.batch}, c=1", clients.grpc_caller, srv.address,
+                    BATCH_MATCH, packed, 1, me)  # fmt: skip
+        if ctl.index.num_entries() != entries:
+            raise AssertionError(
+                f"index changed during the run: {ctl.index.num_entries()} != {entries} entries"
             )
     finally:
-        echo.stop(0)
+        if peers is not None:
+            peers.close()
+        if lean is not None:
+            lean.stop()
         srv.stop(0)
-    nb = args.batch
-    match_ops = fast["calls_s"] * nb
-    echo_ops = echo_b["calls_s"] * nb
-    say(f"answers: {hits}/{len(resp.responses)} queries hit; {pods_listed:.1f} pods listed per answer")
-    say(
-        f"answer bytes per query: readable {len(raw_r) / nb:,.0f}, compact {len(raw_c) / nb:,.0f}; "
-        f"client parse {parse_r:.1f} / {parse_c:.1f} us per query"
-    )
-    say(
-        f"BatchMatchPrefix x{nb} in-process (no gRPC, incl. serialization): readable "
-        f"{inproc['readable']:,.0f} queries/s, compact {inproc['compact']:,.0f} queries/s, "
-        f"packed request + compact {inproc['packed']:,.0f} queries/s (incl. request parsing)"
-    )
-    for label, d, per in (
-        ("MatchPrefix unary", unary, 1),
-        ("readable batch", batch, nb),
-        ("compact batch", fast, nb),
-        ("packed request, compact batch", fastp, nb),
-    ):
-        say(
-            f"{label} over gRPC: {d['calls_s'] * per:,.0f} queries/s, call p50 {d['p50_ms']:.2f} ms, "
-            f"p99 {d['p99_ms']:.2f} ms; server CPU {1000 * d['server_cpu_ms'] / per:.1f} us/query, "
-            f"client CPU {1000 * d['client_cpu_ms'] / per:.1f} us/query"
+        tmp.cleanup()
+    load_end = os.getloadavg()
+
+    table: dict[str, dict[str, Any]] = {}
+    for name, rs in rows.items():
+        per = args.batch if "packed" in name else 1
+        table[name] = {
+            "queries_s": _summary([r["calls_s"] * per for r in rs]),
+            "p50_ms": _summary([r["p50_ms"] for r in rs]),
+            "p99_ms": _summary([r["p99_ms"] for r in rs]),
+        }
+        if "server_cpu_us" in rs[0]:
+            table[name]["server_cpu_us_per_query"] = statistics.median(r["server_cpu_us"] / per for r in rs)
+            table[name]["client_cpu_us_per_query"] = statistics.median(r["client_cpu_us"] / per for r in rs)
+    ratios: dict[str, dict[str, float]] = {}
+
+    def ratio(name: str, ours: str, theirs: str) -> None:
+        if ours in rows and theirs in rows:
+            per_round = [a["calls_s"] / b["calls_s"] for a, b in zip(rows[ours], rows[theirs], strict=True)]
+            ratios[name] = {
+                **_summary(per_round),
+                "p50": _med(rows[theirs], "p50_ms") / _med(rows[ours], "p50_ms"),
+                "p99": _med(rows[theirs], "p99_ms") / _med(rows[ours], "p99_ms"),
+            }  # fmt: skip
+
+    ratio("in-process single query", "kvgrid in-process, 1 query", "Dynamo in-process RadixTree, 1 query")
+    for c in conc:
+        ratio(
+            f"network c={c}, gRPC", f"kvgrid gRPC MatchPrefix, c={c}", f"Dynamo indexer service HTTP, c={c}"
         )
-    say(
-        f"echo of the compact request bytes: {echo_ops:,.0f} queries/s, p99 {echo_b['p99_ms']:.2f} ms; "
-        f"server CPU {1000 * echo_b['server_cpu_ms'] / nb:.1f} us/query"
-    )
-    for size, d in sweep.items():
-        say(
-            f"  compact x{size}: {d['ops_s']:,.0f} queries/s, call p50 {d['p50_ms']:.2f} ms, "
-            f"p99 {d['p99_ms']:.2f} ms; server CPU {d['server_cpu_us_per_query']:.1f} us/query"
-        )
+        dyn = f"Dynamo indexer service HTTP, c={c}"
+        ratio(f"network c={c}, lean listener", f"kvgrid lean listener MatchPrefix, c={c}", dyn)
+    for name in ("dynamo_inproc", "dynamo_http"):
+        info = peer_info.get(name, {})
+        if "rss_per_pair" in info:
+            ratios[f"RSS per (chunk, pod) pair vs {name}"] = {
+                "median": info["rss_per_pair"] / memory["rss_per_pair"]
+            }
     result = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "pods": args.pods,
-        "chunks": chunks,
-        "entries": entries,
-        "query_chunks": args.query_chunks,
-        "batch": nb,
-        "concurrency": args.concurrency,
-        "max_pods": args.max_pods,
-        "pods_listed_per_answer": pods_listed,
-        "ingest_events_s": ingest,
-        "dict_insert_limit_s": dict_rate,
-        "bytes_per_entry": bpe,
-        "answer_bytes_per_query": {"readable": len(raw_r) / nb, "compact": len(raw_c) / nb},
-        "client_parse_us_per_query": {"readable": parse_r, "compact": parse_c},
-        "match_inprocess_ops_s": inproc,
-        "match_unary_ops_s": unary["calls_s"],
-        "match_unary_p50_ms": unary["p50_ms"],
-        "match_unary_p99_ms": unary["p99_ms"],
-        "match_readable_ops_s": batch["calls_s"] * nb,
-        "match_readable_p50_ms": batch["p50_ms"],
-        "match_readable_p99_ms": batch["p99_ms"],
-        "match_ops_s": match_ops,
-        "match_p50_ms": fast["p50_ms"],
-        "match_p99_ms": fast["p99_ms"],
-        "match_packed_ops_s": fastp["calls_s"] * nb,
-        "match_packed_p50_ms": fastp["p50_ms"],
-        "match_packed_p99_ms": fastp["p99_ms"],
-        "server_cpu_us_per_query": {
-            "unary": 1000 * unary["server_cpu_ms"],
-            "readable": 1000 * batch["server_cpu_ms"] / nb,
-            "compact": 1000 * fast["server_cpu_ms"] / nb,
-            "packed": 1000 * fastp["server_cpu_ms"] / nb,
-        },
-        "client_cpu_us_per_query": {
-            "unary": 1000 * unary["client_cpu_ms"],
-            "readable": 1000 * batch["client_cpu_ms"] / nb,
-            "compact": 1000 * fast["client_cpu_ms"] / nb,
-            "packed": 1000 * fastp["client_cpu_ms"] / nb,
-        },
-        "echo_ops_s": echo_ops,
-        "echo_p99_ms": echo_b["p99_ms"],
-        "echo_server_cpu_us_per_query": 1000 * echo_b["server_cpu_ms"] / nb,
-        "compact_batch_sweep": sweep,
-        "ratio_match_vs_echo": match_ops / echo_ops,
-        "ratio_ingest_vs_dict": ingest / dict_rate,
-        "ratio_key_bytes_vs_entry": 16 / bpe,
-        "goals": GOALS,
-        "goal_ratios": {
-            "match_ops_s": match_ops / GOALS["match_ops_s"],
-            "match_p99_ms": GOALS["match_p99_ms"] / fast["p99_ms"],
-            "match_packed_ops_s": fastp["calls_s"] * nb / GOALS["match_ops_s"],
-            "match_packed_p99_ms": GOALS["match_p99_ms"] / fastp["p99_ms"],
-            "ingest_events_s": ingest / GOALS["ingest_events_s"],
-            "bytes_per_entry": GOALS["bytes_per_entry"] / bpe,
-        },
+        "load_average_start_end": [load_start[0], load_end[0]],
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "func", "peers_python")},
+        "query_kinds": kinds,
+        "ingest": ingest,
+        "ingest_goal_ratio": ingest["keys_s"] / GOAL_INGEST_KEYS_S,
+        "memory": memory,
+        "peers": peer_info,
+        "rows": table,
+        "ratios_kvgrid_over_dynamo": ratios,
     }
     if args.json:
         print(json.dumps(result))
-    else:
-        print("goals (ratio >= 1 meets the goal):")
-        for k, v in result["goal_ratios"].items():
-            print(
-                f"  {k}: goal {GOALS[k.replace('_packed', '')]:,} -> measured {result[k]:,.2f}  ratio {v:.2f}"
-            )
+        return 0
+    print(f"load average (1 min) at start {load_start[0]:.2f}, at end {load_end[0]:.2f}")
+    print(
+        f"{'measurement (' + str(args.rounds) + ' rounds: median [min-max])':<48} {'queries/s':>26} "
+        f"{'p50 ms':>8} {'p99 ms':>8} {'srv us/q':>9}"
+    )
+    for name, t in table.items():
+        qs, p50, p99 = t["queries_s"], t["p50_ms"], t["p99_ms"]
+        cpu = t.get("server_cpu_us_per_query")
+        print(
+            f"{name:<48} {qs['median']:>10,.0f} [{qs['min']:>6,.0f}-{qs['max']:>6,.0f}] "
+            f"{p50['median']:>8.3f} {p99['median']:>8.3f} {'' if cpu is None else f'{cpu:9.0f}'}"
+        )
+    if ratios:
+        print(
+            "kvgrid / Dynamo (>= 1: kvgrid at least as good), throughput per round median [min-max], "
+            "latency medians:"
+        )
+        for name, r in ratios.items():
+            latency = f"; p50 {r['p50']:.2f}, p99 {r['p99']:.2f}" if "p50" in r else ""
+            rng = f" [{r['min']:.2f}-{r['max']:.2f}]" if "min" in r else ""
+            print(f"  {name}: {r['median']:.2f}{rng}{latency}")
+    print(
+        f"ingest goal (>= {GOAL_INGEST_KEYS_S:,.0f} keys/s through PublishEvents): "
+        f"ratio {result['ingest_goal_ratio']:.2f}"
+    )
     return 0

@@ -1,0 +1,256 @@
+"""Load generators of ``kvgrid bench lookup``, each run in its own process (so the server's CPU is
+measured apart from the client's): single-query callers over gRPC, the lean lookup listener and
+HTTP/JSON (Dynamo's indexer service), and agents streaming events through ``PublishEvents``.
+
+Every caller sends pre-serialized request bytes cycling through a list and keeps ``concurrency``
+calls in flight (one thread and one connection each); it reports calls, wall time, its own CPU
+and every call's latency. Invariant: a client never checks answers (the bench checks them once,
+outside the timed loop), so the loop costs the same for every system.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.controller.lookup_server import LookupClient
+
+__all__ = [
+    "cpu_seconds",
+    "drive",
+    "grpc_caller",
+    "http_caller",
+    "ingest",
+    "ingest_messages",
+    "json_body",
+    "lean_caller",
+]
+
+Call = Callable[[bytes], object]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _loop(
+    make_call: Callable[[], Call], payloads: list[bytes], seconds: float, concurrency: int, q: Any
+) -> None:
+    calls = [make_call() for _ in range(concurrency)]
+    for c in calls:
+        for p in payloads[:20]:  # warm up each connection
+            c(p)
+    lat: list[float] = []
+    lock = threading.Lock()
+    stop = time.perf_counter() + seconds
+
+    def worker(k: int) -> None:
+        call, mine, i = calls[k], [], k
+        while time.perf_counter() < stop:
+            t = time.perf_counter()
+            call(payloads[i % len(payloads)])
+            mine.append(time.perf_counter() - t)
+            i += concurrency
+        with lock:
+            lat.extend(mine)
+
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    with futures.ThreadPoolExecutor(concurrency) as ex:
+        list(ex.map(worker, range(concurrency)))
+    q.put({"calls": len(lat), "seconds": time.perf_counter() - t0, "cpu": time.process_time() - cpu0,
+           "lat": sorted(lat), "warmup": 20 * concurrency})  # fmt: skip
+
+
+def grpc_caller(
+    addr: str, method: str, payloads: list[bytes], seconds: float, concurrency: int, q: Any
+) -> None:
+    """Unary calls of ``method`` (bytes in, bytes out: no client-side protobuf work)."""
+
+    def make() -> Call:
+        ch = grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(method)
+        return call
+
+    _loop(make, payloads, seconds, concurrency, q)
+
+
+def lean_caller(
+    addr: str, method: int, payloads: list[bytes], seconds: float, concurrency: int, q: Any
+) -> None:
+    """Calls of the lean lookup listener (:mod:`kvgrid.controller.lookup_server`)."""
+
+    def make() -> Call:
+        c = LookupClient(addr)
+        return lambda body: c.call_raw(method, body)
+
+    _loop(make, payloads, seconds, concurrency, q)
+
+
+def http_caller(
+    addr: str, path: str, payloads: list[bytes], seconds: float, concurrency: int, q: Any
+) -> None:
+    """HTTP/1.1 keep-alive POSTs of JSON bodies (Dynamo's indexer service, LMCache's controller)."""
+    host, _, port = addr.rpartition(":")
+    headers = {"Content-Type": "application/json"}
+
+    def make() -> Call:
+        conn = http.client.HTTPConnection(host, int(port))
+
+        def call(body: bytes) -> bytes:
+            conn.request("POST", path, body, headers)
+            r = conn.getresponse()
+            out = r.read()
+            if r.status != 200:
+                raise RuntimeError(f"POST {path}: HTTP {r.status}: {out[:200]!r}")
+            return out
+
+        return call
+
+    _loop(make, payloads, seconds, concurrency, q)
+
+
+def drive(target: Callable[..., None], args: tuple, server_pid: int) -> dict[str, float]:
+    """Run the caller ``target(*args, q)`` in a new process; throughput, latency and both CPUs."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q))
+    cpu0 = cpu_seconds(server_pid)
+    p.start()
+    r = q.get(timeout=600)
+    server_cpu = cpu_seconds(server_pid) - cpu0
+    p.join(30)
+    lat = r["lat"]
+    return {
+        "calls_s": r["calls"] / r["seconds"],
+        "p50_ms": 1000 * lat[len(lat) // 2],
+        "p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+        "server_cpu_us": 1e6 * server_cpu / (r["calls"] + r["warmup"]),  # per call, warm-up counted in
+        "client_cpu_us": 1e6 * r["cpu"] / max(1, r["calls"]),
+    }
+
+
+# --- agents: PublishEvents streams ---------------------------------------------------------------
+
+
+def _snapshots(pod: common_pb2.PodIdentity, ns_id: str) -> grpc.GenericRpcHandler:
+    """One pod's ``AgentService.Snapshot`` for the controller's pull: nothing held before the
+    stream (the stream's events build the index)."""
+    resp = agent_pb2.SnapshotResponse(pod=pod, last_sequence=0, namespaces=[ns_id])
+    return grpc.method_handlers_generic_handler(
+        "kvgrid.v1.AgentService",
+        {
+            "Snapshot": grpc.unary_unary_rpc_method_handler(
+                lambda req, ctx: resp,
+                request_deserializer=agent_pb2.SnapshotRequest.FromString,
+                response_serializer=agent_pb2.SnapshotResponse.SerializeToString,
+            )
+        },
+    )
+
+
+def _stream_pod(ch: grpc.Channel, msgs: list[bytes]) -> float:
+    """Stream ``msgs`` (serialized PublishEventsRequest) for ``pod`` and wait until the last is
+    acknowledged; returns seconds from the first message to the last ack."""
+    last = controller_pb2.PublishEventsRequest.FromString(msgs[-1]).events[-1].sequence
+    out: queue.Queue[bytes | None] = queue.Queue()
+    for m in msgs:
+        out.put(m)
+    out.put(None)
+
+    def requests() -> Iterator[bytes]:
+        while (m := out.get()) is not None:
+            yield m
+
+    t0 = time.perf_counter()
+    for ack in _raw_stream(ch, requests()):
+        if ack.acked_sequence >= last:
+            break
+    return time.perf_counter() - t0
+
+
+def _raw_stream(
+    ch: grpc.Channel, requests: Iterator[bytes]
+) -> Iterator[controller_pb2.PublishEventsResponse]:
+    """PublishEvents with pre-serialized requests (the agent side costs no protobuf work)."""
+    method: grpc.StreamStreamMultiCallable[bytes, controller_pb2.PublishEventsResponse] = ch.stream_stream(
+        "/kvgrid.v1.ControllerService/PublishEvents",
+        response_deserializer=controller_pb2.PublishEventsResponse.FromString,
+    )
+    return method(requests)
+
+
+def ingest(addr: str, per_pod: list[list[bytes]], ns_id: str, streams: int, q: Any) -> None:
+    """Agents of every pod: register, then stream their messages (``per_pod[i]``: serialized
+    PublishEventsRequest, the first carrying the pod identity), ``streams`` pods at a time, each
+    wave's snapshot servers started before its clock starts. Reports the streaming seconds."""
+    ch = grpc.insecure_channel(addr)
+    stub = controller_pb2_grpc.ControllerServiceStub(ch)
+    busy = 0.0
+    cpu = 0.0
+    for lo in range(0, len(per_pod), streams):
+        wave = range(lo, min(len(per_pod), lo + streams))
+        servers = []
+        pods = []
+        for i in wave:
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+            pod = controller_pb2.PublishEventsRequest.FromString(per_pod[i][0]).pod
+            port = server.add_insecure_port("127.0.0.1:0")
+            pod.agent_address = f"127.0.0.1:{port}"
+            server.add_generic_rpc_handlers((_snapshots(pod, ns_id),))
+            server.start()
+            servers.append(server)
+            pods.append(pod)
+            stub.RegisterAgent(controller_pb2.RegisterAgentRequest(pod=pod, namespaces=[ns_id]), timeout=10)
+        first = {
+            i: controller_pb2.PublishEventsRequest(
+                pod=pod, events=controller_pb2.PublishEventsRequest.FromString(per_pod[i][0]).events
+            ).SerializeToString()
+            for i, pod in zip(wave, pods, strict=True)
+        }
+        c0, t0 = time.process_time(), time.perf_counter()
+        with futures.ThreadPoolExecutor(len(wave)) as ex:
+            list(ex.map(_stream_pod, [ch] * len(wave), [[first[i], *per_pod[i][1:]] for i in wave]))
+        busy += time.perf_counter() - t0
+        cpu += time.process_time() - c0
+        for s in servers:
+            s.stop(0)
+    ch.close()
+    q.put({"seconds": busy, "client_cpu": cpu})
+
+
+def ingest_messages(
+    pod_uid: str, events: list[tuple[str, list[bytes]]], ns_id: str, per_message: int
+) -> list[bytes]:
+    """One pod's admit events as serialized PublishEventsRequest messages (``per_message`` events
+    each, sequence numbers from 1; the first message names the pod)."""
+    pod = common_pb2.PodIdentity(pod_uid=pod_uid, pod_name=pod_uid, node_name="bench", epoch=1)
+    tiers = {"l1": common_pb2.TIER_L1, "gpu": common_pb2.TIER_GPU}
+    out = []
+    for lo in range(0, len(events), per_message):
+        msg = controller_pb2.PublishEventsRequest(pod=pod if lo == 0 else None)
+        for seq, (tier, keys) in enumerate(events[lo : lo + per_message], start=lo + 1):
+            msg.events.add(
+                sequence=seq, kind=controller_pb2.EVENT_KIND_ADMIT, tier=tiers[tier], chunk_keys=keys,
+                namespace=ns_id,
+            )  # fmt: skip
+        out.append(msg.SerializeToString())
+    return out
+
+
+def json_body(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()

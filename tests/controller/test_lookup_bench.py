@@ -1,0 +1,83 @@
+"""``kvgrid bench lookup`` at a tiny size: its structure, and that it checks its answers (it stops
+when kvgrid's paths, or a peer's answers, disagree). Speed is never asserted here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+
+from kvgrid.controller import bench
+from kvgrid.controller.bench_workload import QUERY_MIX, Workload, chunk_tokens
+
+
+def _args(*extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    small = ["--pods", "4", "--chunks", "2000", "--seconds", "0.1", "--rounds", "1", "--batch", "8"]
+    return parser.parse_args([*small, "--streams", "2", "--concurrency", "1,2", *extra, "--json"])
+
+
+def test_workload_is_deterministic_and_mixes_hits_and_misses() -> None:
+    a, b = Workload(4, 2000), Workload(4, 2000)
+    assert a.events() == b.events() and [q.keys for q in a.queries(50)] == [q.keys for q in b.queries(50)]
+    qs = Workload(4, 2000).queries(400)
+    assert {q.kind for q in qs} == {k for k, _ in QUERY_MIX}
+    held = {k for lst in a.events().values() for _, keys in lst for k in keys}
+    for q in qs:
+        cached = sum(k in held for k in q.keys)
+        if q.kind == "miss":
+            assert cached == 0
+        else:  # a new uncached turn at the end: a partial hit
+            assert 0 < cached < len(q.keys) and q.keys[-1] not in held
+    gpu = {k for lst in a.events().values() for tier, keys in lst if tier == "gpu" for k in keys}
+    assert any(k in gpu for q in qs if q.kind == "next_turn" for k in q.keys[16:])  # the GPU tier is queried
+    chains = a.chains()
+    assert sum(len(k) for lst in chains.values() for _, k in lst) == sum(
+        len(k) for lst in a.events().values() for t, k in lst if t == "l1"
+    )
+    assert chunk_tokens([bytes(range(16))]) == [0x03020100, 0x07060504, 0x0B0A0908, 0x0F0E0D0C]
+
+
+def test_bench_runs_small(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_args()) == 0  # it also checks kvgrid's answers agree across gRPC, lean, batches
+    out = json.loads(capsys.readouterr().out)
+    ing = out["ingest"]
+    assert ing["keys"] == out["memory"]["entries"] and ing["messages"] < ing["events"] < ing["keys"]
+    assert (
+        ing["keys_s"] > 0
+        and out["memory"]["rss_per_entry"] > 0
+        and out["memory"]["tracemalloc_per_entry"] > 0
+    )
+    rows = out["rows"]
+    assert {
+        "kvgrid in-process, 1 query",
+        "kvgrid gRPC MatchPrefix, c=1",
+        "kvgrid gRPC MatchPrefix, c=2",
+        "kvgrid lean listener MatchPrefix, c=1",
+        "kvgrid lean listener MatchPrefix, c=2",
+        "kvgrid gRPC packed compact x8, c=1",
+    } == set(rows)
+    for r in rows.values():
+        assert r["queries_s"]["median"] > 0 and r["p50_ms"]["median"] <= r["p99_ms"]["median"]
+    assert out["query_kinds"]["miss"] > 0 and out["peers"] == {}
+
+
+def test_absent_peer_is_reported_not_measured(capsys: pytest.CaptureFixture[str]) -> None:
+    # this environment has no ai-dynamo-runtime: the peer runner says so and the bench goes on
+    assert bench.run(_args("--peers", "--peers-python", sys.executable)) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "No module named 'dynamo'" in out["peers"]["error"]
+    assert not any("Dynamo" in name for name in out["rows"])
+
+
+def test_bench_stops_when_answers_disagree(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgrid.controller import lookup_server
+
+    monkeypatch.setitem(
+        lookup_server._METHODS, lookup_server.METHOD_MATCH, ("MatchPrefix", lambda ctl, body: b"")
+    )
+    with pytest.raises(AssertionError, match="kvgrid answers differ between gRPC, the lean listener"):
+        bench.run(_args())
