@@ -1,0 +1,410 @@
+"""The chart's TLS: which certificates it asks for, how pods get them, and that what it renders works
+with the real services.
+
+The end-to-end tests sign the rendered Certificate specs (and csi-driver volume attributes) the way
+cert-manager would (tests/deploy/issuer.py), put the files where the rendered env says, and run a
+real controller and agent with exactly the rendered KVGRID_TLS_* env: the agent must register over
+mTLS, and a router holding the router certificate must be able to read the controller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvgrid.agent.config import AgentConfig
+from kvgrid.api.v1 import controller_pb2, controller_pb2_grpc
+from kvgrid.common.config import config_from_args
+from kvgrid.controller.config import ControllerConfig
+from tests.deploy.chart import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    container,
+    find,
+    literal_env,
+    run,
+    template,
+    validate,
+    values_args,
+)
+from tests.deploy.issuer import sign_certificate, sign_csi_volume
+from tests.security.pki import TestCA
+
+MOUNT = "/etc/kvgrid/tls"
+EXAMPLE: dict[str, Any] = {"examples": {"vllm": {"enabled": True}}}
+SPIFFE = f"spiffe://cluster.local/ns/{NAMESPACE}/role"
+
+
+def _spec_of(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def _engine_pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return dict(find(docs, "Deployment", f"{RELEASE}-kvgrid-vllm")["spec"]["template"]["spec"])
+
+
+def _controller_pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return dict(find(docs, "Deployment", f"{RELEASE}-kvgrid-controller")["spec"]["template"]["spec"])
+
+
+def _mounted_volume(pod: dict[str, Any], c: dict[str, Any], path: str) -> dict[str, Any]:
+    (name,) = [m["name"] for m in c["volumeMounts"] if m["mountPath"] == path]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == name]
+    return dict(volume)
+
+
+# --- what the chart asks cert-manager for ----------------------------------------------------------
+
+
+def test_certificates_carry_the_identity_scheme(helm: list[str], tmp_path: Path) -> None:
+    docs = template(helm, EXAMPLE, tmp_path)
+    certs = _spec_of(docs, "Certificate")
+    ctrl, router, agent = (
+        certs[f"{RELEASE}-kvgrid-{r}-tls"]["spec"] for r in ("controller", "router", "agent")
+    )
+    assert ctrl["uris"] == [f"{SPIFFE}/controller"]
+    assert router["uris"] == [f"{SPIFFE}/router"]
+    assert agent["uris"] == [f"{SPIFFE}/agent"]
+    # The services verify these DNS names whatever address they dial (kvgrid.common.tls).
+    from kvgrid.common.tls import AGENT_SERVER_NAME, CONTROLLER_SERVER_NAME
+
+    assert CONTROLLER_SERVER_NAME in ctrl["dnsNames"] and AGENT_SERVER_NAME in agent["dnsNames"]
+    assert {"server auth", "client auth"} <= set(ctrl["usages"]) and {"server auth", "client auth"} <= set(
+        agent["usages"]
+    )
+    assert "server auth" not in router["usages"] and "client auth" in router["usages"]
+    # No issuer given: a self-signed root makes the release's CA, and the CA Issuer signs the roles.
+    issuers = _spec_of(docs, "Issuer")
+    assert issuers[f"{RELEASE}-kvgrid-selfsigned"]["spec"] == {"selfSigned": {}}
+    ca_cert = certs[f"{RELEASE}-kvgrid-ca"]["spec"]
+    assert ca_cert["isCA"] is True and ca_cert["issuerRef"]["name"] == f"{RELEASE}-kvgrid-selfsigned"
+    assert issuers[f"{RELEASE}-kvgrid-ca"]["spec"] == {"ca": {"secretName": ca_cert["secretName"]}}
+    for spec in (ctrl, router, agent):
+        assert spec["issuerRef"] == {
+            "name": f"{RELEASE}-kvgrid-ca",
+            "kind": "Issuer",
+            "group": "cert-manager.io",
+        }
+
+
+def test_an_issuer_from_values_signs_everything_and_no_ca_is_made(helm: list[str], tmp_path: Path) -> None:
+    ref = {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+    docs = template(helm, {"tls": {"certManager": {"issuerRef": ref}}, **EXAMPLE}, tmp_path)
+    assert "Issuer" not in {d["kind"] for d in docs}
+    certs = _spec_of(docs, "Certificate")
+    assert set(certs) == {f"{RELEASE}-kvgrid-{r}-tls" for r in ("controller", "router", "agent")}
+    assert all(c["spec"]["issuerRef"] == ref for c in certs.values())
+
+
+def test_pods_mount_the_secret_layout_and_get_tls_env_the_real_parsers_read(
+    helm: list[str], tmp_path: Path
+) -> None:
+    docs = template(helm, EXAMPLE, tmp_path)
+    for pod, name, config_type in (
+        (_controller_pod(docs), "controller", ControllerConfig),
+        (_engine_pod(docs), "kvgrid-agent", AgentConfig),
+    ):
+        c = container(pod, name)
+        volume = _mounted_volume(pod, c, MOUNT)
+        role = "controller" if name == "controller" else "agent"
+        assert volume["secret"]["secretName"] == f"{RELEASE}-kvgrid-{role}-tls"
+        env = literal_env(c)
+        cfg = config_from_args(config_type, _parser_ns(c), env=env)
+        assert (cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_ca_file) == (
+            f"{MOUNT}/tls.crt",
+            f"{MOUNT}/tls.key",
+            f"{MOUNT}/ca.crt",
+        )
+        assert cfg.tls_trust_domain == "cluster.local"
+    # Rotation is in place (the services reload the files): no checksum annotation restarts pods.
+    annotations = find(docs, "Deployment", f"{RELEASE}-kvgrid-controller")["spec"]["template"]["metadata"][
+        "annotations"
+    ]
+    assert not [k for k in annotations if "tls" in k or "cert" in k]
+
+
+def _parser_ns(c: dict[str, Any]) -> Any:
+    from kvgrid import cli
+
+    args = [str(a) for a in c["args"]]
+    args = [a for a in args if not a.startswith("--config=")]
+    return cli.build_parser(args).parse_args(args)
+
+
+def test_per_pod_identities_use_csi_volumes_with_the_pod_uid(helm: list[str], tmp_path: Path) -> None:
+    values = {"tls": {"agentIdentity": "perPod"}, **EXAMPLE}
+    docs = template(helm, values, tmp_path)
+    for doc in docs:
+        validate(doc)
+    assert f"{RELEASE}-kvgrid-agent-tls" not in _spec_of(docs, "Certificate")  # no shared agent cert
+    pod = _engine_pod(docs)
+    volume = _mounted_volume(pod, container(pod, "kvgrid-agent"), MOUNT)
+    attrs = volume["csi"]["volumeAttributes"]
+    assert volume["csi"]["driver"] == "csi.cert-manager.io"
+    assert attrs["csi.cert-manager.io/uri-sans"] == f"{SPIFFE}/agent/pod/${{POD_UID}}"
+    assert attrs["csi.cert-manager.io/issuer-name"] == f"{RELEASE}-kvgrid-ca"
+
+
+# --- failures with clear messages -----------------------------------------------------------------
+
+_SECRETS = {"provider": "existingSecrets", "existingSecrets": {"controller": "c", "agent": "a"}}
+FAILING: list[tuple[dict[str, Any], bool, str]] = [
+    ({}, False, "this cluster has no cert-manager (API cert-manager.io/v1 not found)"),
+    ({"tls": {"agentIdentity": "perPod", **_SECRETS}},
+     True, "tls.agentIdentity=perPod needs certificates from cert-manager's csi-driver"),
+    ({"tls": {"provider": "existingSecrets", "existingSecrets": {"controller": "c"}}},
+     True, "tls.provider=existingSecrets needs tls.existingSecrets.agent"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("values", "crds", "message"), FAILING, ids=[m for _, _, m in FAILING])
+def test_tls_settings_that_cannot_work_fail_with_what_to_do(
+    helm: list[str], tmp_path: Path, values: dict[str, Any], crds: bool, message: str
+) -> None:
+    crd_args = ["--api-versions", "cert-manager.io/v1"] if crds else []
+    proc = run(
+        [*helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, *crd_args, *values_args(values, tmp_path)]
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+
+
+def test_existing_secrets_are_mounted_as_given(helm: list[str], tmp_path: Path) -> None:
+    values = {
+        "tls": {
+            "provider": "existingSecrets",
+            "existingSecrets": {"controller": "my-ctrl", "agent": "my-agent"},
+        }
+    }
+    docs = template(helm, {**values, **EXAMPLE}, tmp_path, crds=False)
+    assert not [d for d in docs if d["kind"] in ("Certificate", "Issuer")]
+    ctrl, engine = _controller_pod(docs), _engine_pod(docs)
+    assert _mounted_volume(ctrl, container(ctrl, "controller"), MOUNT)["secret"]["secretName"] == "my-ctrl"
+    assert (
+        _mounted_volume(engine, container(engine, "kvgrid-agent"), MOUNT)["secret"]["secretName"]
+        == "my-agent"
+    )
+
+
+def test_tls_off_renders_the_plaintext_setup_and_warns(helm: list[str], tmp_path: Path) -> None:
+    values = {"tls": {"enabled": False}, **EXAMPLE}
+    docs = template(helm, values, tmp_path, crds=False)
+    assert not [d for d in docs if d["kind"] in ("Certificate", "Issuer")]
+    for pod, name in ((_controller_pod(docs), "controller"), (_engine_pod(docs), "kvgrid-agent")):
+        c = container(pod, name)
+        assert not [e for e in c.get("env", []) if e["name"].startswith("KVGRID_TLS_")]
+        assert MOUNT not in [m["mountPath"] for m in c["volumeMounts"]]
+    # NOTES.txt (printed by helm install) carries the warning.
+    proc = run(
+        [
+            *helm,
+            "install",
+            RELEASE,
+            str(CHART),
+            "-n",
+            NAMESPACE,
+            "--dry-run=client",
+            *values_args(values, tmp_path),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING: tls.enabled=false" in proc.stdout
+    secrets = {"tls": {"provider": "existingSecrets", "existingSecrets": {"controller": "c", "agent": "a"}}}
+    on = run(
+        [
+            *helm,
+            "install",
+            RELEASE,
+            str(CHART),
+            "-n",
+            NAMESPACE,
+            "--dry-run=client",
+            *values_args(secrets, tmp_path),
+        ]
+    )
+    assert on.returncode == 0, on.stderr
+    assert "WARNING: tls.enabled=false" not in on.stdout and "mutual TLS" in on.stdout
+
+
+# --- the rendered setup against the real services -------------------------------------------------
+
+
+def _expand_k8s(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion of an env value from earlier entries."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+def _pod_env(c: dict[str, Any], pod: dict[str, str], files: Path) -> dict[str, str]:
+    """The container's env as Kubernetes would set it for ``pod`` (downward API + $(VAR)), with the
+    certificate mount moved to ``files``."""
+    field = {
+        "metadata.uid": pod["POD_UID"],
+        "metadata.name": pod["POD_NAME"],
+        "metadata.namespace": NAMESPACE,
+    }
+    field |= {"spec.nodeName": "node-1", "status.podIP": "127.0.0.1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
+    for e in c["env"]:
+        if "value" in e:
+            env[e["name"]] = _expand_k8s(str(e["value"]), env).replace(MOUNT, str(files))
+        elif "fieldRef" in e.get("valueFrom", {}):
+            env[e["name"]] = field[e["valueFrom"]["fieldRef"]["fieldPath"]]
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    return env
+
+
+@contextmanager
+def _process(cmd: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait(what: str, fn: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not fn():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _channel(address: str, files: Path) -> grpc.Channel:
+    creds = grpc.ssl_channel_credentials(
+        (files / "ca.crt").read_bytes(), (files / "tls.key").read_bytes(), (files / "tls.crt").read_bytes()
+    )
+    return grpc.secure_channel(
+        address, creds, options=[("grpc.ssl_target_name_override", "kvgrid-controller")]
+    )
+
+
+def _registered_pods(address: str, router_files: Path) -> set[str]:
+    with _channel(address, router_files) as ch:
+        stub = controller_pb2_grpc.ControllerServiceStub(ch)
+        try:
+            resp = stub.ListAgents(controller_pb2.ListAgentsRequest(), timeout=5)
+        except grpc.RpcError:
+            return set()
+        return {a.pod.pod_uid for a in resp.agents}
+
+
+def _run_rendered(
+    docs: list[dict[str, Any]], tmp_path: Path, free_port: Callable[[], int], ca: TestCA, pod_uid: str
+) -> set[str]:
+    """Controller + every agent sidecar of the engine pod, run with the rendered TLS env and
+    certificates signed from the rendered requests; returns the pod UIDs that registered."""
+    certs = {
+        d["spec"]["secretName"]: sign_certificate(ca, d, tmp_path / "secrets")
+        for d in docs
+        if d["kind"] == "Certificate"
+    }
+    address = f"127.0.0.1:{free_port()}"
+    ctrl_pod = _controller_pod(docs)
+    ctrl = container(ctrl_pod, "controller")
+    ctrl_files = certs[_mounted_volume(ctrl_pod, ctrl, MOUNT)["secret"]["secretName"]]
+    ctrl_env = _pod_env(ctrl, {"POD_UID": "ctrl-uid", "POD_NAME": "ctrl-0"}, ctrl_files)
+    engine = _engine_pod(docs)
+    sidecars = [c for c in engine["initContainers"] if c["name"].startswith("kvgrid-agent")]
+    with _process(
+        [sys.executable, "-m", "kvgrid.cli", "controller", "--listen", address, "--log-level", "WARNING"],
+        ctrl_env,
+    ):
+        router_files = certs[f"{RELEASE}-kvgrid-router-tls"]
+        _wait("the controller serving mTLS", lambda: _serving(address, router_files))
+        with _agents(sidecars, engine, tmp_path, certs, ca, pod_uid, address) as expected:
+            _wait("the agents registered", lambda: _registered_pods(address, router_files) >= expected, 30)
+            return _registered_pods(address, router_files)
+
+
+def _serving(address: str, files: Path) -> bool:
+    with _channel(address, files) as ch:
+        try:
+            controller_pb2_grpc.ControllerServiceStub(ch).GetStats(
+                controller_pb2.GetStatsRequest(), timeout=2
+            )
+            return True
+        except grpc.RpcError:
+            return False
+
+
+@contextmanager
+def _agents(
+    sidecars: list[dict[str, Any]],
+    pod: dict[str, Any],
+    tmp_path: Path,
+    certs: dict[str, Path],
+    ca: TestCA,
+    pod_uid: str,
+    address: str,
+) -> Iterator[set[str]]:
+    procs: list[subprocess.Popen[str]] = []
+    expected: set[str] = set()
+    try:
+        for i, c in enumerate(sidecars):
+            volume = _mounted_volume(pod, c, MOUNT)
+            if "csi" in volume:  # what the csi-driver issues for this pod
+                files = sign_csi_volume(
+                    ca,
+                    volume,
+                    {"POD_UID": pod_uid, "POD_NAME": "engine-0", "POD_NAMESPACE": NAMESPACE},
+                    tmp_path / f"csi-{i}",
+                )
+            else:
+                files = certs[volume["secret"]["secretName"]]
+            env = _pod_env(c, {"POD_UID": pod_uid, "POD_NAME": "engine-0"}, files)
+            expected.add(env["POD_UID"])
+            d = tmp_path / f"agent-{i}"
+            d.mkdir()
+            cmd = [
+                sys.executable, "-m", "kvgrid.cli", "agent", "--uds-path", str(d / "agent.sock"),
+                "--tcp-host", "127.0.0.1", "--tcp-port", "0", "--l1-size", "8MiB", "--l1-page-size", "4KiB",
+                "--controller-address", address, "--heartbeat-interval-ms", "200", "--log-level", "warning",
+            ]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+            assert procs[-1].stdout is not None
+            line = procs[-1].stdout.readline()
+            assert json.loads(line)["event"] == "serving", line
+        yield expected
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+
+
+def test_rendered_shared_identity_setup_registers_over_mtls(
+    helm: list[str], tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    docs = template(helm, EXAMPLE, tmp_path)
+    assert _run_rendered(docs, tmp_path, free_port, TestCA(), "uid-1") == {"uid-1"}
+
+
+def test_rendered_per_gpu_per_pod_identities_register_over_mtls(
+    helm: list[str], tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    """Two sidecars (TP=2), each with its csi-driver certificate proving <pod uid>-gpu<i>: the
+    controller accepts each only for the pod UID its certificate proves."""
+    values = {
+        "tls": {"agentIdentity": "perPod"},
+        "agent": {"sidecarsPerPod": 2},
+        "examples": {"vllm": {"enabled": True, "gpus": 2, "extraArgs": ["--tensor-parallel-size", "2"]}},
+    }
+    docs = template(helm, values, tmp_path)
+    assert _run_rendered(docs, tmp_path, free_port, TestCA(), "uid-7") == {"uid-7-gpu0", "uid-7-gpu1"}
