@@ -101,8 +101,8 @@ class _Watched:
     def __init__(self, files: TlsFiles) -> None:
         self.files = files
         self._lock = threading.Lock()
+        self.pem = _read(files)  # first: a missing file is a ValueError naming the setting
         self._stamp = _stamp(files)
-        self.pem = _read(files)
         self.generation = 0
 
     def changed(self) -> bool:
