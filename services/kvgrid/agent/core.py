@@ -438,16 +438,16 @@ class AgentCore:
             res = self.cache.reserve_store(
                 keys[:m], namespace_id=ns, layout_id=layout, nbytes=inst.bytes_per_chunk
             )
+            # The leading run of entries (a reservation stops at the first chunk that does not fit).
+            lead = [(c, new) for pos, (i, c, new) in enumerate(res.entries) if i == pos]
             filled = read = 0
             try:
-                for i, chunk, new in res.entries:
-                    if i != filled:
-                        break
+                sums = self.tiers.read_many(ns, layout, [(c.key, c.buffer.numpy()) for c, new in lead if new])
+                for chunk, new in lead:
                     if new:
-                        got = self.tiers.read_into(ns, chunk.key, layout, chunk.buffer.numpy())
-                        if got is None:
-                            break
-                        chunk.checksum = got
+                        if read == len(sums):
+                            break  # a miss or a refused record: the chunks after it stay unread
+                        chunk.checksum = sums[read]
                         read += 1
                     filled += 1
             finally:

@@ -104,9 +104,12 @@ def _tier_write(chain: TierChain, chunks: list[Chunk]) -> float:
 
 def _tier_read(chain: TierChain, chunks: list[Chunk], dst: list[np.ndarray]) -> float:
     t0 = time.perf_counter()
-    for c, d in zip(chunks, dst, strict=True):
-        if chain.read_into(c.namespace_id, c.key, c.layout_id, d) is None:
-            raise RuntimeError(f"tier read of chunk {c.key.hex()} missed")
+    # As the agent's Lookup reads tier chunks back: pipelined, verified.
+    got = chain.read_many(
+        chunks[0].namespace_id, chunks[0].layout_id, [(c.key, d) for c, d in zip(chunks, dst, strict=True)]
+    )
+    if len(got) != len(chunks):
+        raise RuntimeError(f"tier read stopped after {len(got)} of {len(chunks)} chunks")
     return time.perf_counter() - t0
 
 

@@ -27,6 +27,7 @@ import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,7 @@ from kvgrid.agent.tiers.base import (
 )
 from kvgrid.common.checksum import ChecksumMismatch, chunk_checksum, verify_checksum
 
-__all__ = ["Tier", "TierChain", "TierEntry", "TierStats", "byte_view"]
+__all__ = ["Fetched", "Tier", "TierChain", "TierEntry", "TierStats", "byte_view"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,20 @@ class TierEntry:
     @property
     def stored_bytes(self) -> int:
         return HEADER_BYTES + self.nbytes
+
+
+@dataclass(eq=False)
+class Fetched:
+    """A record's bytes read into ``dst`` but not verified yet (``Tier.fetch`` -> ``Tier.check``)."""
+
+    tier: Tier
+    namespace_id: str
+    key: bytes
+    entry: TierEntry
+    header: bytearray
+    dst: np.ndarray
+    got: int = 0
+    error: Exception | None = None
 
 
 @dataclass(frozen=True)
@@ -139,28 +154,39 @@ class Tier:
             self.writes += 1
             self.written_bytes += len(payload)
 
-    def read_into(self, namespace_id: str, key: bytes, layout_id: str, dst: np.ndarray) -> bytes | None:
-        """Fill ``dst`` (uint8, the chunk's size) with the verified record and return its checksum;
-        None (a miss) when the tier does not hold it in this layout and size, or a check fails."""
+    def fetch(self, namespace_id: str, key: bytes, layout_id: str, dst: np.ndarray) -> Fetched | None:
+        """Read the record's bytes into ``dst`` (uint8, the chunk's size), unverified: only
+        :meth:`check` may pass them on. None when the tier does not hold it in this layout and size."""
         e = self.entry(namespace_id, key)
         if e is None or e.layout_id != layout_id or e.nbytes != dst.nbytes:
             return None
-        header = bytearray(HEADER_BYTES)
-        name = record_name(namespace_id, key)
+        f = Fetched(self, namespace_id, key, e, bytearray(HEADER_BYTES), dst)
         try:
-            got = self.store.read_into(name, header, byte_view(dst))
-            if got != e.nbytes:
-                raise CorruptRecord(f"{got} of {e.nbytes} payload bytes (torn record)")
-            h = decode_header(header, namespace_id=namespace_id, key=key)
+            f.got = self.store.read_into(record_name(namespace_id, key), f.header, byte_view(dst))
+        except Exception as err:  # checked (and counted) in check()
+            f.error = err
+        return f
+
+    def check(self, f: Fetched) -> bytes | None:
+        """The verified checksum of a fetched record, or None (a miss): a record that is torn,
+        altered, misfiled or whose read failed is counted, dropped (and deleted), never served."""
+        ns, key, e = f.namespace_id, f.key, f.entry
+        name = record_name(ns, key)
+        try:
+            if f.error is not None:
+                raise f.error
+            if f.got != e.nbytes:
+                raise CorruptRecord(f"{f.got} of {e.nbytes} payload bytes (torn record)")
+            h = decode_header(f.header, namespace_id=ns, key=key)
             if (h.layout_id, h.nbytes, h.checksum) != (e.layout_id, e.nbytes, e.checksum):
                 raise CorruptRecord("record header does not match what was written")
-            verify_checksum(dst, e.checksum)
+            verify_checksum(f.dst, e.checksum)
         except BlobMissing:
-            self._drop(namespace_id, key, e, "missing")
+            self._drop(ns, key, e, "missing")
             return None
         except (CorruptRecord, ChecksumMismatch) as err:
             log.warning("%s tier: refused %s: %s", self.name, name, err)
-            self._drop(namespace_id, key, e, "checksum")
+            self._drop(ns, key, e, "checksum")
             return None
         except Exception as err:  # a failing store is a miss, never a failed lookup
             log.warning("%s tier: read of %s failed: %s", self.name, name, err)
@@ -168,11 +194,17 @@ class Tier:
                 self.errors += 1
             return None
         with self._lock:
-            if (namespace_id, key) in self._index:
-                self._index.move_to_end((namespace_id, key))
+            if (ns, key) in self._index:
+                self._index.move_to_end((ns, key))
             self.reads += 1
             self.read_bytes += e.nbytes
         return e.checksum
+
+    def read_into(self, namespace_id: str, key: bytes, layout_id: str, dst: np.ndarray) -> bytes | None:
+        """:meth:`fetch` then :meth:`check`: ``dst`` holds the verified record when this returns
+        its checksum; None is a miss."""
+        f = self.fetch(namespace_id, key, layout_id, dst)
+        return None if f is None else self.check(f)
 
     def _drop(self, namespace_id: str, key: bytes, e: TierEntry, why: str) -> None:
         with self._lock:
@@ -219,11 +251,18 @@ class TierChain:
         """Chunks evicted from L1 whose write was given up (L1 needed the pages first)."""
         self.write_failures = 0
         self._queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        self._write_queue: queue.SimpleQueue[tuple[Chunk, bytes] | None] = queue.SimpleQueue()
         self._pending = 0
         self._idle = threading.Condition()
         self._scratch: dict[int, np.ndarray] = {}
-        self._thread = threading.Thread(target=self._run, name="kvgrid-tier-writer", daemon=True)
-        self._thread.start()
+        # Two stages: checksums (hashing holds the GIL) overlap writes (the syscalls release it).
+        self._threads = [
+            threading.Thread(target=self._hash_run, name="kvgrid-tier-hash", daemon=True),
+            threading.Thread(target=self._write_run, name="kvgrid-tier-writer", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        self._reader = ThreadPoolExecutor(2, thread_name_prefix="kvgrid-tier-read")
 
     # ---- reads (request path) ------------------------------------------------------------
 
@@ -250,6 +289,40 @@ class TierChain:
                 return checksum
         return None
 
+    def _fetch(self, namespace_id: str, key: bytes, layout_id: str, dst: np.ndarray) -> Fetched | None:
+        for t in self.tiers:
+            f = t.fetch(namespace_id, key, layout_id, dst)
+            if f is not None:
+                return f
+        return None
+
+    def read_many(
+        self, namespace_id: str, layout_id: str, items: Sequence[tuple[bytes, np.ndarray]]
+    ) -> list[bytes]:
+        """Read ``(key, dst)`` records in order, verified; the checksums of the leading ones that
+        came back (stops at the first miss). Pipelined: record i+1 is read (I/O, no GIL) while
+        record i is verified (hashing, on this thread)."""
+        out: list[bytes] = []
+        if not items:
+            return out
+        nxt = self._reader.submit(self._fetch, namespace_id, items[0][0], layout_id, items[0][1])
+        try:
+            for i, (key, dst) in enumerate(items):
+                f = nxt.result()
+                if i + 1 < len(items):
+                    k2, d2 = items[i + 1]
+                    nxt = self._reader.submit(self._fetch, namespace_id, k2, layout_id, d2)
+                checksum = None if f is None else f.tier.check(f)
+                if checksum is None and f is not None:
+                    # Refused by the faster tier (and dropped there): a slower one may hold it.
+                    checksum = self.read_into(namespace_id, key, layout_id, dst)
+                if checksum is None:
+                    break
+                out.append(checksum)
+        finally:
+            nxt.result()  # never leave a read into a buffer the caller is about to free
+        return out
+
     # ---- writes (background) -------------------------------------------------------------
 
     def submit(self, chunk: Chunk) -> None:
@@ -263,29 +336,53 @@ class TierChain:
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
 
-    def _run(self) -> None:
+    def _done(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def _hash_run(self) -> None:
         while True:
             chunk = self._queue.get()
             if chunk is None:
+                self._write_queue.put(None)
                 return
             try:
-                if self.begin(chunk):
-                    try:
-                        self._write_chunk(chunk)
-                    except Exception as e:
-                        self.write_failures += 1
-                        log.warning("tier write of chunk %s failed: %s", chunk.key.hex(), e)
-                    finally:
-                        self.end(chunk)
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+                started = self.begin(chunk)
+            except Exception as e:
+                started = False
+                log.warning("tier writer: begin of chunk %s failed: %s", chunk.key.hex(), e)
+            if not started:
+                self._done()
+                continue
+            try:
+                # The bytes are final: L1 keeps the pages until ``end``.
+                checksum = chunk.checksum or chunk_checksum(chunk.buffer.numpy())
+            except Exception as e:
+                self.write_failures += 1
+                log.warning("tier writer: checksum of chunk %s failed: %s", chunk.key.hex(), e)
+                self.end(chunk)
+                self._done()
+                continue
+            self._write_queue.put((chunk, checksum))
 
-    def _write_chunk(self, chunk: Chunk) -> None:
-        data = chunk.buffer.numpy()
-        checksum = chunk.checksum or chunk_checksum(data)  # the bytes are final: L1 keeps the pages meanwhile
-        self._put(0, chunk.namespace_id, chunk.key, chunk.layout_id, checksum, byte_view(data))
+    def _write_run(self) -> None:
+        while True:
+            job = self._write_queue.get()
+            if job is None:
+                return
+            chunk, checksum = job
+            try:
+                data = byte_view(chunk.buffer.numpy())
+                self._put(0, chunk.namespace_id, chunk.key, chunk.layout_id, checksum, data)
+            except Exception as e:
+                self.write_failures += 1
+                log.warning("tier write of chunk %s failed: %s", chunk.key.hex(), e)
+            finally:
+                try:
+                    self.end(chunk)
+                finally:
+                    self._done()
 
     def _put(
         self, level: int, ns: str, key: bytes, layout_id: str, checksum: bytes, payload: memoryview
@@ -332,6 +429,8 @@ class TierChain:
 
     def close(self) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        for thread in self._threads:
+            thread.join(timeout=30)
+        self._reader.shutdown(wait=True)
         for t in self.tiers:
             t.store.close()
