@@ -401,3 +401,42 @@ def test_disk_records_of_an_earlier_run_are_removed_at_start(tmp_path: Path) -> 
     (d / "keep.txt").write_text("not ours")
     assert DiskBlobStore(d).clear() == 1
     assert (d / "keep.txt").exists() and DiskBlobStore(d).list(NS_A) == []
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+
+def test_metrics_per_tier(tmp_path: Path) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from kvgrid.agent.tiers.metrics import TierMetrics
+
+    reader = InMemoryMetricReader()
+    chain = TierChain([Tier(DiskBlobStore(tmp_path / "disk"), 64 * MiB)])
+    try:
+        TierMetrics(MeterProvider(metric_readers=[reader]).get_meter("t"), chain, lambda: 3)
+        data = payload(30)
+        chain.submit(chunk_of(data, key(30)))
+        assert chain.drain()
+        name = record_name(NS_A, key(30))
+        blob = raw_blob(chain.tiers[0].store, name, data.nbytes)
+        blob[-1] ^= 0xFF
+        overwrite(chain.tiers[0].store, name, blob)
+        assert chain.read_into(NS_A, key(30), "L", np.zeros_like(data)) is None
+        got: dict[tuple[str, str], float] = {}
+        md = reader.get_metrics_data()
+        assert md is not None
+        for rm in md.resource_metrics:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    for p in m.data.data_points:
+                        got[(m.name, str(p.attributes.get("tier", "")))] = p.value  # type: ignore[union-attr]
+        assert got[("kvgrid_agent_tier_writes", "disk")] == 1
+        assert got[("kvgrid_agent_tier_written_bytes", "disk")] == data.nbytes
+        assert got[("kvgrid_agent_tier_checksum_mismatches", "disk")] == 1
+        assert got[("kvgrid_agent_tier_chunks", "disk")] == 0  # the refused record was dropped
+        assert got[("kvgrid_agent_tier_capacity_bytes", "disk")] == 64 * MiB
+        assert got[("kvgrid_agent_tier_dropped_spills", "")] == 3
+    finally:
+        chain.close()
