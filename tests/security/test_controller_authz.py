@@ -237,3 +237,14 @@ def test_the_plaintext_health_port_serves_health_only(pki: Pki, free_port: Calla
             assert code == grpc.StatusCode.UNAVAILABLE  # the main port stays mTLS-only
     finally:
         server.stop()
+
+
+def test_a_pod_registered_by_its_event_stream_belongs_to_that_identity(
+    controller_as: StubAs, pki: Pki, tls_controller: Server
+) -> None:
+    """PublishEvents registers an unknown pod implicitly (e.g. after a controller restart): the
+    stream's identity owns it as a RegisterAgent's would."""
+    _publish(controller_as(pki.agent("pod-w")), "pod-w", 3, [bytes([5]) * 16])
+    assert tls_controller.controller.registry.get("pod-w") is not None
+    code, text = _code(lambda: _register(controller_as(pki.agent()), "pod-w", MAX_EPOCH))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and spiffe("agent", "pod-w") in text

@@ -9,7 +9,8 @@ Rules (docs/controller.md "Consistency"):
 - A lease lapses ``lease_ttl_ms`` after the last register/heartbeat; :meth:`Registry.expire` returns
   the lapsed records so the caller can drop their entries.
 - With mTLS, a live pod belongs to the certificate identity that registered it
-  (:meth:`Registry.claim`): register, heartbeat and events for it from another identity are
+  (:meth:`Registry.check_owner`, :meth:`Registry.set_owner`): register, heartbeat and events for
+  it from another identity are
   PERMISSION_DENIED, whatever epoch they carry; once its lease lapses the pod is free again.
 
 The registry only keeps facts; the service decides what to do with them.
@@ -81,22 +82,27 @@ class Registry:
         self._clock = clock
         self._by_uid: dict[str, AgentRecord] = {}
         self._owners: dict[str, str] = {}
-        """pod UID -> URI of the certificate identity that registered it (mTLS only)."""
+        """pod UID -> URI of the certificate identity that registered it (mTLS only); only for
+        pods in ``_by_uid``."""
         self._lock = threading.Lock()
         self.expired_total = 0
 
-    def claim(self, pod_uid: str, identity: str, *, take: bool = True) -> None:
-        """Let ``identity`` act for ``pod_uid``: PermissionDenied when the pod is registered (live)
-        by another identity; else, with ``take``, ``identity`` becomes its owner."""
+    def check_owner(self, pod_uid: str, identity: str) -> None:
+        """PermissionDenied when ``pod_uid`` is registered (live) by an identity other than ``identity``."""
         with self._lock:
             owner = self._owners.get(pod_uid)
-            if owner is not None and owner != identity and pod_uid in self._by_uid:
+            if owner is not None and owner != identity:
                 raise PermissionDenied(
                     f"pod {pod_uid!r} is registered by identity {owner!r}; the caller {identity!r} may not "
                     "register, heartbeat or publish for it (any epoch) while its lease is live"
                 )
-            if take:
-                self._owners[pod_uid] = identity
+
+    def set_owner(self, pod_uid: str, identity: str) -> None:
+        """Record ``identity`` as the owner of the live registration of ``pod_uid`` (kept until its
+        lease lapses or it is removed; an existing owner is kept)."""
+        with self._lock:
+            if pod_uid in self._by_uid:
+                self._owners.setdefault(pod_uid, identity)
 
     def register(
         self, pod: PodIdentity, namespaces: Sequence[str], l1_capacity_bytes: int = 0

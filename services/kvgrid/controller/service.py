@@ -12,7 +12,7 @@ Authorization (mTLS configured; docs/security.md): :data:`POLICY` lets only agen
 the write RPCs (RegisterAgent, Heartbeat, PublishEvents) and every kvgrid identity (agent,
 controller, router) the read RPCs. An agent acts only for its own pod: a per-pod certificate's pod
 UID must equal the request's, and a live pod belongs to the identity that registered it
-(:meth:`~kvgrid.controller.registry.Registry.claim`), so no other identity can heartbeat it, publish
+(:meth:`~kvgrid.controller.registry.Registry.check_owner`), so no other identity can heartbeat it, publish
 for it or take it over with a newer epoch. Without TLS everyone may call everything (logged loudly).
 """
 
@@ -29,7 +29,7 @@ import msgspec
 from grpc_health.v1 import health_pb2_grpc
 
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2
-from kvgrid.common.authz import ANY_ROLE, Authorizer, Policy, Role, caller
+from kvgrid.common.authz import ANY_ROLE, Authorizer, Identity, Policy, Role, caller
 from kvgrid.common.errors import KvgridError, PermissionDenied, Unavailable, within
 from kvgrid.common.rpc import RpcServer, ServerOptions
 from kvgrid.common.tls import AGENT_SERVER_NAME, Channels, ClientTls, server_credentials
@@ -114,28 +114,29 @@ class ControllerServicer:
         # A registration's ownership check and the registration itself happen as one step.
         self._register_lock = threading.Lock()
 
-    def _act_for(self, pod_uid: str, what: str, *, take: bool) -> None:
-        """Refuse (PERMISSION_DENIED) an mTLS caller acting for a pod that is not its own."""
+    def _act_for(self, pod_uid: str, what: str) -> Identity | None:
+        """Refuse (PERMISSION_DENIED) an mTLS caller acting for a pod that is not its own; the
+        caller's identity (None without TLS)."""
         ident = caller()
         if ident is None:
-            return  # TLS off: unauthenticated mode
+            return None  # TLS off: unauthenticated mode
         if ident.pod_uid and ident.pod_uid != pod_uid:
             raise PermissionDenied(
                 f"{what} for pod_uid={pod_uid!r}: the caller's certificate {ident.uri!r} proves pod "
                 f"{ident.pod_uid!r}; an agent may act only for its own pod"
             )
-        self.ctl.registry.claim(pod_uid, ident.uri, take=take)
+        self.ctl.registry.check_owner(pod_uid, ident.uri)
+        return ident
 
     def _own_events(
-        self, requests: Iterator[controller_pb2.PublishEventsRequest]
+        self, requests: Iterator[controller_pb2.PublishEventsRequest], pods: list[str]
     ) -> Iterator[controller_pb2.PublishEventsRequest]:
-        checked = ""
+        """``requests``, each pod checked like a registration (a stream may register its pod
+        implicitly, with a newer epoch); the pods go to ``pods``."""
         for req in requests:
-            if req.HasField("pod") and req.pod.pod_uid != checked:
-                # A stream may register its pod implicitly (a newer epoch): same rule as RegisterAgent.
-                with self._register_lock:
-                    self._act_for(req.pod.pod_uid, "PublishEvents", take=True)
-                checked = req.pod.pod_uid
+            if req.HasField("pod") and req.pod.pod_uid not in pods:
+                self._act_for(req.pod.pod_uid, "PublishEvents")
+                pods.append(req.pod.pod_uid)
             yield req
 
     def _answered(self, rpc: str, queries: int) -> None:
@@ -151,19 +152,29 @@ class ControllerServicer:
     def RegisterAgent(self, req: controller_pb2.RegisterAgentRequest) -> controller_pb2.RegisterAgentResponse:
         pod = pod_identity_from_proto(req.pod)
         with self._register_lock:
-            self._act_for(pod.pod_uid, "RegisterAgent", take=True)
+            ident = self._act_for(pod.pod_uid, "RegisterAgent")
             reg = self.ctl.register(pod, list(req.namespaces), req.l1_capacity_bytes)
+            if ident is not None:
+                self.ctl.registry.set_owner(pod.pod_uid, ident.uri)
         return wire.registration_to_proto(reg)
 
     def Heartbeat(self, req: controller_pb2.HeartbeatRequest) -> controller_pb2.HeartbeatResponse:
-        self._act_for(req.pod_uid, "Heartbeat", take=False)
+        self._act_for(req.pod_uid, "Heartbeat")
         load = wire.load_from_proto(req.load) if req.HasField("load") else None
         return wire.lease_to_proto(self.ctl.heartbeat(req.pod_uid, req.epoch, load))
 
     def PublishEvents(
         self, requests: Iterator[controller_pb2.PublishEventsRequest]
     ) -> Iterator[controller_pb2.PublishEventsResponse]:
-        for ack in self.ctl.publish(wire.event_messages_from_proto(self._own_events(requests))):
+        ident = caller()
+        pods: list[str] = []
+        owned = 0
+        for ack in self.ctl.publish(wire.event_messages_from_proto(self._own_events(requests, pods))):
+            if ident is not None and owned < len(pods):
+                # The stream's pod is registered now (perhaps implicitly, by this stream).
+                for uid in pods[owned:]:
+                    self.ctl.registry.set_owner(uid, ident.uri)
+                owned = len(pods)
             yield wire.publish_ack_to_proto(ack)
 
     def SnapshotIndex(self, req: controller_pb2.SnapshotIndexRequest) -> controller_pb2.SnapshotIndexResponse:
