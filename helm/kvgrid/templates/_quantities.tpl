@@ -6,7 +6,8 @@ converted here, so a value that renders is always valid for its reader.
 
 {{/* "8GiB" | "8Gi" | "8G" | "512Mi" | 1024 -> "8Gi" | "8G" | "512Mi" | "1024": a Kubernetes quantity. */}}
 {{- define "kvgrid.quantity" -}}
-{{- $s := toString . }}
+{{- /* YAML numbers reach templates as float64: print whole numbers as integers, not 1.07e+09 */}}
+{{- $s := ternary (int64 . | toString) (toString .) (kindIs "float64" .) }}
 {{- $m := regexFindAll "^([0-9]+(?:\\.[0-9]+)?)([kKMGTPE]?)(i?)B?$" $s 1 }}
 {{- if not $m }}
 {{- fail (printf "%q is not a size: expected a number with an optional unit such as 8GiB, 8Gi, 512Mi or 64G" $s) }}
