@@ -18,6 +18,7 @@ import pytest
 
 from kvgrid.api.client import controller_stub
 from kvgrid.api.v1 import common_pb2, controller_pb2
+from kvgrid.common.identity import MAX_EPOCH
 from tests.agent.helpers import NAMESPACE, AgentProc, keys_for, kvgrid_env
 from tests.agent.test_peers import (
     chunk_bytes,
@@ -106,6 +107,21 @@ def test_register_publish_match_and_peer_fetch_with_mtls(
     )
     agents = {x.pod.pod_uid: x for x in stub.ListAgents(controller_pb2.ListAgentsRequest(), timeout=5).agents}
     assert set(agents) == {"pod-a", "pod-b"}
+    # A holder of the shared agent certificate forges pod-a's registration with the largest epoch:
+    # refused, and the real agent keeps its registration (and keeps serving below).
+    shared = pki.agent()
+    forger = controller_stub(
+        address,
+        cert_file=str(shared / "tls.crt"),
+        key_file=str(shared / "tls.key"),
+        ca_file=str(shared / "ca.crt"),
+    )
+    forged = common_pb2.PodIdentity(pod_uid="pod-a", epoch=MAX_EPOCH, agent_address="127.0.0.1:1")
+    with pytest.raises(grpc.RpcError) as err:
+        forger.RegisterAgent(controller_pb2.RegisterAgentRequest(pod=forged), timeout=5)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    again = {x.pod.pod_uid: x for x in stub.ListAgents(controller_pb2.ListAgentsRequest(), timeout=5).agents}
+    assert again["pod-a"].pod.epoch == agents["pod-a"].pod.epoch == a.epoch
     e1, e2 = register(a, root, "e1", seed=1), register(b, root, "e2", seed=2)
     keys = keys_for(77, 3)
     store_on(e1, keys)
