@@ -34,6 +34,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "hashing": ("kvgrid.common.hashing_bench", "chunk keys for a long prompt: µs and MB/s of token bytes"),
     "lookup": ("kvgrid.controller.bench", "MatchPrefix ops/s, p50/p99 over gRPC, ingest rate, bytes/entry"),
+    "routing": (
+        "kvgrid.controller.routing_bench",
+        "replay a production trace: Score vs round-robin, least-loaded, prefix routing (hits, TTFT, spread)",
+    ),
     "tier": ("kvgrid.agent.tier_bench", "disk tier write/read-back GB/s vs raw sequential I/O, same fs"),
     "transfer": ("kvgrid_kernels.bench", "KV transfer kernels: store/retrieve GB/s vs pinned memcpy"),
 }

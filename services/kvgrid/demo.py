@@ -22,7 +22,6 @@ import math
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.config import add_config_arguments, config_from_args
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.common.hashing import KeyNamespace, chunk_keys
+from kvgrid.common.procs import free_port, wait_serving
 from kvgrid.common.wire import key_namespace_to_proto
 
 __all__ = ["ENGINES", "DemoSettings", "add_arguments", "add_arguments_for_argv", "run", "run_demo"]
@@ -133,28 +133,6 @@ class Totals:
     routed_to_holder: int = 0
     requests_with_holder: int = 0
     per_pod: dict[str, int] = field(default_factory=dict)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_channel(target: str, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as ch:
-        while True:
-            try:
-                grpc.channel_ready_future(ch).result(timeout=0.5)
-                return
-            except grpc.FutureTimeoutError:
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{what} exited with code {proc.returncode} before it served"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{what} did not serve on {target} within {timeout_s:.0f} s") from None
 
 
 class Engine:
@@ -375,14 +353,14 @@ def run_demo(s: DemoSettings, *, progress: bool = True, log_dir: Path | None = N
     kvgrid = [sys.executable, "-m", "kvgrid.cli"]
     env = {**os.environ, "OTEL_SDK_DISABLED": os.environ.get("OTEL_SDK_DISABLED", "true")}
     try:
-        ctrl_addr = f"127.0.0.1:{_free_port()}"
+        ctrl_addr = f"127.0.0.1:{free_port()}"
         with open(logs / "controller.log", "wb") as log:
             procs.append(
                 subprocess.Popen(
                     [*kvgrid, "controller", "--listen", ctrl_addr], stdout=log, stderr=log, env=env
                 )
             )
-        _wait_channel(ctrl_addr, procs[0], "kvgrid controller")
+        wait_serving(ctrl_addr, procs[0], "kvgrid controller")
         for pod in range(s.pods):
             uds = str(work / f"agent-{pod}.sock")
             pod_env = {
@@ -398,7 +376,7 @@ def run_demo(s: DemoSettings, *, progress: bool = True, log_dir: Path | None = N
             ]  # fmt: skip
             with open(logs / f"agent-{pod}.log", "wb") as log:
                 procs.append(subprocess.Popen(args, stdout=log, stderr=log, env=pod_env))
-            _wait_channel(f"unix:{uds}", procs[-1], f"kvgrid agent {pod}")
+            wait_serving(f"unix:{uds}", procs[-1], f"kvgrid agent {pod}")
             engine = Engine(pod, shm_dir, uds, BLOCKS_PER_ENGINE)
             engines[engine.pod_uid] = engine
         channel = grpc.insecure_channel(ctrl_addr)

@@ -88,7 +88,18 @@ def estimate(c: Candidate, p: ScoreParams, query_tokens: int, tokens_per_chunk: 
 def rank(
     candidates: list[Candidate], p: ScoreParams, query_tokens: int, tokens_per_chunk: int
 ) -> list[Estimate]:
-    """Estimates, best (lowest TTFT) first; ties prefer more GPU chunks, then the pod UID."""
+    """Estimates, best (lowest TTFT) first; ties prefer more GPU chunks, then the least loaded pod
+    (fewest running + waiting requests, then least GPU KV in use), then the pod UID. The load
+    tie-break spreads new prefixes over idle pods: with the UID alone every request that no pod
+    holds would go to the same pod while the others sit empty (``kvgrid bench routing``)."""
     ests = [estimate(c, p, query_tokens, tokens_per_chunk) for c in candidates]
-    ests.sort(key=lambda e: (e.ttft_ms, -e.candidate.gpu, e.candidate.pod_uid))
+    ests.sort(
+        key=lambda e: (
+            e.ttft_ms,
+            -e.candidate.gpu,
+            e.candidate.load.running_requests + e.candidate.load.waiting_requests,
+            e.candidate.load.gpu_kv_usage,
+            e.candidate.pod_uid,
+        )
+    )
     return ests
