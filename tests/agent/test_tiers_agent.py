@@ -121,3 +121,16 @@ def test_prefix_goes_l1_disk_s3_and_back_bit_for_bit(tmp_path: Path, seaweed: Se
         c.release("e", "r2")
     finally:
         agent.stop()
+
+
+def test_agent_refuses_to_start_with_wrong_s3_credentials(tmp_path: Path, seaweed: SeaweedFS) -> None:
+    secret = tmp_path / "s3-secret"
+    secret.mkdir()
+    (secret / "access_key_id").write_text(ACCESS_KEY)
+    (secret / "secret_access_key").write_text("not-the-secret")
+    with pytest.raises(RuntimeError, match="exited with 2"):
+        start_agent(
+            tmp_path,
+            "--tier-s3-endpoint", seaweed.endpoint, "--tier-s3-bucket", seaweed.bucket,
+            "--tier-s3-credentials-dir", str(secret), "--tier-s3-max-retries", "0",
+        )  # fmt: skip

@@ -148,7 +148,13 @@ class S3BlobStore:
             region=region or None,
             http_client=http,
         )
-        if not self._retry("bucket_exists", lambda: self.client.bucket_exists(bucket)):
+        try:
+            exists = self._retry("bucket_exists", lambda: self.client.bucket_exists(bucket))
+        except Exception as e:  # unreachable, refused credentials: the agent must not start
+            raise ValueError(
+                f"tier_s3_endpoint={endpoint!r}, tier_s3_bucket={bucket!r}: cannot check the bucket: {e}"
+            ) from None
+        if not exists:
             raise ValueError(f"tier_s3_bucket={bucket!r}: no such bucket at {endpoint} (create it first)")
 
     def _object(self, name: str) -> str:
