@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_suite.sh [OUTDIR]
 #
-# Missing dependencies can be pre-downloaded as wheels into .whl/ (scripts/fetch_gpu_wheels.sh);
+# Carry .whl (and .whl-lmcache for the LMCache reference row). Missing dependencies can be pre-downloaded as wheels into .whl/ (scripts/fetch_gpu_wheels.sh);
 # they are installed into a private folder, never over the machine's torch. Both source roots
 # (services/ for kvgrid, kernels/ for kvgrid_kernels) go on PYTHONPATH as they are, so nothing is
 # built or installed into the system.
@@ -20,9 +20,12 @@ fi
 export PYTHONPATH="$root/services:$root/kernels:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$root"
 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())'
-python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/kernels/test_kernels.py tests/agent/test_gpu.py \
+python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/kernels tests/agent/test_gpu.py \
     2>&1 | tee "$out/pytest-gpu.log"
-python3 -m kvgrid.cli bench transfer --device cuda --out "$out/bench-transfer.json"
+# LMCache's kernel joins the transfer table when its wheel was fetched (fetch_gpu_wheels.sh --lmcache)
+lmcache=()
+for w in "$root"/.whl-lmcache/lmcache-*.whl; do [[ -f "$w" ]] && lmcache=(--lmcache-wheel "$w"); done
+python3 -m kvgrid.cli bench transfer --device cuda "${lmcache[@]}" --out "$out/bench-transfer.json"
 for n in 1 32; do
     python3 -m kvgrid.cli bench agent --device cuda --chunks "$n" --iters 10
 done 2>&1 | tee "$out/bench-agent.txt"

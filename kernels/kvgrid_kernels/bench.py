@@ -8,7 +8,11 @@ chunks and divides by the time of one contiguous pinned<->device copy of the sam
 
 GPU times are device time from the first to the last transfer operation (events), with the
 stream held by a short sleep while the host queues the work, so host launch latency is excluded
-from both the transfer and the limit. ``wall`` times include the host (queue + wait).
+from both the transfer and the limit (``ratio``). ``wall`` is one call after a full sync, queue +
+wait, and ``h-ratio`` (host-inclusive) divides the same wall time of the pinned copy by it;
+``queue_us`` is the host time to queue that one call (medians). ``staged``/``direct`` replay CUDA
+graphs after a shape's first call; the ``-nograph`` variants queue call by call. With
+``--lmcache-wheel``, LMCache 0.5.2's kernel is timed on the same KV tensors in the same run.
 Also measured: how much a concurrent bf16 matmul slows down while 1 GiB moves.
 """
 
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import lmcache_ref
 from .pages import KernelGroupPages, page_view
 from .plan import TransferHandle, TransferPlan
 
@@ -52,6 +57,10 @@ GEOMETRIES: dict[str, tuple[str, list[GroupGeom]]] = {
         "same, legacy FlashAttention [2,NB,16,8,128]: K and V planes",
         [GroupGeom(32, (2, 0, 16, 8, 128), 1, 0, 16)],
     ),
+    "llama3-8b-fi": (
+        "same, FlashInfer [NB,2,16,8,128]: K and V of a block adjacent (one page)",
+        [GroupGeom(32, (0, 2, 16, 8, 128), 0, None, 16)],
+    ),
     "hybrid-swa": (
         "40 sliding-window layers (block 32) + 8 full layers (block 16), 4 KV heads, head 256, bf16",
         [GroupGeom(40, (0, 32, 4, 512), 0, None, 32), GroupGeom(8, (0, 16, 4, 512), 0, None, 16)],
@@ -66,10 +75,12 @@ GEOMETRIES: dict[str, tuple[str, list[GroupGeom]]] = {
 TOKENS_PER_CHUNK = 256
 VARIANTS_CUDA: dict[str, dict[str, Any]] = {
     "staged": {"mode": "staged"},  # the default: 2 MiB lead piece, then pieces up to 32 MiB
+    "staged-nograph": {"mode": "staged", "graphs": False},  # queued call by call, no graph replay
     "staged-lead4": {"mode": "staged", "lead_bytes": 4 << 20},
     "staged-8MiB": {"mode": "staged", "pipeline_bytes": 8 << 20, "lead_bytes": 8 << 20, "staging_slots": 3},
     "staged-1piece": {"mode": "staged", "pipeline_bytes": 1 << 40, "lead_bytes": 1 << 40},
     "direct": {"mode": "direct"},
+    "direct-nograph": {"mode": "direct", "graphs": False},
     "torch": {"mode": "torch"},
 }
 
@@ -94,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=0, help="timed repetitions (default: 25 for 1 chunk, 7 more)"
     )
     parser.add_argument("--no-matmul", action="store_true", help="skip the concurrent-matmul measurement")
+    parser.add_argument(
+        "--lmcache-wheel",
+        help="an LMCache wheel (0.5.2): also time its multi_layer_kv_transfer kernel (into pinned "
+        "memory, 1 chunk) on llama3-8b-fa, llama3-8b-fi and mla in the same run",
+    )
     parser.add_argument("--out", help="also write the JSON document to this file")
 
 
@@ -135,7 +151,7 @@ def _gpu_time(issue: Callable[[], torch.cuda.Event | None], repeats: int) -> tup
     cur = torch.cuda.current_stream()
     # wall time of one op, also sizes the gate that hides host queueing from the device timeline
     walls, issues = [], []
-    for _ in range(max(5, repeats // 2)):
+    for _ in range(max(5, repeats)):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ev = issue()
@@ -211,6 +227,35 @@ class _Copy:
         self.dst.copy_(self.src, non_blocking=True)
 
 
+def _row(
+    name: str,
+    variant: str,
+    direction: str,
+    n: int,
+    total: int,
+    timing: tuple[float, float, float],
+    limit: tuple[float, float, float],
+) -> dict[str, Any]:
+    dt, wall, queue = timing
+    return {
+        "geometry": name,
+        "variant": variant,
+        "direction": direction,
+        "chunks": n,
+        "bytes": total,
+        "seconds": dt,
+        "gbps": total / dt / 1e9,
+        "wall_gbps": total / wall / 1e9,
+        "queue_us": queue * 1e6,
+        "limit_gbps": total / limit[0] / 1e9,
+        "ratio": limit[0] / dt,
+        # host-inclusive: one call after a sync, queue + wait, against the same for the pinned copy
+        "limit_wall_gbps": total / limit[1] / 1e9,
+        "host_ratio": limit[1] / wall,
+        "limit_queue_us": limit[2] * 1e6,
+    }
+
+
 def _bench_geometry(
     name: str,
     geoms: list[GroupGeom],
@@ -220,7 +265,7 @@ def _bench_geometry(
 ) -> None:
     device = args.device
     max_chunks = max(chunk_counts)
-    groups, _keep = _make_groups(geoms, max_chunks, device)
+    groups, keep = _make_groups(geoms, max_chunks, device)
     rng = np.random.default_rng(0)
     cuda = device == "cuda"
     variants = args.variant or (list(VARIANTS_CUDA) if cuda else ["torch"])
@@ -236,10 +281,11 @@ def _bench_geometry(
         # the limit: one contiguous copy of the same bytes
         to_host, to_dev = _Copy(pool[:total], dev_buf[:total]), _Copy(dev_buf[:total], pool[:total])
         if cuda:
-            lim_d2h = _gpu_time(to_host, repeats)[0]
-            lim_h2d = _gpu_time(to_dev, repeats)[0]
+            lim_d2h = _gpu_time(to_host, repeats)
+            lim_h2d = _gpu_time(to_dev, repeats)
         else:
-            lim_d2h = lim_h2d = _cpu_time(to_host, repeats)
+            t = _cpu_time(to_host, repeats)
+            lim_d2h = lim_h2d = (t, t, t)
         for variant in variants:
             plan = TransferPlan(groups, TOKENS_PER_CHUNK, **(VARIANTS_CUDA[variant] if cuda else {}))
             id_sets = [_ids(plan, n, rng) for _ in range(4)]
@@ -251,21 +297,19 @@ def _bench_geometry(
                     dt, wall, queue = _gpu_time(op.timed, repeats)
                 else:
                     dt = wall = queue = _cpu_time(op.blocking, repeats)
-                rows.append(
-                    {
-                        "geometry": name,
-                        "variant": variant,
-                        "direction": direction,
-                        "chunks": n,
-                        "bytes": total,
-                        "seconds": dt,
-                        "gbps": total / dt / 1e9,
-                        "wall_gbps": total / wall / 1e9,
-                        "queue_us": queue * 1e6,
-                        "limit_gbps": total / limit / 1e9,
-                        "ratio": limit / dt,
-                    }
-                )
+                rows.append(_row(name, variant, direction, n, total, (dt, wall, queue), limit))
+        if cuda and n == 1 and args.lmcache_ops is not None and name in lmcache_ref.FORMATS:
+            lmc = lmcache_ref.LMCacheOp(
+                args.lmcache_ops, name, keep, TOKENS_PER_CHUNK, geoms[0].tokens_per_block, rng
+            )
+            if lmc.nbytes != total:
+                raise RuntimeError(f"{name}: LMCache object of {lmc.nbytes} B vs a {total} B chunk")
+            for direction, limit in (("store", lim_d2h), ("retrieve", lim_h2d)):
+                call = functools.partial(lmc, direction == "store")
+                call()  # warm-up
+                torch.cuda.synchronize()
+                timing = _gpu_time(call, repeats)
+                rows.append(_row(name, "lmcache-0.5.2", direction, n, lmc.nbytes, timing, limit))
 
 
 def _matmul_slowdown(variants: list[str]) -> list[dict[str, Any]]:
@@ -339,6 +383,9 @@ def run(args: argparse.Namespace) -> int:
         if v not in VARIANTS_CUDA:
             raise ValueError(f"--variant {v!r}: expected one of {sorted(VARIANTS_CUDA)}")
     names = args.geometry or [g for g in GEOMETRIES if g != "tiny"]
+    args.lmcache_ops = None
+    if args.lmcache_wheel and args.device == "cuda":
+        args.lmcache_ops = lmcache_ref.load_c_ops(args.lmcache_wheel)
     rows: list[dict[str, Any]] = []
     for name in names:
         _bench_geometry(name, GEOMETRIES[name][1], args, chunk_counts, rows)
@@ -366,13 +413,25 @@ def run(args: argparse.Namespace) -> int:
         print(doc)
         return 0
     print(f"# {meta['device']}  torch {meta['torch']}  {meta.get('triton', '')}  {meta['date']}")
-    head = ("geometry", "variant", "dir", "chunks", "MiB", "GB/s", "limit", "ratio", "wall", "queue_us")
-    print("{:12} {:14} {:8} {:>6} {:>7} {:>7} {:>7} {:>6} {:>7} {:>8}".format(*head))
+    head = [
+        "geometry",
+        "variant",
+        "dir",
+        "chunks",
+        "MiB",
+        "GB/s",
+        "limit",
+        "ratio",
+        "wall",
+        "h-ratio",
+        "queue_us",
+    ]
+    print("{:12} {:14} {:8} {:>6} {:>7} {:>7} {:>7} {:>6} {:>7} {:>7} {:>8}".format(*head))
     for r in rows:
         print(
             f"{r['geometry']:12} {r['variant']:14} {r['direction']:8} {r['chunks']:6d} "
             f"{r['bytes'] / 2**20:7.1f} {r['gbps']:7.2f} {r['limit_gbps']:7.2f} {r['ratio']:6.3f} "
-            f"{r['wall_gbps']:7.2f} {r['queue_us']:8.0f}"
+            f"{r['wall_gbps']:7.2f} {r['host_ratio']:7.3f} {r['queue_us']:8.1f}"
         )
     for m in matmul:
         print(

@@ -29,13 +29,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from . import torch_copy
 from .pages import ChunkLayout, KernelGroupPages, alignment
+
+if TYPE_CHECKING:
+    from .graph_launch import GraphRunner
 
 Mode = Literal["auto", "staged", "direct", "torch"]
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
@@ -148,6 +151,7 @@ class TransferPlan:
         lead_bytes: int = DEFAULT_LEAD_BYTES,
         staging_slots: int = DEFAULT_STAGING_SLOTS,
         copy_streams: int = 1,
+        graphs: bool = True,
     ) -> None:
         if not groups:
             raise ValueError("TransferPlan needs at least one kernel group, got none")
@@ -192,6 +196,7 @@ class TransferPlan:
             self._anchors: dict[int, torch.Tensor] = {}
             self._tables: dict[int, list[_GroupTables]] = {}
             self._page_align = [g.page_alignment() for g in self.groups]
+            self._words = [_word_bytes_for(a) for a in self._page_align]
             self._staging: torch.Tensor | None = None
             self._slot_free = [torch.cuda.Event() for _ in range(staging_slots)]
             self._slot_ready = [torch.cuda.Event() for _ in range(staging_slots)]
@@ -202,6 +207,18 @@ class TransferPlan:
             self._ring: list[_UploadSlot] = []
             self._next_upload = 0
             self._slot_word_off: dict[tuple[int, int], np.ndarray] = {}
+            # Which path last queued work that uses the staging slots ("regular" or "graph").
+            self._staging_user = "regular"
+            self._start_event_raw = 0
+            self._device_index = self.device.index if self.device.index is not None else 0
+            self._graphs: GraphRunner | None = None
+            if graphs:
+                from .graph_launch import GraphRunner
+
+                try:
+                    self._graphs = GraphRunner(self)
+                except OSError:  # no loadable libcuda.so.1: the regular path only
+                    self._graphs = None
 
     # ------------------------------------------------------------------ construction
 
@@ -246,8 +263,8 @@ class TransferPlan:
         """Start a store; the KV blocks are read after ``wait_event`` (default: after the work
         queued so far on the caller's current stream)."""
         chunks = self._chunks(chunk_buffers)
-        ids = self._block_ids(block_ids_per_info, len(chunks), retrieve=False)
-        return self._run(chunks, ids, to_chunk=True, wait_event=wait_event)
+        ids, full = self._block_ids(block_ids_per_info, len(chunks), retrieve=False)
+        return self._run(chunks, ids, to_chunk=True, wait_event=wait_event, full=full)
 
     def retrieve_async(
         self,
@@ -263,13 +280,15 @@ class TransferPlan:
         if skip_first_n_tokens < 0:
             raise ValueError(f"skip_first_n_tokens={skip_first_n_tokens}: expected >= 0")
         chunks = self._chunks(chunk_buffers)
-        ids = self._block_ids(block_ids_per_info, len(chunks), retrieve=True)
+        ids, full = self._block_ids(block_ids_per_info, len(chunks), retrieve=True)
         if skip_first_n_tokens:
             for g, group in enumerate(self.groups):
                 skip = min(skip_first_n_tokens // group.tokens_per_block, ids[g].size)
-                ids[g] = ids[g].copy()
-                ids[g][:skip] = -1
-        return self._run(chunks, ids, to_chunk=False, wait_event=wait_event)
+                if skip:
+                    ids[g] = ids[g].copy()
+                    ids[g][:skip] = -1
+                    full = False
+        return self._run(chunks, ids, to_chunk=False, wait_event=wait_event, full=full)
 
     # ------------------------------------------------------------------ validation
 
@@ -283,9 +302,14 @@ class TransferPlan:
             chunk_buffers = list(chunk_buffers.unbind(0))
         if len(chunk_buffers) == 0:
             raise ValueError("chunk_buffers is empty: expected at least one chunk buffer")
+        # Hot path (every transfer): cheap checks only -- an int device index instead of device
+        # objects, and no slicing of buffers that already have the exact size.
         need = self.bytes_per_chunk
         out = []
-        device = chunk_buffers[0].device
+        first = chunk_buffers[0]
+        if not isinstance(first, torch.Tensor):
+            raise TypeError(f"chunk_buffers[0] is {type(first).__name__}: expected a torch.Tensor")
+        where = first.get_device()  # -1: host memory
         for i, buf in enumerate(chunk_buffers):
             if not isinstance(buf, torch.Tensor):
                 raise TypeError(f"chunk_buffers[{i}] is {type(buf).__name__}: expected a torch.Tensor")
@@ -294,26 +318,31 @@ class TransferPlan:
                     f"chunk_buffers[{i}]: expected a contiguous 1-D uint8 tensor, got dtype {buf.dtype}, "
                     f"shape {tuple(buf.shape)}"
                 )
-            if buf.numel() < need:
-                raise ValueError(f"chunk_buffers[{i}] has {buf.numel()} bytes: expected at least {need}")
-            if buf.device != device:
-                raise ValueError(f"chunk_buffers[{i}] is on {buf.device}: expected {device} like chunk 0")
-            out.append(buf[:need])
-        if device.type == "cuda" and device != self.device:
+            size = buf.numel()
+            if size < need:
+                raise ValueError(f"chunk_buffers[{i}] has {size} bytes: expected at least {need}")
+            if buf.get_device() != where:
+                raise ValueError(
+                    f"chunk_buffers[{i}] is on {buf.device}: expected {first.device} like chunk 0"
+                )
+            out.append(buf if size == need else buf[:need])
+        if where >= 0 and first.device != self.device:
             raise ValueError(
-                f"chunk buffers on {device}: expected host memory or the plan's device {self.device}"
+                f"chunk buffers on {first.device}: expected host memory or the plan's device {self.device}"
             )
         return out
 
     def _block_ids(
         self, block_ids_per_info: Sequence[BlockIds], num_chunks: int, *, retrieve: bool
-    ) -> list[np.ndarray]:
+    ) -> tuple[list[np.ndarray], bool]:
+        """The validated ids as int64 arrays, and whether none of them is -1."""
         if len(block_ids_per_info) != len(self.groups):
             raise ValueError(
                 f"block_ids_per_info has {len(block_ids_per_info)} lists: expected one per kernel group "
                 f"({len(self.groups)})"
             )
         out = []
+        full = True  # every id names a block (no -1): the piece plan needs no per-chunk masks
         for g, (raw, group) in enumerate(zip(block_ids_per_info, self.groups, strict=True)):
             ids = raw.detach().cpu().numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
             if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
@@ -327,20 +356,20 @@ class TransferPlan:
                     f"block_ids_per_info[{g}] has {ids.size} block ids: expected {want} "
                     f"({num_chunks} chunks x {self.layout.blocks_per_chunk[g]} blocks of {group.name!r})"
                 )
-            if ids.size and (ids.max() >= group.num_blocks or ids.min() < -1):
+            lo = int(ids.min()) if ids.size else 0
+            if ids.size and (lo < -1 or int(ids.max()) >= group.num_blocks):
                 bad = ids[(ids >= group.num_blocks) | (ids < -1)][0]
                 raise ValueError(
                     f"block_ids_per_info[{g}] holds block id {bad}: "
                     f"expected -1 (none) or 0..{group.num_blocks - 1}"
                 )
-            if retrieve:
-                valid = np.sort(ids[ids >= 0])
-                if valid.size > 1 and bool((valid[1:] == valid[:-1]).any()):
-                    raise ValueError(
-                        f"block_ids_per_info[{g}] repeats a block id: a retrieve writes each block once"
-                    )
+            if retrieve and _repeats(ids, lo):
+                raise ValueError(
+                    f"block_ids_per_info[{g}] repeats a block id: a retrieve writes each block once"
+                )
+            full = full and lo >= 0
             out.append(ids)
-        return out
+        return out, full
 
     # ------------------------------------------------------------------ execution
 
@@ -354,7 +383,7 @@ class TransferPlan:
     def _resolve_mode(self, chunks: list[torch.Tensor]) -> str:
         if not self._cuda or self.mode == "torch":
             return "torch"
-        on_device = chunks[0].device.type == "cuda"
+        on_device = chunks[0].is_cuda
         if self.mode == "direct" or (self.mode == "auto" and on_device):
             if not on_device and not all(c.is_pinned() for c in chunks):
                 raise ValueError("mode 'direct' needs chunk buffers in pinned host memory or on the GPU")
@@ -368,6 +397,7 @@ class TransferPlan:
         *,
         to_chunk: bool,
         wait_event: torch.cuda.Event | None,
+        full: bool = False,
     ) -> TransferHandle:
         mode = self._resolve_mode(chunks)
         if not self._cuda:
@@ -375,7 +405,22 @@ class TransferPlan:
             for g, group in enumerate(self.groups):
                 fn(group, self._sections(chunks, g), self._split(ids, g, len(chunks)), self.tokens_per_chunk)
             return TransferHandle()
-        with self._lock, torch.cuda.device(self.device):
+        with self._lock:
+            if self._graphs is not None and mode != "torch":
+                handle = self._run_graph(mode, chunks, ids, to_chunk, wait_event, full)
+                if handle is not None:
+                    return handle
+            return self._run_regular(mode, chunks, ids, to_chunk, wait_event)
+
+    def _run_regular(
+        self,
+        mode: str,
+        chunks: list[torch.Tensor],
+        ids: list[np.ndarray],
+        to_chunk: bool,
+        wait_event: torch.cuda.Event | None,
+    ) -> TransferHandle:
+        with torch.cuda.device(self.device):
             caller = torch.cuda.current_stream(self.device)
             start = wait_event
             if start is None:
@@ -409,6 +454,76 @@ class TransferPlan:
             finally:
                 torch.cuda.set_stream(caller)
             return TransferHandle(done, keep)
+
+    # ------------------------------------------------------------------ graph replay
+
+    @property
+    def graph_launches(self) -> int:
+        """Transfers this plan queued as CUDA-graph replays (0 without graphs)."""
+        return self._graphs.launches if self._graphs is not None else 0
+
+    @property
+    def graph_error(self) -> str | None:
+        """Why graph replay was switched off for this plan, if it was."""
+        return self._graphs.error if self._graphs is not None else None
+
+    def _run_graph(
+        self,
+        mode: str,
+        chunks: list[torch.Tensor],
+        ids: list[np.ndarray],
+        to_chunk: bool,
+        wait_event: torch.cuda.Event | None,
+        full: bool,
+    ) -> TransferHandle | None:
+        """Queue the transfer as a graph replay (``graph_launch``); None: run the regular path."""
+        assert self._graphs is not None
+        n = len(chunks)
+        if mode == "staged":
+            shape, pieces = self._pieces_keyed(ids, n, to_chunk, full)
+            if not pieces:
+                return None
+            return self._graphs.run(("staged", *shape), chunks, ids, to_chunk, wait_event, pieces=pieces)
+        aligns = self._direct_aligns(chunks)
+        key = ("direct", to_chunk, n, aligns)
+        return self._graphs.run(key, chunks, ids, to_chunk, wait_event, aligns=aligns)
+
+    def _caller_raw_stream(self) -> int:
+        """The caller's current stream on the plan's device, as a raw handle (one C call)."""
+        return int(torch._C._cuda_getCurrentRawStream(self._device_index))
+
+    def _start_raw(self) -> int:
+        """A driver event (no timing) the graph path records on the caller's stream."""
+        if not self._start_event_raw:
+            from .cuda_driver import Driver
+
+            with torch.cuda.device(self.device):
+                self._start_event_raw = Driver.get().event_create()
+        return self._start_event_raw
+
+    def _use_staging(self, user: str) -> None:
+        """Order the staging slots between the regular path (slot events) and graph replays (the
+        kernel stream) when the other one used them last. Called on the kernel stream's turn,
+        after it waited for the caller."""
+        if user == self._staging_user:
+            return
+        ks = self._kernel_stream
+        if user == "graph":
+            for ev in self._slot_free:  # the regular path's DMAs and scatters are done
+                ks.wait_event(ev)
+        else:
+            for ev in self._slot_free:  # regular waits on a slot now come after the replays
+                ev.record(ks)
+        self._staging_user = user
+
+    def _staging_buffer(self) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = torch.empty(
+                self.staging_slots * self._slot_bytes, dtype=torch.uint8, device=self.device
+            )
+        return self._staging
+
+    # ------------------------------------------------------------------ regular path
 
     def _word_tables(self, word: int) -> tuple[torch.Tensor, list[_GroupTables]]:
         if word not in self._anchors:
@@ -462,27 +577,41 @@ class TransferPlan:
             off += v.size
         return parts, host
 
-    def _run_direct(
-        self, chunks: list[torch.Tensor], ids: list[np.ndarray], to_chunk: bool
-    ) -> tuple[Any, ...]:
-        from .triton_copy import launch, word_bytes_for
+    def _direct_aligns(self, chunks: list[torch.Tensor]) -> tuple[int, ...]:
+        """Per group: the alignment (bytes) of every page and chunk section address."""
+        ptrs = [c.data_ptr() for c in chunks]
+        return tuple(
+            alignment(self._page_align[g], *(p + self.layout.group_offsets[g] for p in ptrs))
+            for g in range(len(self.groups))
+        )
 
-        raw_ks = self._kernel_stream.cuda_stream
-        plans = []
-        for g in range(len(self.groups)):
-            off = self.layout.group_offsets[g]
-            align = alignment(self._page_align[g], *(c.data_ptr() + off for c in chunks))
-            plans.append(align)
+    def _direct_values(
+        self, chunks: list[torch.Tensor], ids: list[np.ndarray], aligns: tuple[int, ...]
+    ) -> list[np.ndarray]:
+        """Per group: the chunk sections' word offsets from the anchor, then the block ids."""
+        from .triton_copy import word_bytes_for
+
         values: list[np.ndarray] = []
-        for g, align in enumerate(plans):
+        for g, align in enumerate(aligns):
             anchor, _ = self._word_tables(word_bytes_for(align))
             word = anchor.element_size()
             base = anchor.data_ptr()
             off = self.layout.group_offsets[g]
             values.append(np.array([(c.data_ptr() + off - base) // word for c in chunks], np.int64))
             values.append(ids[g])
-        parts, host = self._upload(values)
-        for g, align in enumerate(plans):
+        return values
+
+    def _launch_direct(
+        self,
+        chunks: list[torch.Tensor],
+        parts: list[torch.Tensor],
+        aligns: tuple[int, ...],
+        to_chunk: bool,
+        raw_stream: int,
+    ) -> None:
+        from .triton_copy import launch, word_bytes_for
+
+        for g, align in enumerate(aligns):
             anchor, tables = self._word_tables(word_bytes_for(align))
             group, t = self.groups[g], tables[g]
             launch(
@@ -499,22 +628,42 @@ class TransferPlan:
                 page_bytes=group.page_bytes,
                 align=align,
                 to_chunk=to_chunk,
-                stream=raw_ks,
+                stream=raw_stream,
             )
+
+    def _run_direct(
+        self, chunks: list[torch.Tensor], ids: list[np.ndarray], to_chunk: bool
+    ) -> tuple[Any, ...]:
+        aligns = self._direct_aligns(chunks)
+        parts, host = self._upload(self._direct_values(chunks, ids, aligns))
+        self._launch_direct(chunks, parts, aligns, to_chunk, self._kernel_stream.cuda_stream)
         return (host, parts)
 
     def _pieces(self, ids: list[np.ndarray], num_chunks: int, to_chunk: bool) -> list[_Piece]:
+        return self._pieces_keyed(ids, num_chunks, to_chunk)[1]
+
+    def _pieces_keyed(
+        self, ids: list[np.ndarray], num_chunks: int, to_chunk: bool, full: bool = False
+    ) -> tuple[tuple[Any, ...], list[_Piece]]:
         """Whole-layer pieces of every (chunk, group) section that has a block to move, at most
         ``pipeline_bytes`` each; the first piece of a store (last of a retrieve) is cut to
-        ``lead_bytes`` so the DMA engine starts early (or finishes with little left to scatter)."""
-        masks: list[Any] = [
-            (ids[g].reshape(num_chunks, self.layout.blocks_per_chunk[g]) >= 0).any(axis=1)
-            for g in range(len(self.groups))
-        ]
-        key = (num_chunks, to_chunk, *(m.tobytes() for m in masks))
-        cached = self._piece_cache.get(key)
-        if cached is not None:
-            return cached
+        ``lead_bytes`` so the DMA engine starts early (or finishes with little left to scatter).
+        Also returns the shape key the pieces depend on (cached per key)."""
+        if full:  # no -1 anywhere: every section moves, no masks to compute
+            key: tuple[Any, ...] = (num_chunks, to_chunk, "all")
+            cached = self._piece_cache.get(key)
+            if cached is not None:
+                return key, cached
+            masks: list[Any] = [np.ones(num_chunks, bool) for _ in self.groups]
+        else:
+            masks = [
+                (ids[g].reshape(num_chunks, self.layout.blocks_per_chunk[g]) >= 0).any(axis=1)
+                for g in range(len(self.groups))
+            ]
+            key = (num_chunks, to_chunk, *(m.tobytes() for m in masks))
+            cached = self._piece_cache.get(key)
+            if cached is not None:
+                return key, cached
         spans: list[tuple[int, int, int, int]] = []  # (chunk, group, first layer, end layer)
         for c in range(num_chunks):
             for g, group in enumerate(self.groups):
@@ -540,64 +689,69 @@ class TransferPlan:
         if len(self._piece_cache) > 256:
             self._piece_cache.clear()
         self._piece_cache[key] = pieces
-        return pieces
+        return key, pieces
+
+    def _staged_values(
+        self, pieces: list[_Piece], ids: list[np.ndarray], first_slot: int
+    ) -> list[np.ndarray]:
+        """Per piece: its staging slot's offset (in the group's words), then its block ids."""
+        values: list[np.ndarray] = []
+        for k, piece in enumerate(pieces):
+            g = piece.group
+            bpc = self.layout.blocks_per_chunk[g]
+            values.append(self._slot_offset((first_slot + k) % self.staging_slots, self._words[g]))
+            values.append(ids[g][piece.chunk * bpc : (piece.chunk + 1) * bpc])
+        return values
+
+    def _launch_piece(
+        self, piece: _Piece, chunk_off: torch.Tensor, block_ids: torch.Tensor, to_chunk: bool, raw_stream: int
+    ) -> None:
+        """One gather (scatter) launch between a piece's pages and its staging slot."""
+        from .triton_copy import launch
+
+        g = piece.group
+        group = self.groups[g]
+        anchor, tables = self._word_tables(self._words[g])
+        layer_off, plane_stride, block_stride = tables[g].slice(piece.layer_start, piece.layer_end)
+        launch(
+            anchor=anchor,
+            layer_off=layer_off,
+            plane_stride=plane_stride,
+            block_stride=block_stride,
+            chunk_off=chunk_off,
+            block_ids=block_ids,
+            num_chunks=1,
+            num_layers=piece.layer_end - piece.layer_start,
+            planes=group.planes,
+            bpc=self.layout.blocks_per_chunk[g],
+            page_bytes=group.page_bytes,
+            align=self._page_align[g],
+            to_chunk=to_chunk,
+            stream=raw_stream,
+        )
 
     def _run_staged(
         self, chunks: list[torch.Tensor], ids: list[np.ndarray], to_chunk: bool, done: torch.cuda.Event
     ) -> tuple[Any, ...]:
-        from .triton_copy import launch, word_bytes_for
-
         ks = self._kernel_stream
         raw_ks = ks.cuda_stream
-        if self._staging is None:
-            self._staging = torch.empty(
-                self.staging_slots * self._slot_bytes, dtype=torch.uint8, device=self.device
-            )
-        staging = self._staging
+        staging = self._staging_buffer()
+        self._use_staging("regular")
         pieces = self._pieces(ids, len(chunks), to_chunk)
-        words = [word_bytes_for(a) for a in self._page_align]
-        # Per piece: staging slot offset (in the group's words), then its block ids.
-        slot_of = []
-        values: list[np.ndarray] = []
-        for k, piece in enumerate(pieces):
-            slot = (self._next_slot + k) % self.staging_slots
-            slot_of.append(slot)
-            bpc = self.layout.blocks_per_chunk[piece.group]
-            values.append(self._slot_offset(slot, words[piece.group]))
-            values.append(ids[piece.group][piece.chunk * bpc : (piece.chunk + 1) * bpc])
-        self._next_slot = (self._next_slot + len(pieces)) % self.staging_slots
+        first = self._next_slot
+        values = self._staged_values(pieces, ids, first)
+        self._next_slot = (first + len(pieces)) % self.staging_slots
         copy_streams = self._copy_streams
         last_copy = copy_streams[(len(pieces) - 1) % len(copy_streams)]
         parts, host = self._upload(values)  # the current stream is the kernel stream
         for k, piece in enumerate(pieces):
-            slot = slot_of[k]
+            slot = (first + k) % self.staging_slots
             cs = copy_streams[k % len(copy_streams)]
-            g = piece.group
-            group = self.groups[g]
-            anchor, tables = self._word_tables(words[g])
-            t = tables[g]
             slot_view = staging[slot * self._slot_bytes : slot * self._slot_bytes + piece.nbytes]
             chunk_view = chunks[piece.chunk][piece.offset : piece.offset + piece.nbytes]
-            layer_off, plane_stride, block_stride = t.slice(piece.layer_start, piece.layer_end)
-            kernel_args: dict[str, Any] = dict(
-                anchor=anchor,
-                layer_off=layer_off,
-                plane_stride=plane_stride,
-                block_stride=block_stride,
-                chunk_off=parts[2 * k],
-                block_ids=parts[2 * k + 1],
-                num_chunks=1,
-                num_layers=piece.layer_end - piece.layer_start,
-                planes=group.planes,
-                bpc=self.layout.blocks_per_chunk[g],
-                page_bytes=group.page_bytes,
-                align=self._page_align[g],
-                to_chunk=to_chunk,
-                stream=raw_ks,
-            )
             if to_chunk:
                 ks.wait_event(self._slot_free[slot])  # the slot's previous DMA is done
-                launch(**kernel_args)
+                self._launch_piece(piece, parts[2 * k], parts[2 * k + 1], True, raw_ks)
                 self._slot_ready[slot].record(ks)
                 cs.wait_event(self._slot_ready[slot])
                 torch.cuda.set_stream(cs)
@@ -611,7 +765,7 @@ class TransferPlan:
                 torch.cuda.set_stream(ks)
                 self._slot_ready[slot].record(cs)
                 ks.wait_event(self._slot_ready[slot])
-                launch(**kernel_args)
+                self._launch_piece(piece, parts[2 * k], parts[2 * k + 1], False, raw_ks)
                 self._slot_free[slot].record(ks)
         if not to_chunk or not pieces:
             done.record(ks)
@@ -630,10 +784,23 @@ class TransferPlan:
         key = (slot, word)
         if key not in self._slot_word_off:
             anchor, _ = self._word_tables(word)
-            assert self._staging is not None
-            addr = self._staging.data_ptr() + slot * self._slot_bytes
+            addr = self._staging_buffer().data_ptr() + slot * self._slot_bytes
             self._slot_word_off[key] = np.array([(addr - anchor.data_ptr()) // word], np.int64)
         return self._slot_word_off[key]
+
+
+def _repeats(ids: np.ndarray, lo: int) -> bool:
+    """Whether a block id (>= 0) occurs twice; ``lo`` is ``ids.min()``."""
+    if lo >= 0 and ids.size <= 256:  # the usual retrieve: a set is cheaper than a sort here
+        return len(set(ids.tolist())) != ids.size
+    valid = np.sort(ids[ids >= 0])
+    return valid.size > 1 and bool((valid[1:] == valid[:-1]).any())
+
+
+def _word_bytes_for(align: int) -> int:
+    from .triton_copy import word_bytes_for
+
+    return word_bytes_for(align)
 
 
 def _round_up(n: int, m: int) -> int:
