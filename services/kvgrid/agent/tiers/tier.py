@@ -206,6 +206,14 @@ class Tier:
         f = self.fetch(namespace_id, key, layout_id, dst)
         return None if f is None else self.check(f)
 
+    def count(self, what: str) -> None:
+        """Count a refused record (``checksum``) or a failed read (``error``)."""
+        with self._lock:
+            if what == "checksum":
+                self.checksum_mismatches += 1
+            else:
+                self.errors += 1
+
     def _drop(self, namespace_id: str, key: bytes, e: TierEntry, why: str) -> None:
         with self._lock:
             if self._index.get((namespace_id, key)) is e:
@@ -413,10 +421,10 @@ class TierChain:
                 verify_checksum(buf, entry.checksum)
                 self._put(level + 1, ns, key, entry.layout_id, entry.checksum, byte_view(buf))
         except (CorruptRecord, ChecksumMismatch) as e:
-            tier.checksum_mismatches += 1
+            tier.count("checksum")
             log.warning("%s tier: not demoting %s: %s", tier.name, name, e)
         except Exception as e:
-            tier.errors += 1
+            tier.count("error")
             log.warning("%s tier: demoting %s failed: %s", tier.name, name, e)
         finally:
             try:
