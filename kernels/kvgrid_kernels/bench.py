@@ -106,6 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-matmul", action="store_true", help="skip the concurrent-matmul measurement")
     parser.add_argument(
+        "--interference",
+        action="store_true",
+        help="also time an engine-like matmul loop while 1 GiB moves in another process and in a thread",
+    )
+    parser.add_argument(
         "--lmcache-wheel",
         help="an LMCache wheel (0.5.2): also time its multi_layer_kv_transfer kernel (into pinned "
         "memory, 1 chunk) on llama3-8b-fa, llama3-8b-fi and mla in the same run",
@@ -394,6 +399,11 @@ def run(args: argparse.Namespace) -> int:
     matmul: list[dict[str, Any]] = []
     if args.device == "cuda" and not args.no_matmul:
         matmul = _matmul_slowdown(args.variant or list(VARIANTS_CUDA))
+    interference: list[dict[str, Any]] = []
+    if args.device == "cuda" and args.interference:
+        from . import interference as interference_mod
+
+        interference = interference_mod.measure()
     meta: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -405,7 +415,9 @@ def run(args: argparse.Namespace) -> int:
         import triton
 
         meta["triton"] = triton.__version__
-    doc = json.dumps({"meta": meta, "results": rows, "matmul": matmul}, indent=1)
+    doc = json.dumps(
+        {"meta": meta, "results": rows, "matmul": matmul, "interference": interference}, indent=1
+    )
     if args.out:
         with open(args.out, "w") as f:
             f.write(doc)
@@ -438,5 +450,10 @@ def run(args: argparse.Namespace) -> int:
             f"matmul x{m['matmuls']} while 1 GiB {m['direction']}s ({m['variant']}): "
             f"{m['matmul_alone_s'] * 1e3:.2f} ms -> {m['matmul_with_transfer_s'] * 1e3:.2f} ms "
             f"(+{m['slowdown_pct']:.1f}%), transfer {m['transfer_gbps_during']:.1f} GB/s"
+        )
+    for m in interference:
+        print(
+            f"engine step while 1 GiB {m['direction']}s in {m['mover']}: {m['step_ms_alone']:.3f} ms -> "
+            f"{m['step_ms_with_mover']:.3f} ms ({m['slowdown_pct']:+.1f}%), mover {m['mover_gbps']:.1f} GB/s"
         )
     return 0

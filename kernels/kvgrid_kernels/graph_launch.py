@@ -151,9 +151,10 @@ class GraphRunner:
         plan, drv = self.plan, self.drv
         inst = g.instances[g.next]
         rc = drv.raw_event_query(inst.done.cuda_event)
-        if rc == CUDA_ERROR_NOT_READY:
-            return None  # its host buffer may still be read
-        drv.check("cuEventQuery", rc)
+        if rc:
+            if rc == CUDA_ERROR_NOT_READY:
+                return None  # its host buffer may still be read
+            drv.check("cuEventQuery", rc)
         g.next = (g.next + 1) % len(g.instances)
         if g.id_pos is not None:
             flat = ids[0] if len(ids) == 1 else np.concatenate(ids)
@@ -171,17 +172,22 @@ class GraphRunner:
                     rc = drv.raw_exec_memcpy_set(inst.exe, d.node, ctypes.byref(d.params), self.ctx)
                     drv.check("cuGraphExecMemcpyNodeSetParams", rc)
                     d.current = addr
+        # The calls below are the whole per-transfer cost, so results are checked inline.
         ks = plan._kernel_stream.cuda_stream
         if wait_event is None:
             start = plan._start_event_raw
-            drv.check("cuEventRecord", drv.raw_event_record(start, plan._caller_raw_stream()))
-            drv.check("cuStreamWaitEvent", drv.raw_stream_wait_event(ks, start, 0))
+            if rc := drv.raw_event_record(start, plan._caller_raw_stream()):
+                drv.check("cuEventRecord", rc)
+            if rc := drv.raw_stream_wait_event(ks, start, 0):
+                drv.check("cuStreamWaitEvent", rc)
         elif wait_event.cuda_event:  # like torch: waiting on a never-recorded event is a no-op
             drv.check("cuStreamWaitEvent", drv.raw_stream_wait_event(ks, wait_event.cuda_event, 0))
-        if staged:
+        if staged and plan._staging_user != "graph":
             plan._use_staging("graph")
-        drv.check("cuGraphLaunch", drv.raw_graph_launch(inst.exe, ks))
-        drv.check("cuEventRecord", drv.raw_event_record(inst.done.cuda_event, ks))
+        if rc := drv.raw_graph_launch(inst.exe, ks):
+            drv.check("cuGraphLaunch", rc)
+        if rc := drv.raw_event_record(inst.done.cuda_event, ks):
+            drv.check("cuEventRecord", rc)
         self.launches += 1
         return TransferHandle(inst.done, (chunks,))
 

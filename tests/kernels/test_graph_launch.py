@@ -1,6 +1,6 @@
 """CUDA-graph replay of transfers (``kvgrid_kernels.graph_launch``): bit-exact like the regular path
 while every call brings new chunk buffers and block ids, and ordered against regular calls that
-share the staging slots. GPU only (``pytest -m gpu``)."""
+share the staging slots (GPU: ``pytest -m gpu``), and the upload layout the replays write (CPU)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ from .test_kernels import (
     random_ids,
 )
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
 PLACEMENTS = [
     pytest.param("staged", False, id="staged-pinned"),
     pytest.param("direct", False, id="direct-pinned"),
@@ -43,6 +41,8 @@ def _with_graphs(plan: TransferPlan, graphs: bool) -> TransferPlan:
     )
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "no-graphs"])
 @pytest.mark.parametrize(("mode", "on_device"), PLACEMENTS)
 @pytest.mark.parametrize("name", list(SPECS))
@@ -75,6 +75,8 @@ def test_replays_are_bit_exact_with_new_buffers_and_ids_every_call(
     assert plan.graph_launches == (2 * (rounds - 1) if graphs else 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("mode", "on_device"), PLACEMENTS[:2])
 def test_replays_and_regular_calls_queued_together_keep_their_own_data(mode: str, on_device: bool) -> None:
     # Stores of 1, 2 and 3 chunks interleaved while the kernel stream is held: some run as graph
@@ -102,3 +104,19 @@ def test_replays_and_regular_calls_queued_together_keep_their_own_data(mode: str
     assert plan.graph_error is None
     replays = plan.graph_launches - before
     assert 0 < replays < len(jobs), replays  # both paths ran in the queue
+
+
+def test_staged_upload_positions_follow_the_piece_layout() -> None:
+    # CPU: two groups, 2 chunks; pieces (chunk, group) in the order the plan queues them. The upload
+    # is, per piece, one slot-offset word then that chunk's ids of that group.
+    from kvgrid_kernels.graph_launch import _id_positions
+    from kvgrid_kernels.plan import _Piece
+
+    bpc = (3, 2)
+    ids = [np.array([10, 11, 12, 13, 14, 15]), np.array([20, 21, 22, 23])]
+    pieces = [_Piece(0, 0, 0, 1, 0, 0), _Piece(0, 1, 0, 1, 0, 0), _Piece(1, 0, 0, 1, 0, 0)]
+    sizes = [1, 3, 1, 2, 1, 3]
+    pos, src = _id_positions(sizes, pieces, ids, bpc)
+    host = np.full(sum(sizes), -7)
+    host[pos] = np.concatenate(ids)[src]
+    assert host.tolist() == [-7, 10, 11, 12, -7, 20, 21, -7, 13, 14, 15]
