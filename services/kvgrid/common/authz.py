@@ -87,12 +87,9 @@ def caller() -> Identity | None:
     return _CALLER.get()
 
 
-def set_caller(identity: Identity | None) -> contextvars.Token[Identity | None]:
-    return _CALLER.set(identity)
-
-
-def reset_caller(token: contextvars.Token[Identity | None]) -> None:
-    _CALLER.reset(token)
+def set_caller(identity: Identity | None) -> None:
+    """Set by the server toolkit at the start and end of every call it serves."""
+    _CALLER.set(identity)
 
 
 def _roles(roles: frozenset[Role]) -> str:
