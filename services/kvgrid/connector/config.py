@@ -42,8 +42,9 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     agent_socket: Annotated[
         str,
         _d(
-            "The kvgrid agent's Unix socket (or host:port). '{rank}' and '{dp_rank}' are replaced by "
-            "the worker's rank and the engine's data-parallel rank (one agent per GPU); the "
+            "The kvgrid agent's Unix socket (it serves the engine API only there). '{rank}' and "
+            "'{dp_rank}' are replaced by the worker's rank and the engine's data-parallel rank (one "
+            "agent per GPU); the "
             "scheduler uses rank 0's"
         ),
     ] = "/run/kvgrid/agent.sock"
