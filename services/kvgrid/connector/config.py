@@ -44,8 +44,7 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
         _d(
             "The kvgrid agent's Unix socket (it serves the engine API only there). '{rank}' and "
             "'{dp_rank}' are replaced by the worker's rank and the engine's data-parallel rank (one "
-            "agent per GPU); the "
-            "scheduler uses rank 0's"
+            "agent per GPU); the scheduler asks every rank's agent"
         ),
     ] = "/run/kvgrid/agent.sock"
     chunk_size: Annotated[
