@@ -271,6 +271,32 @@ def test_allocation_never_waits_for_the_writer(tmp_path: Path) -> None:
     assert cache.stats().spilling_chunks == 0 and cache.pool.used_bytes == cache.stats().num_chunks * PAGE
 
 
+def test_a_chunk_waiting_for_the_writer_is_rescued_without_io(tmp_path: Path) -> None:
+    cache, chain = make_spilling_cache(tmp_path, pages=8)
+    gate = threading.Event()
+    begin = chain.begin
+    chain.begin = lambda c: gate.wait(30) and begin(c)
+    try:
+        fill_store(cache, [key(i) for i in range(6)], fill=1)
+        fill_store(cache, [key(100)], fill=2)  # over the high watermark: keys 0.. go to the writer
+        waiting = cache.stats().spilling_chunks
+        assert waiting > 0 and not cache.contains(key(0), namespace_id=NS_A)
+        assert cache.rescue_spilling([key(0), key(1)], "L", namespace_id=NS_B) == 0  # not B's
+        assert cache.rescue_spilling([key(0), key(1)], "other-layout", namespace_id=NS_A) == 0
+        assert cache.rescue_spilling([key(0), key(1)], "L", namespace_id=NS_A) == 2
+        chunks, _ = cache.acquire_prefix([key(0), key(1)], "L", namespace_id=NS_A)
+        assert len(chunks) == 2 and all((c.buffer == 1).all() for c in chunks)
+        cache.release(chunks)
+    finally:
+        gate.set()
+        assert chain.drain()
+        chain.close()
+    # The writer skipped or finished the rescued chunks without freeing their pages.
+    s = cache.stats()
+    assert s.spilling_chunks == 0 and cache.pool.used_bytes == s.num_chunks * PAGE
+    assert cache.contains(key(0), namespace_id=NS_A) and cache.contains(key(1), namespace_id=NS_A)
+
+
 # ---- S3 specifics ------------------------------------------------------------------------------
 
 

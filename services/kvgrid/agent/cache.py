@@ -388,6 +388,27 @@ class ChunkCache:
             self.pool.free(chunk.start_page, chunk.num_pages)
             self.dropped_spills += 1
 
+    def rescue_spilling(self, keys: Sequence[bytes], layout_id: str, *, namespace_id: str) -> int:
+        """Put the leading ``keys`` that were evicted but still wait for the tier writer back into
+        the index (their pages still hold the bytes; no I/O). Returns how many came back. The
+        writer may still write them: harmless, its ``end_spill`` then leaves the pages alone."""
+        admitted: list[bytes] = []
+        with self._lock:
+            for key in keys:
+                ikey = _index_key(namespace_id, key)
+                chunk = self._spilling.get(ikey)
+                if chunk is None or chunk.layout_id != layout_id or ikey in self._chunks:
+                    break
+                del self._spilling[ikey]
+                self._spill_started.discard(ikey)
+                self._spilling_bytes -= chunk.num_pages * self.pool.page_bytes
+                self._chunks[ikey] = chunk
+                self.policy.on_insert(ikey)
+                admitted.append(key)
+            if admitted:
+                self.listener.on_admit(namespace_id, admitted)
+        return len(admitted)
+
     def begin_spill(self, chunk: Chunk) -> bool:
         """The writer is about to read ``chunk``'s pages; False if the cache took them back."""
         ikey = _index_key(chunk.namespace_id, chunk.key)

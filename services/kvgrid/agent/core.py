@@ -387,7 +387,11 @@ class AgentCore:
             local = n
             tier = 0
             try:
-                if cause == MissCause.NOT_FOUND and self.tiers is not None and self._promote(inst, keys[n:]):
+                if (
+                    cause == MissCause.NOT_FOUND
+                    and self.tiers is not None
+                    and self._from_tiers(inst, keys[n:])
+                ):
                     if request_id:
                         n, cause = self.cache.pin(
                             owner, keys, inst.layout_id, ttl, namespace_id=inst.namespace_id
@@ -425,6 +429,12 @@ class AgentCore:
             span.set_attribute("peer_chunks", peer)
         self._count_hits(self.metrics.lookup_chunks, len(keys), n, cause, peer, tier)
         return LookupResult(num_hit_chunks=n, miss_cause=str(cause), num_peer_chunks=peer)
+
+    def _from_tiers(self, inst: EngineInstance, keys: Sequence[bytes]) -> int:
+        """Bring the leading ``keys`` back into L1: those still waiting for the tier writer (no
+        I/O), then those the tiers hold. Returns how many came back."""
+        back = self.cache.rescue_spilling(keys, inst.layout_id, namespace_id=inst.namespace_id)
+        return back + self._promote(inst, keys[back:])
 
     def _promote(self, inst: EngineInstance, keys: Sequence[bytes]) -> int:
         """Read the leading ``keys`` the lower tiers hold back into L1 (verified, committed like a
