@@ -117,7 +117,9 @@ class LookupServer:
         failure: list[BaseException] = []
 
         async def start() -> None:
-            self._server = await asyncio.start_server(self._serve, host, int(port), ssl=ssl_context)
+            self._server = await self._loop.create_server(
+                lambda: _Connection(self), host, int(port), ssl=ssl_context
+            )
 
         def run() -> None:
             asyncio.set_event_loop(self._loop)
@@ -139,27 +141,6 @@ class LookupServer:
         assert self._server is not None
         bound = self._server.sockets[0].getsockname()
         self.address: str = f"{host}:{bound[1]}"
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            while True:
-                head = await reader.readexactly(_HEAD.size)
-                length, method = _HEAD.unpack(head)
-                if length < 1 or length > self.max_frame_bytes:
-                    msg = f"frame of {length} bytes: expected 1..max_frame_bytes={self.max_frame_bytes}"
-                    writer.write(_frame(_RESOURCE_EXHAUSTED, msg.encode()))
-                    await writer.drain()
-                    return
-                body = await reader.readexactly(length - 1)
-                writer.write(self._answer(method, body))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return
-        finally:
-            writer.close()
 
     def _answer(self, method: int, body: bytes) -> bytes:
         entry = _METHODS.get(method)
@@ -186,6 +167,48 @@ class LookupServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: frames are parsed from the byte stream as they arrive and answered
+    in order, on the loop's thread (a protocol, not streams: no task or future per request)."""
+
+    def __init__(self, server: LookupServer) -> None:
+        self.server = server
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        buf = self.buf
+        buf += data
+        out = []
+        pos = 0
+        while len(buf) - pos >= _HEAD.size:
+            length, method = _HEAD.unpack_from(buf, pos)
+            if length < 1 or length > self.server.max_frame_bytes:
+                limit = self.server.max_frame_bytes
+                msg = f"frame of {length} bytes: expected 1..max_frame_bytes={limit}"
+                out.append(_frame(_RESOURCE_EXHAUSTED, msg.encode()))
+                self.transport.write(b"".join(out))
+                self.transport.close()  # the body is not read: the stream cannot be resynchronized
+                buf.clear()
+                return
+            end = pos + 4 + length
+            if len(buf) < end:
+                break
+            out.append(self.server._answer(method, bytes(buf[pos + _HEAD.size : end])))
+            pos = end
+        del buf[:pos]
+        if out:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
 
 def _is_loopback(host: str) -> bool:
