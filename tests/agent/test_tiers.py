@@ -466,3 +466,28 @@ def test_metrics_per_tier(tmp_path: Path) -> None:
         assert got[("kvgrid_agent_tier_dropped_spills", "")] == 3
     finally:
         chain.close()
+
+
+def test_bench_tier_reports_both_figures_and_the_ratios(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "kvgrid.cli", "bench", "tier", "--dir", str(tmp_path), "--chunks", "2",
+         "--chunk-size", "1MiB", "--iters", "1", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for way in ("write", "read"):
+        assert out[f"raw_{way}_gbps"] > 0 and out[f"tier_{way}_gbps"] > 0
+        assert out[f"{way}_ratio"] == pytest.approx(
+            out[f"tier_{way}_gbps"] / out[f"raw_{way}_gbps"], rel=0.01
+        )
+    assert list(tmp_path.iterdir()) == []  # the scratch directory is removed
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvgrid.cli", "bench", "tier", "--dir", str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "expected an existing directory" in bad.stderr
