@@ -365,6 +365,17 @@ def test_s3_retries_with_backoff_through_dropped_connections(seaweed: SeaweedFS)
         proxy.close()
 
 
+def test_s3_large_records_go_up_in_parts(seaweed: SeaweedFS) -> None:
+    store = s3_store(seaweed, prefix="multipart")  # part size 5 MiB
+    tier = Tier(store, 64 * MiB)
+    write(tier, NS_A, key(40), payload(40, 12 * MiB))
+    write(tier, NS_A, key(41), payload(41, 1 * MiB))
+    etag = store.client.stat_object(seaweed.bucket, f"multipart/{record_name(NS_A, key(40))}").etag
+    small = store.client.stat_object(seaweed.bucket, f"multipart/{record_name(NS_A, key(41))}").etag
+    assert etag is not None and etag.endswith("-3")  # a multipart upload's ETag: <md5 of md5s>-<parts>
+    assert small is not None and "-" not in small
+
+
 def test_s3_wrong_credentials_fail_at_start(seaweed: SeaweedFS) -> None:
     creds = load_credentials("", {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": "wrong"})
     with pytest.raises(ValueError, match=r"cannot check the bucket: .*(SignatureDoesNotMatch|AccessDenied)"):
