@@ -54,10 +54,11 @@ def test_bench_runs_small(capsys: pytest.CaptureFixture[str]) -> None:
     rows = out["rows"]
     assert {
         "kvgrid in-process, 1 query",
-        "kvgrid gRPC MatchPrefix, c=1",
-        "kvgrid gRPC MatchPrefix, c=2",
-        "kvgrid lean listener MatchPrefix, c=1",
-        "kvgrid lean listener MatchPrefix, c=2",
+        "kvgrid gRPC MatchPrefix (readable), c=1",
+        "kvgrid gRPC 1 packed query, compact, c=1",
+        "kvgrid gRPC 1 packed query, compact, c=2",
+        "kvgrid lean listener 1 packed query, compact, c=1",
+        "kvgrid lean listener 1 packed query, compact, c=2",
         "kvgrid gRPC packed compact x8, c=1",
     } == set(rows)
     for r in rows.values():
