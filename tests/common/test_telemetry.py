@@ -16,6 +16,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from kvgrid.common.telemetry import Telemetry, setup_telemetry
+from tests.telemetry.receivers import HttpReceiver
 
 
 def _value(v: AnyValue) -> Any:
@@ -153,12 +154,79 @@ def test_disabled_is_noop(monkeypatch: pytest.MonkeyPatch) -> None:
     assert setup_telemetry("kvgrid-test", otlp_endpoint="127.0.0.1:1").exporters == ()
 
 
-def test_unsupported_protocol_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
-    with pytest.raises(ValueError, match=r"OTEL_EXPORTER_OTLP_PROTOCOL='http/protobuf'.*grpc"):
-        setup_telemetry("kvgrid-test", otlp_endpoint="127.0.0.1:1")
-    with pytest.raises(ValueError, match=r"prometheus_port must be in 0\.\.65535, got 70000"):
-        setup_telemetry("kvgrid-test", prometheus_port=70000)
+@pytest.mark.parametrize("per_signal", [False, True])
+def test_otlp_over_http_exports_spans_and_metrics(monkeypatch: pytest.MonkeyPatch, per_signal: bool) -> None:
+    receiver = HttpReceiver()
+    try:
+        if per_signal:
+            for signal in ("TRACES", "METRICS"):
+                monkeypatch.setenv(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "http/protobuf")
+        else:
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        tel = setup_telemetry("kvgrid-http", otlp_endpoint=f"127.0.0.1:{receiver.port}")
+        assert tel.problems == () and set(tel.exporters) == {"otlp-traces", "otlp-metrics"}
+        with tel.tracer.start_as_current_span("kvgrid.http-span"):
+            pass
+        tel.meter.create_counter("kvgrid_http_things").add(3)
+        assert tel.force_flush()
+        tel.shutdown()
+        names = [s.name for _, s in receiver.spans]
+        assert names == ["kvgrid.http-span"]
+        assert receiver.spans[0][0]["service.name"] == "kvgrid-http"
+        points = [m.sum.data_points[0].as_int for _, m in receiver.metrics if m.name == "kvgrid_http_things"]
+        assert points and points[-1] == 3
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize(
+    ("env", "problem"),
+    [
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "thrift"}, "OTEL_EXPORTER_OTLP_PROTOCOL='thrift' is not supported"),
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin': 'zipkin' is not supported"),
+        ({"OTEL_METRICS_EXPORTER": "jaeger"}, "OTEL_METRICS_EXPORTER='jaeger': 'jaeger' is not supported"),
+    ],
+)
+def test_bad_setting_is_logged_and_metrics_still_scrape(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, env: dict[str, str], problem: str
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    tel = setup_telemetry(
+        "kvgrid-bad", otlp_endpoint="127.0.0.1:1", prometheus_port=0, prometheus_addr="127.0.0.1"
+    )
+    try:
+        assert any(problem in p for p in tel.problems), tel.problems
+        assert any(problem in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+        assert "prometheus" in tel.exporters
+        tel.meter.create_counter("kvgrid_still_counted").add(2)
+        assert tel.prometheus_port is not None
+        sample = [
+            ln
+            for ln in _scrape(tel.prometheus_port).splitlines()
+            if ln.startswith("kvgrid_still_counted_total")
+        ]
+        assert len(sample) == 1 and sample[0].endswith(" 2.0")
+    finally:
+        tel.shutdown()
+
+
+def test_bad_port_is_a_problem_not_an_exception() -> None:
+    tel = setup_telemetry("kvgrid-test", prometheus_port=70000)
+    assert tel.problems == ("prometheus_port must be in 0..65535, got 70000",)
+    assert tel.prometheus_port is None
+    tel.shutdown()
+    busy = setup_telemetry("kvgrid-a", prometheus_port=0, prometheus_addr="127.0.0.1")
+    try:
+        assert busy.prometheus_port is not None
+        again = setup_telemetry("kvgrid-b", prometheus_port=busy.prometheus_port, prometheus_addr="127.0.0.1")
+        assert any(
+            f"cannot serve Prometheus metrics on 127.0.0.1:{busy.prometheus_port}" in p
+            for p in again.problems
+        )
+        again.shutdown()
+    finally:
+        busy.shutdown()
 
 
 def _scrape(port: int) -> str:

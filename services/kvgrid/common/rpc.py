@@ -23,6 +23,9 @@
   ``kvgrid_rpc_server_calls`` (counter) and ``kvgrid_rpc_server_duration`` (histogram, seconds),
   both with attributes ``method`` (the RPC name) and ``code`` (the status code name). A streaming
   call is one call, timed until its last message; a stream the peer abandons counts as CANCELLED.
+- Traces: every call runs inside a SERVER span ``{service}/{method}`` that continues the caller's
+  W3C trace context (:func:`kvgrid.common.tracing.server_span`), ending with the call's status
+  (``rpc.grpc.status_code``; ERROR for any code but OK). A no-op tracer when none is given.
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from opentelemetry import metrics
+from opentelemetry import metrics, trace
+from opentelemetry.trace import Span, Status, StatusCode
 
 from kvgrid.common.authz import Authorizer, set_caller
 from kvgrid.common.errors import InvalidArgument, KvgridError, Unimplemented
+from kvgrid.common.tracing import server_span
 
 __all__ = ["RPC_CALLS", "RPC_DURATION", "RpcMetrics", "RpcServer", "ServerOptions", "status_of"]
 
@@ -100,10 +105,10 @@ OnError = Callable[[str, KvgridError], None]
 
 
 class _Call:
-    """One RPC: maps its exception to a status, records it, aborts the call."""
+    """One RPC: maps its exception to a status, records it (metrics and its span), aborts the call."""
 
-    def __init__(self, method: str, metrics: RpcMetrics, on_error: OnError | None) -> None:
-        self.method, self.metrics, self.on_error = method, metrics, on_error
+    def __init__(self, method: str, metrics: RpcMetrics, on_error: OnError | None, span: Span) -> None:
+        self.method, self.metrics, self.on_error, self.span = method, metrics, on_error, span
         self.t0 = time.perf_counter()
         self.code = grpc.StatusCode.OK
 
@@ -118,6 +123,10 @@ class _Call:
 
     def done(self) -> None:
         self.metrics.record(self.method, self.code, time.perf_counter() - self.t0)
+        if self.span.is_recording():
+            self.span.set_attribute("rpc.grpc.status_code", self.code.value[0])
+            if self.code is not grpc.StatusCode.OK:
+                self.span.set_status(Status(StatusCode.ERROR, self.code.name))
 
 
 def _parser(cls: type[Message]) -> Callable[[bytes], Message]:
@@ -160,27 +169,35 @@ def _handler(
     metrics: RpcMetrics,
     on_error: OnError | None,
     authorizer: Authorizer | None,
+    tracer: trace.Tracer,
 ) -> grpc.RpcMethodHandler:
     name = m.name
+    service = m.containing_service.full_name
     parse = _parser(GetMessageClass(m.input_type))
     if not m.client_streaming and not m.server_streaming:
 
         def unary_unary(raw: bytes, context: grpc.ServicerContext) -> Message:
-            call = _Call(name, metrics, on_error)
-            try:
-                _admit(name, context, authorizer)
-                return fn(parse(raw))
-            except Exception as exc:
-                call.fail(context, exc)
-                raise AssertionError("unreachable") from None  # abort raises
-            finally:
-                set_caller(None)  # pool threads serve other callers next
-                call.done()
+            with server_span(tracer, service, name, context) as span:
+                call = _Call(name, metrics, on_error, span)
+                try:
+                    _admit(name, context, authorizer)
+                    return fn(parse(raw))
+                except Exception as exc:
+                    call.fail(context, exc)
+                    raise AssertionError("unreachable") from None  # abort raises
+                finally:
+                    set_caller(None)  # pool threads serve other callers next
+                    call.done()
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=_serialize)
 
     def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Message]:
-        call = _Call(name, metrics, on_error)
+        # The span stays current across yields: grpcio drains a response iterator on one thread.
+        with server_span(tracer, service, name, context) as span:
+            yield from _stream(request, context, span)
+
+    def _stream(request: Any, context: grpc.ServicerContext, span: Span) -> Iterator[Message]:
+        call = _Call(name, metrics, on_error, span)
         finished = False
         try:
             _admit(name, context, authorizer)
@@ -232,12 +249,15 @@ class RpcServer:
         *,
         rpc_metrics: RpcMetrics | None = None,
         authorizer: Authorizer | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         """``rpc_metrics``: instruments shared with another server of the same service (else new
         ones on ``meter``). ``authorizer``: check every call's certificate identity (mTLS servers);
-        None serves everyone (plaintext or Unix-socket servers)."""
+        None serves everyone (plaintext or Unix-socket servers). ``tracer``: one SERVER span per
+        call (None: no spans)."""
         self.options = options
         self.authorizer = authorizer
+        self.tracer: trace.Tracer = tracer if tracer is not None else trace.NoOpTracer()
         self.metrics = rpc_metrics if rpc_metrics is not None else RpcMetrics(meter)
         self.server = grpc.server(
             ThreadPoolExecutor(options.workers, thread_name_prefix=options.thread_name_prefix),
@@ -267,9 +287,11 @@ class RpcServer:
             if served is not None and m.name not in served:
                 # No identity check first: whoever calls learns where the method lives.
                 refuse = _refuse(f"{service.name}.{m.name} is not served on this listener: {not_served}")
-                handlers[m.name] = _handler(m, refuse, self.metrics, on_error, None)
+                handlers[m.name] = _handler(m, refuse, self.metrics, on_error, None, self.tracer)
             else:
-                handlers[m.name] = _handler(m, getattr(impl, m.name), self.metrics, on_error, self.authorizer)
+                handlers[m.name] = _handler(
+                    m, getattr(impl, m.name), self.metrics, on_error, self.authorizer, self.tracer
+                )
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service.full_name, handlers),)
         )

@@ -6,8 +6,10 @@ own MeterProvider and TracerProvider (not the process-global ones, so tests can 
 
 Exporters:
 
-- OTLP over gRPC when ``otlp_endpoint`` is given or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the per-signal
-  ``OTEL_EXPORTER_OTLP_{TRACES,METRICS}_ENDPOINT``) is set. The exporters read the other standard
+- OTLP when ``otlp_endpoint`` is given or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the per-signal
+  ``OTEL_EXPORTER_OTLP_{TRACES,METRICS}_ENDPOINT``) is set, over gRPC (default) or HTTP
+  (``OTEL_EXPORTER_OTLP[_{TRACES,METRICS}]_PROTOCOL=http/protobuf``; an explicit endpoint is then
+  the base URL, ``/v1/traces`` and ``/v1/metrics`` are added). The exporters read the other standard
   variables themselves (``OTEL_EXPORTER_OTLP_HEADERS``, ``_TIMEOUT``, ``_INSECURE``, ``_CERTIFICATE``,
   ``_COMPRESSION``, ``OTEL_METRIC_EXPORT_INTERVAL``, ``OTEL_BSP_*``). ``OTEL_TRACES_EXPORTER=none`` /
   ``OTEL_METRICS_EXPORTER=none`` turn one signal off, ``OTEL_SDK_DISABLED=true`` turns everything off.
@@ -16,6 +18,11 @@ Exporters:
   this Telemetry's own so two instances in a process never clash.
 
 Without either, nothing leaves the process (spans still get ids, instruments still work).
+
+Invariant: no telemetry setting stops a service. A bad protocol or exporter name, an exporter that
+cannot be built or a Prometheus port that cannot be bound is logged (warning), recorded in
+``Telemetry.problems`` and skipped; an unreachable collector only makes the background exporters
+log. ``/metrics`` does not depend on OTLP and vice versa.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from types import TracebackType
 from typing import Any
@@ -31,10 +38,10 @@ from wsgiref.simple_server import WSGIServer
 
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 __all__ = ["METRIC_PREFIX", "Telemetry", "setup_telemetry"]
 
@@ -62,6 +69,7 @@ class Telemetry:
         *,
         exporters: Sequence[str] = (),
         prometheus_server: WSGIServer | None = None,
+        problems: Sequence[str] = (),
     ) -> None:
         self.service_name = service_name
         self.meter_provider = meter_provider
@@ -70,6 +78,8 @@ class Telemetry:
         self.tracer: trace.Tracer = tracer_provider.get_tracer(_SCOPE, _version())
         # What leaves the process: subset of "otlp-traces", "otlp-metrics", "prometheus".
         self.exporters: tuple[str, ...] = tuple(exporters)
+        # Settings that were logged and ignored (bad protocol, exporter name, busy port...).
+        self.problems: tuple[str, ...] = tuple(problems)
         self._prometheus_server = prometheus_server
         self.prometheus_port: int | None = prometheus_server.server_port if prometheus_server else None
         self._closed = False
@@ -117,13 +127,25 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() == "true"
 
 
-def _signal_wanted(signal: str, otlp_endpoint: str | None) -> bool:
-    """OTLP export of TRACES or METRICS: an endpoint is known and the signal's exporter isn't 'none'."""
-    choice = os.environ.get(f"OTEL_{signal}_EXPORTER", "otlp").strip().lower()
-    if choice == "none":
+_PROTOCOLS = ("grpc", "http/protobuf")
+_HTTP_PATHS = {"TRACES": "/v1/traces", "METRICS": "/v1/metrics"}
+
+
+def _signal_wanted(signal: str, otlp_endpoint: str | None, problems: list[str]) -> bool:
+    """OTLP export of TRACES or METRICS: an endpoint is known and the signal's exporter is 'otlp'.
+    An exporter name other than 'otlp'/'none' is a problem (logged) and turns the signal off."""
+    name = f"OTEL_{signal}_EXPORTER"
+    choices = {c.strip().lower() for c in os.environ.get(name, "otlp").split(",") if c.strip()}
+    if "none" in choices or not choices:
         return False
-    if choice != "otlp":
-        raise ValueError(f"OTEL_{signal}_EXPORTER={choice!r} is not supported; expected 'otlp' or 'none'")
+    unknown = sorted(choices - {"otlp"})
+    if unknown:
+        problems.append(
+            f"{name}={os.environ[name]!r}: {', '.join(map(repr, unknown))} is not supported; "
+            "expected 'otlp' or 'none'"
+        )
+        if "otlp" not in choices:
+            return False
     return bool(
         otlp_endpoint
         or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -131,13 +153,17 @@ def _signal_wanted(signal: str, otlp_endpoint: str | None) -> bool:
     )
 
 
-def _check_protocol(signal: str) -> None:
+def _protocol(signal: str, problems: list[str]) -> str | None:
+    """'grpc' or 'http/protobuf' for ``signal`` (per-signal variable first); None when the
+    configured value is unknown (a problem: that signal is not exported)."""
     for name in (f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
-        value = os.environ.get(name)
+        value = os.environ.get(name, "").strip()
         if value:
-            if value.strip().lower() != "grpc":
-                raise ValueError(f"{name}={value!r} is not supported; kvgrid exports OTLP over 'grpc'")
-            return
+            if value.lower() in _PROTOCOLS:
+                return value.lower()
+            problems.append(f"{name}={value!r} is not supported; expected one of {', '.join(_PROTOCOLS)}")
+            return None
+    return "grpc"
 
 
 def _endpoint(otlp_endpoint: str | None) -> str | None:
@@ -145,6 +171,37 @@ def _endpoint(otlp_endpoint: str | None) -> str | None:
     if otlp_endpoint is None or "://" in otlp_endpoint or "OTEL_EXPORTER_OTLP_INSECURE" in os.environ:
         return otlp_endpoint
     return "http://" + otlp_endpoint
+
+
+def _http_endpoint(signal: str, endpoint: str | None) -> str | None:
+    """An explicit base endpoint gets the signal's path (the exporter adds it only to the env one)."""
+    if endpoint is None:
+        return None
+    if "://" not in endpoint:
+        endpoint = "http://" + endpoint
+    return endpoint.rstrip("/") + _HTTP_PATHS[signal]
+
+
+def _span_exporter(protocol: str, endpoint: str | None) -> SpanExporter:
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=endpoint)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
+
+    return HttpSpanExporter(endpoint=_http_endpoint("TRACES", endpoint))
+
+
+def _metric_exporter(protocol: str, endpoint: str | None) -> MetricExporter:
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+        return OTLPMetricExporter(endpoint=endpoint)
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+        OTLPMetricExporter as HttpMetricExporter,
+    )
+
+    return HttpMetricExporter(endpoint=_http_endpoint("METRICS", endpoint))
 
 
 def _resource(service_name: str, attributes: Mapping[str, str] | None) -> Resource:
@@ -192,50 +249,82 @@ def setup_telemetry(
     ``metric_readers`` / ``span_processors`` add in-process sinks (e.g. ``InMemoryMetricReader`` in
     tests). ``set_global`` also installs the providers as the process-wide OpenTelemetry defaults
     (first call per process only; later calls log and keep the first).
+
+    Never raises for a telemetry setting (environment, endpoint, port): each exporter that cannot
+    be set up is logged as a warning, listed in ``Telemetry.problems`` and left out; the others
+    (and every instrument) keep working. Only a programming error (empty name) raises.
     """
     if not service_name:
         raise ValueError(f"service_name must be a non-empty string, got {service_name!r}")
-    if prometheus_port is not None and not 0 <= prometheus_port <= 65535:
-        raise ValueError(f"prometheus_port must be in 0..65535, got {prometheus_port}")
     if _env_true("OTEL_SDK_DISABLED"):
         return Telemetry.disabled(service_name)
-
-    endpoint = _endpoint(otlp_endpoint)
-    want_traces = _signal_wanted("TRACES", otlp_endpoint)
-    want_metrics = _signal_wanted("METRICS", otlp_endpoint)
-    # Validate everything before starting anything that would need stopping.
-    for signal, wanted in (("TRACES", want_traces), ("METRICS", want_metrics)):
-        if wanted:
-            _check_protocol(signal)
+    problems: list[str] = []
     exporters: list[str] = []
     readers: list[MetricReader] = list(metric_readers)
     server: WSGIServer | None = None
+    endpoint = _endpoint(otlp_endpoint)
+    span_exporter: SpanExporter | None = None
 
-    if want_metrics:
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    def attempt(what: str, make: Callable[[], None]) -> None:
+        try:
+            make()
+        except Exception as e:  # a telemetry setting must never stop the service
+            problems.append(f"{what}: {type(e).__name__}: {e}")
 
-        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=endpoint)))
-        exporters.append("otlp-metrics")
+    for signal in ("TRACES", "METRICS"):
+        if not _signal_wanted(signal, otlp_endpoint, problems):
+            continue
+        protocol = _protocol(signal, problems)
+        if protocol is None:
+            continue
+        if signal == "METRICS":
+
+            def add_metrics(protocol: str = protocol) -> None:
+                readers.append(PeriodicExportingMetricReader(_metric_exporter(protocol, endpoint)))
+                exporters.append("otlp-metrics")
+
+            attempt(f"OTLP metric exporter ({protocol})", add_metrics)
+        else:
+
+            def add_traces(protocol: str = protocol) -> None:
+                nonlocal span_exporter
+                span_exporter = _span_exporter(protocol, endpoint)
+                exporters.append("otlp-traces")
+
+            attempt(f"OTLP span exporter ({protocol})", add_traces)
     if prometheus_port is not None:
-        reader, server = _start_prometheus(prometheus_port, prometheus_addr)
-        readers.append(reader)
-        exporters.append("prometheus")
+        if not 0 <= prometheus_port <= 65535:
+            problems.append(f"prometheus_port must be in 0..65535, got {prometheus_port}")
+        else:
+
+            def add_prometheus() -> None:
+                nonlocal server
+                reader, server = _start_prometheus(prometheus_port, prometheus_addr)
+                readers.append(reader)
+                exporters.append("prometheus")
+
+            attempt("Prometheus exporter", add_prometheus)
 
     resource = _resource(service_name, resource_attributes)
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
     tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     for processor in span_processors:
         tracer_provider.add_span_processor(processor)
-    if want_traces:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-        exporters.append("otlp-traces")
+    if span_exporter is not None:
+        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    problems = list(dict.fromkeys(problems))  # one bad shared variable breaks both signals: say it once
+    for problem in problems:
+        _log.warning("%s telemetry: %s; continuing without it", service_name, problem)
 
     if set_global:
         _install_global(meter_provider, tracer_provider)
     return Telemetry(
-        service_name, meter_provider, tracer_provider, exporters=exporters, prometheus_server=server
+        service_name,
+        meter_provider,
+        tracer_provider,
+        exporters=exporters,
+        prometheus_server=server,
+        problems=problems,
     )
 
 

@@ -1,0 +1,136 @@
+"""Trace context across gRPC: W3C ``traceparent`` in call metadata, both directions.
+
+- Client side: :func:`traced_channel` wraps a channel with :class:`TraceContextInterceptor`, which
+  adds the *current* span's ``traceparent`` (and ``tracestate``) to every call's metadata, all four
+  call shapes. Without a current span nothing is added, so an untraced caller costs one lookup.
+- Server side: :func:`server_span` (used by :mod:`kvgrid.common.rpc` for every method of both
+  services) reads the caller's ``traceparent`` from the call's metadata and starts a SERVER span
+  named ``{service}/{method}`` as its child, with the OpenTelemetry RPC attributes
+  (``rpc.system=grpc``, ``rpc.service``, ``rpc.method``; ``rpc.grpc.status_code`` at the end).
+  A call without (or with a malformed) ``traceparent`` starts a new trace.
+
+The propagator is W3C Trace Context itself, not the process-global one: engines (vLLM) may install
+their own global propagators, and kvgrid's services must agree on the header whatever they chose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+__all__ = [
+    "TraceContextInterceptor",
+    "context_from_headers",
+    "inject_headers",
+    "server_span",
+    "traced_channel",
+]
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def inject_headers(ctx: otel_context.Context | None = None) -> dict[str, str]:
+    """``traceparent``/``tracestate`` of ``ctx`` (default: the current context); {} without a span."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return carrier
+
+
+def context_from_headers(headers: Mapping[str, str] | None) -> otel_context.Context | None:
+    """The remote parent carried by ``headers`` (e.g. vLLM's ``request.trace_headers``), None
+    when they carry none."""
+    if not headers:
+        return None
+    lowered = {k.lower(): v for k, v in headers.items()}
+    ctx = _PROPAGATOR.extract(lowered)
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+
+
+class _Details(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any  # grpc.aio and grpc type it differently
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: grpc.Compression | None
+
+
+class _CallDetails(_Details, grpc.ClientCallDetails):
+    """grpc.ClientCallDetails is an empty interface; the interceptor returns this concrete one."""
+
+
+def _with_context(details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+    headers = inject_headers()
+    if not headers:
+        return details
+    metadata = [(k, v) for k, v in (details.metadata or ()) if k not in headers]
+    metadata.extend(headers.items())
+    return _CallDetails(
+        details.method,
+        details.timeout,
+        metadata,
+        details.credentials,
+        getattr(details, "wait_for_ready", None),
+        getattr(details, "compression", None),
+    )
+
+
+class TraceContextInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the current span's trace context to every outgoing call's metadata."""
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(_with_context(details), request)
+
+    def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(_with_context(details), request)
+
+    def intercept_stream_unary(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
+        return continuation(_with_context(details), requests)
+
+    def intercept_stream_stream(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
+        return continuation(_with_context(details), requests)
+
+
+_INTERCEPTOR = TraceContextInterceptor()
+
+
+def traced_channel(channel: grpc.Channel) -> grpc.Channel:
+    """``channel`` propagating the caller's trace context; closing it closes ``channel``."""
+    return grpc.intercept_channel(channel, _INTERCEPTOR)
+
+
+def _remote_parent(context: grpc.ServicerContext) -> otel_context.Context | None:
+    carrier = {}
+    for key, value in context.invocation_metadata() or ():
+        if key in ("traceparent", "tracestate") and isinstance(value, str):
+            carrier[key] = value
+    return context_from_headers(carrier)
+
+
+@contextmanager
+def server_span(
+    tracer: trace.Tracer, service: str, method: str, context: grpc.ServicerContext
+) -> Iterator[Span]:
+    """A SERVER span for one call of ``service``/``method``, child of the caller's trace context,
+    current while the block runs (the method's own spans and outgoing calls nest under it)."""
+    with tracer.start_as_current_span(
+        f"{service}/{method}",
+        context=_remote_parent(context),
+        kind=SpanKind.SERVER,
+        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+        record_exception=False,  # the status code says what failed; tracebacks go to the log
+        set_status_on_exception=False,
+    ) as span:
+        yield span
