@@ -338,7 +338,7 @@ def _matmul_slowdown(variants: list[str]) -> list[dict[str, Any]]:
     torch.cuda.synchronize()
     one = _gpu_time(functools.partial(matmuls, 1), 5)[0]
     for variant in variants:
-        if variant not in ("staged", "direct"):
+        if VARIANTS_CUDA[variant]["mode"] not in ("staged", "direct"):
             continue
         plan = TransferPlan(groups, TOKENS_PER_CHUNK, **VARIANTS_CUDA[variant])
         ids = _ids(plan, 32, rng)

@@ -13,7 +13,10 @@ import ctypes
 import functools
 from typing import Any
 
-CU_GRAPH_NODE_TYPE_MEMCPY = 1  # CUgraphNodeType: KERNEL 0, MEMCPY 1, MEMSET 2, ...
+CU_GRAPH_NODE_TYPE_KERNEL = 0  # CUgraphNodeType: KERNEL 0, MEMCPY 1, MEMSET 2, ...
+CU_GRAPH_NODE_TYPE_MEMCPY = 1
+CU_LAUNCH_ATTRIBUTE_PRIORITY = 8
+CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY = 8
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
 CU_MEMORYTYPE_HOST = 1
 CU_MEMORYTYPE_DEVICE = 2
@@ -90,6 +93,8 @@ _SIG: dict[str, tuple[Any, ...]] = {
     "cuGraphMemcpyNodeGetParams": (_U64, ctypes.POINTER(Memcpy3D)),
     "cuGraphExecMemcpyNodeSetParams": (_U64, _U64, ctypes.POINTER(Memcpy3D), _U64),
     "cuGraphLaunch": (_U64, _U64),
+    "cuStreamGetPriority": (_U64, ctypes.POINTER(ctypes.c_int)),
+    "cuGraphKernelNodeSetAttribute": (_U64, ctypes.c_int, ctypes.c_void_p),
     "cuGraphExecDestroy": (_U64,),
     "cuGraphDestroy": (_U64,),
 }
@@ -150,25 +155,47 @@ class Driver:
         self.call("cuStreamEndCapture", stream, ctypes.byref(graph))
         return graph.value
 
-    def instantiate(self, graph: int) -> int:
+    def instantiate(self, graph: int, node_priority: bool = False) -> int:
+        """``node_priority``: kernels run at their nodes' priority, not the launch stream's."""
         exe = _U64()
-        self.call("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, 0)
+        flags = CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY if node_priority else 0
+        self.call("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, flags)
         return exe.value
 
-    def memcpy_nodes(self, graph: int) -> list[tuple[int, Memcpy3D]]:
-        """Every memcpy node of ``graph`` with its parameters."""
+    def stream_priority(self, stream: int) -> int:
+        prio = ctypes.c_int()
+        self.call("cuStreamGetPriority", stream, ctypes.byref(prio))
+        return prio.value
+
+    def set_kernel_priorities(self, graph: int, priority: int) -> int:
+        """Give every kernel node of ``graph`` ``priority``; returns how many there are."""
+        value = (ctypes.c_int * 16)(priority)  # CUlaunchAttributeValue: a 64-byte union, int first
+        nodes = self._nodes(graph, CU_GRAPH_NODE_TYPE_KERNEL)
+        for node in nodes:
+            attr = CU_LAUNCH_ATTRIBUTE_PRIORITY
+            self.call("cuGraphKernelNodeSetAttribute", node, attr, ctypes.byref(value))
+        return len(nodes)
+
+    def _nodes(self, graph: int, kind: int) -> list[int]:
         n = ctypes.c_size_t()
         self.call("cuGraphGetNodes", graph, None, ctypes.byref(n))
         nodes = (_U64 * n.value)()
         self.call("cuGraphGetNodes", graph, nodes, ctypes.byref(n))
         out = []
         for node in nodes[: n.value]:
-            kind = ctypes.c_int()
-            self.call("cuGraphNodeGetType", node, ctypes.byref(kind))
-            if kind.value == CU_GRAPH_NODE_TYPE_MEMCPY:
-                params = Memcpy3D()
-                self.call("cuGraphMemcpyNodeGetParams", node, ctypes.byref(params))
-                out.append((int(node), params))
+            t = ctypes.c_int()
+            self.call("cuGraphNodeGetType", node, ctypes.byref(t))
+            if t.value == kind:
+                out.append(int(node))
+        return out
+
+    def memcpy_nodes(self, graph: int) -> list[tuple[int, Memcpy3D]]:
+        """Every memcpy node of ``graph`` with its parameters."""
+        out = []
+        for node in self._nodes(graph, CU_GRAPH_NODE_TYPE_MEMCPY):
+            params = Memcpy3D()
+            self.call("cuGraphMemcpyNodeGetParams", node, ctypes.byref(params))
+            out.append((node, params))
         return out
 
     def destroy_graph(self, exe: int, graph: int) -> None:

@@ -262,6 +262,9 @@ class GraphRunner:
             torch.cuda.set_stream(caller)
         g = _Graph(graph, dev_ids)
         try:
+            # Captured kernel nodes would run at the graph's default priority, behind the engine's
+            # kernels; the regular path's gathers/scatters run on the high-priority kernel stream.
+            drv.set_kernel_priorities(graph, drv.stream_priority(ks))
             upload, dmas = self._index_nodes(g.graph, chunks, dev_ids.data_ptr(), host0.data_ptr(), n)
             if pieces is not None and len(dmas) != len(pieces):
                 raise RuntimeError(f"captured {len(dmas)} DMA nodes for {len(pieces)} pieces")
@@ -271,7 +274,7 @@ class GraphRunner:
                 host = host0 if i == 0 else _pinned(n)
                 hnp = host.numpy()
                 np.concatenate(template, out=hnp[:n])
-                exe = drv.instantiate(graph)
+                exe = drv.instantiate(graph, node_priority=True)
                 inst = _Instance(exe, host, hnp, torch.cuda.Event(enable_timing=True), [])
                 g.instances.append(inst)
                 if upload is not None and i > 0:
