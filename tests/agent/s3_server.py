@@ -74,10 +74,13 @@ def start_seaweedfs(directory: Path, bucket: str = "kvgrid-test") -> SeaweedFS:
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     log = directory / "weed.log"
     cmd = [
-        weed, "mini", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        weed, f"-logdir={directory}", "mini", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-master.port={ports[0]}", f"-volume.port={ports[1]}", f"-filer.port={ports[2]}",
         f"-s3.port={s3}", f"-admin.port={ports[4]}", "-admin.ui=false", "-webdav=false",
         "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={bucket}",
+        # Logs and local sockets in the test's directory, not /tmp (they would outlive the test).
+        f"-s3.localSocket={directory / 's3.sock'}",
+        f"-filer.localSocket={directory / 'filer.sock'}",
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
