@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "(--engine vllm: real vLLM CPU engines, TTFT with and without kvgrid)",
     ),
     "lookup": ("kvgrid.controller.lookup_cli", "ask a controller: match a prefix, score pods, agents, stats"),
+    "router": ("kvgrid.router.cli", "OpenAI-compatible proxy: each request to the pod Score ranks best"),
 }
 
 # kvgrid bench <name> -> (module, one-line help).
