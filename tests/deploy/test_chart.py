@@ -71,6 +71,27 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
     },
     "no-metrics": {"metrics": {"enabled": False}, "examples": {"vllm": {"enabled": True}}},
+    "tls-secrets": {
+        "tls": {
+            "provider": "existingSecrets",
+            "existingSecrets": {"controller": "ctrl-tls", "agent": "agent-tls"},
+        },
+        "examples": {"vllm": {"enabled": True}},
+    },
+    "tls-off": {
+        "tls": {"enabled": False},
+        "networkPolicy": {"enabled": False},
+        "examples": {"vllm": {"enabled": True}},
+    },
+    "tp2-per-gpu-per-pod": {
+        "tls": {
+            "agentIdentity": "perPod",
+            "certManager": {"issuerRef": {"name": "corp", "kind": "ClusterIssuer"}},
+        },
+        "agent": {"sidecarsPerPod": 2},
+        "monitoring": {"podMonitor": {"anyNamespace": True}, "labels": {"release": "prometheus"}},
+        "examples": {"vllm": {"enabled": True, "gpus": 2, "extraArgs": ["--tensor-parallel-size", "2"]}},
+    },
     "agent-only": {
         "controller": {"enabled": False},
         "agent": {"controllerAddress": "kvgrid.shared.svc:50061", "shm": {"enabled": False}},
@@ -104,7 +125,7 @@ def _tool(name: str) -> str:
 # --- helm lint ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["defaults", "example", "redis-url", "agent-only"])
+@pytest.mark.parametrize("name", ["defaults", "example", "redis-url", "agent-only", "tls-secrets", "tls-off"])
 def test_helm_lint_passes(helm: list[str], tmp_path: Path, name: str) -> None:
     proc = _run([*helm, "lint", "--strict", str(CHART), *_values_args(VALUE_SETS[name], tmp_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -229,7 +250,11 @@ def test_controller_args_build_a_real_controller_config(helm: list[str], tmp_pat
     assert cfg.prefill_tokens_per_s == 20000.0
     assert cfg.prometheus_port == 9400
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": 50061, "metrics": 9400}
+    assert ports == {"grpc": 50061, "metrics": 9400, "health": 50071}
+    # TLS is on: the kubelet's gRPC probes use the plaintext health-only listener.
+    assert cfg.health_port == 50071
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": cfg.health_port}
     service = _find(docs, "Service", name)
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 50061, "metrics": 9400}
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
@@ -298,7 +323,8 @@ def test_example_engine_pod_wiring(helm: list[str], tmp_path: Path) -> None:
     agent, vllm = _container(pod, "kvgrid-agent"), _container(pod, "vllm")
     # Native sidecar: an init container that keeps running, ready (startup probe) before vLLM starts.
     assert agent in pod["initContainers"] and agent["restartPolicy"] == "Always"
-    assert agent["startupProbe"]["grpc"]["port"] == 50062
+    # mTLS on the agent port: the kubelet (no client certificate) probes it by TCP connect.
+    assert agent["startupProbe"]["tcpSocket"]["port"] == 50062
     # The engine's pid is visible to the agent (it drops registrations of exited engines).
     assert pod["shareProcessNamespace"] is True
     # One emptyDir holds the socket; both containers mount it at the socket's directory.
@@ -336,7 +362,8 @@ def test_example_engine_pod_wiring(helm: list[str], tmp_path: Path) -> None:
     assert _literal_env(agent)["NVIDIA_VISIBLE_DEVICES"] == "all"
     # The engine pod's prometheus.io/* annotations stay vLLM's: the PodMonitor scrapes the agent by
     # its named metrics port, and selects the pod by the label the example carries.
-    assert not any(k.startswith("prometheus.io/") for k in template["metadata"].get("annotations", {}))
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(vllm["ports"][0]["containerPort"]) == "8000"
     monitor = _find(docs, "PodMonitor", f"{RELEASE}-kvgrid-agents")
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     ports = {p["name"]: p["containerPort"] for p in agent["ports"]}

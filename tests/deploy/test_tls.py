@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgrid.agent.config import AgentConfig
 from kvgrid.api.v1 import controller_pb2, controller_pb2_grpc
@@ -202,10 +203,15 @@ def test_tls_off_renders_the_plaintext_setup_and_warns(helm: list[str], tmp_path
     values = {"tls": {"enabled": False}, **EXAMPLE}
     docs = template(helm, values, tmp_path, crds=False)
     assert not [d for d in docs if d["kind"] in ("Certificate", "Issuer")]
-    for pod, name in ((_controller_pod(docs), "controller"), (_engine_pod(docs), "kvgrid-agent")):
+    for pod, name, port in (
+        (_controller_pod(docs), "controller", 50061),
+        (_engine_pod(docs), "kvgrid-agent", 50062),
+    ):
         c = container(pod, name)
         assert not [e for e in c.get("env", []) if e["name"].startswith("KVGRID_TLS_")]
         assert MOUNT not in [m["mountPath"] for m in c["volumeMounts"]]
+        assert c["readinessProbe"]["grpc"] == {"port": port}  # plaintext: gRPC health on the service port
+        assert not [a for a in c["args"] if a.startswith("--health-port")]
     # NOTES.txt (printed by helm install) carries the warning.
     proc = run(
         [
@@ -323,15 +329,25 @@ def _run_rendered(
     ctrl_env = _pod_env(ctrl, {"POD_UID": "ctrl-uid", "POD_NAME": "ctrl-0"}, ctrl_files)
     engine = _engine_pod(docs)
     sidecars = [c for c in engine["initContainers"] if c["name"].startswith("kvgrid-agent")]
-    with _process(
-        [sys.executable, "-m", "kvgrid.cli", "controller", "--listen", address, "--log-level", "WARNING"],
-        ctrl_env,
-    ):
+    # The kubelet probes the port the rendered probe names; it is the rendered --health-port.
+    probe_port = ctrl["readinessProbe"]["grpc"]["port"]
+    assert f"--health-port={probe_port}" in ctrl["args"]
+    health = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "kvgrid.cli", "controller", "--listen", address, "--log-level", "WARNING"]
+    with _process([*cmd, "--health-port", health.rpartition(":")[2]], ctrl_env):
         router_files = certs[f"{RELEASE}-kvgrid-router-tls"]
         _wait("the controller serving mTLS", lambda: _serving(address, router_files))
+        assert _plaintext_health(health) == health_pb2.HealthCheckResponse.SERVING  # what the kubelet sees
+        with pytest.raises(grpc.RpcError):  # while the service port wants a client certificate
+            _plaintext_health(address)
         with _agents(sidecars, engine, tmp_path, certs, ca, pod_uid, address) as expected:
             _wait("the agents registered", lambda: _registered_pods(address, router_files) >= expected, 30)
             return _registered_pods(address, router_files)
+
+
+def _plaintext_health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return int(health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status)
 
 
 def _serving(address: str, files: Path) -> bool:

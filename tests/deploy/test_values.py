@@ -142,7 +142,7 @@ def test_a_53_character_release_keeps_every_name_a_dns_label(
     for doc in docs:
         validate(doc)  # Services are DNS-1035 labels, the schemas check the rest
     suffixes = {n.rsplit("-", 1)[-1] for _, n in names}
-    assert {"controller", "vllm", "headless", "tls"} <= suffixes  # the suffix survives truncation
+    assert {"controller", "controllers", "vllm", "tls"} <= suffixes  # the suffix survives truncation
 
 
 def test_a_top_level_typo_is_refused(helm: list[str], tmp_path: Path) -> None:
@@ -204,7 +204,7 @@ def test_several_replicas_get_a_pdb_a_headless_service_and_a_surge_rollout(
     selector = deployment["spec"]["selector"]["matchLabels"]
     pdb = find(docs, "PodDisruptionBudget", name)
     assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"]["matchLabels"] == selector
-    headless = find(docs, "Service", f"{RELEASE}-kvgrid-headless")
+    headless = find(docs, "Service", f"{RELEASE}-kvgrid-controllers")
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["selector"] == selector
     assert deployment["spec"]["strategy"] == {
         "type": "RollingUpdate",
@@ -216,7 +216,7 @@ def test_several_replicas_get_a_pdb_a_headless_service_and_a_surge_rollout(
     assert pref["podAffinityTerm"]["labelSelector"]["matchLabels"] == selector
     # The controller certificate names the headless Service too (routers dial it).
     cert = find(docs, "Certificate", f"{RELEASE}-kvgrid-controller-tls")
-    assert f"{RELEASE}-kvgrid-headless.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
+    assert f"{RELEASE}-kvgrid-controllers.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
 
 
 def test_the_memory_index_is_replaced_not_surged(helm: list[str], tmp_path: Path) -> None:

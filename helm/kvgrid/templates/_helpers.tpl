@@ -273,18 +273,18 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
       containerPort: {{ include "kvgrid.agentMetricsPort" $c }}
       protocol: TCP
     {{- end }}
+  {{- /* The kubelet's gRPC probe cannot do mTLS: with TLS on, the agent's port is probed by TCP
+  connect (the agent has no plaintext health port yet; the controller has, see controller.healthPort). */}}
+  {{- $probe := ternary (dict "grpc" (dict "port" $port)) (dict "tcpSocket" (dict "port" $port)) (eq (include "kvgrid.tlsProvider" $root) "off") }}
   startupProbe:
-    grpc:
-      port: {{ $port }}
+    {{- toYaml $probe | nindent 4 }}
     periodSeconds: 2
     failureThreshold: 150
   readinessProbe:
-    grpc:
-      port: {{ $port }}
+    {{- toYaml $probe | nindent 4 }}
     periodSeconds: 10
   livenessProbe:
-    grpc:
-      port: {{ $port }}
+    {{- toYaml $probe | nindent 4 }}
     periodSeconds: 20
     failureThreshold: 3
   volumeMounts:
@@ -354,6 +354,9 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 {{- if .Values.metrics.enabled }}
 - {{ printf "--prometheus-port=%d" (int .Values.controller.metricsPort) | quote }}
 {{- end }}
+{{- if ne (include "kvgrid.tlsProvider" .) "off" }}
+- {{ printf "--health-port=%d" (int .Values.controller.healthPort) | quote }}
+{{- end }}
 {{- if .Values.controller.config }}
 - "--config=/etc/kvgrid/config/controller.yaml"
 {{- end }}
@@ -371,9 +374,9 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 {{- if and $c.enabled (eq $c.index.backend "redis") (not $c.index.redis.url) (not $c.index.redis.existingSecret) }}
 {{- fail "controller.index.backend=redis needs controller.index.redis.url (e.g. redis://valkey:6379/0) or controller.index.redis.existingSecret naming a Secret that holds the URL" }}
 {{- end }}
-{{- range $key := list "listen" "index_backend" "redis_url" "redis_prefix" "lease_ttl_ms" "grpc_workers" "prometheus_port" "tls_cert_file" "tls_key_file" "tls_ca_file" "tls_trust_domain" }}
+{{- range $key := list "listen" "index_backend" "redis_url" "redis_prefix" "lease_ttl_ms" "grpc_workers" "prometheus_port" "health_port" "tls_cert_file" "tls_key_file" "tls_ca_file" "tls_trust_domain" }}
 {{- if hasKey $c.config $key }}
-{{- fail (printf "controller.config.%s is set by the chart (a flag wins over the config file); use the dedicated value instead (see values.yaml: controller.port, controller.index.*, controller.leaseTtlMs, controller.grpcWorkers, controller.metricsPort, tls.*)" $key) }}
+{{- fail (printf "controller.config.%s is set by the chart (a flag wins over the config file); use the dedicated value instead (see values.yaml: controller.port, controller.index.*, controller.leaseTtlMs, controller.grpcWorkers, controller.metricsPort, controller.healthPort, tls.*)" $key) }}
 {{- end }}
 {{- end }}
 {{- $n := int .Values.agent.sidecarsPerPod }}
@@ -413,5 +416,8 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 {{- end }}
 {{- if and .Values.metrics.enabled (eq (int $c.metricsPort) (int $c.port)) }}
 {{- fail (printf "controller.metricsPort=%d equals controller.port: expected two different ports" (int $c.port)) }}
+{{- end }}
+{{- if or (eq (int $c.healthPort) (int $c.port)) (and .Values.metrics.enabled (eq (int $c.healthPort) (int $c.metricsPort))) }}
+{{- fail (printf "controller.healthPort=%d equals controller.port or controller.metricsPort: expected its own port" (int $c.healthPort)) }}
 {{- end }}
 {{- end }}
