@@ -3,15 +3,17 @@
 ``Tier`` keeps, in memory, which (namespace, key) records its store holds, with each record's
 layout, size and checksum, in LRU order. ``TierChain`` orders the tiers (fastest first: disk,
 then the object store) and runs the **background writer**: chunks evicted from L1 are queued by
-the cache (``submit``) and written by one thread, off the request path; making room in a full
-tier demotes its least recently used records to the next tier (or drops them from the last).
+the cache (``submit``), hashed on one thread and written on another, off the request path; making
+room in a full tier demotes its least recently used records to the next tier (or drops them from
+the last). Reads back into L1 (``read_many``) are pipelined: record i+1 is read while record i is
+verified.
 
 Invariants:
 
 - Only the writer thread adds records or evicts them, so capacity accounting needs no
   reservation: ``used_bytes <= capacity_bytes`` after every write.
-- A read (``read_into``) serves bytes only when the record's header matches the (namespace, key)
-  asked for, its layout and size match the index, and the payload's XXH3-128 matches the
+- A read (``read_into``, ``read_many``) serves bytes only when the record's header matches the
+  (namespace, key) asked for, its layout and size match the index, and the payload's XXH3-128 matches the
   checksum recorded when it was written; anything else is counted as a checksum mismatch (or an
   error), the record is dropped, and the read is a miss. Nothing unverified reaches L1.
 - Reads name (namespace, key) and see only records of that namespace (tenant isolation); a
