@@ -314,15 +314,20 @@ class RpcServer:
         except RuntimeError:  # newer grpcio raises instead of returning 0
             return 0
 
-    def start(self) -> None:
+    def start(self, *, serving: bool = True) -> None:
+        """Serve; health says SERVING for ``""`` and every added service, or NOT_SERVING with
+        ``serving=False`` (a service that decides its readiness itself sets ``self.health``)."""
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         reflection.enable_server_reflection(
             (*self.service_names, health_name, reflection.SERVICE_NAME), self.server
         )
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):  # before start: no call sees a status it should not
+            self.health.set(name, status)
         self.server.start()
-        for name in ("", *self.service_names):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def stop(self, grace: float | None) -> None:
         """Stop serving; waits until in-flight calls ended or ``grace`` passed."""

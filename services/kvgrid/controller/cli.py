@@ -24,15 +24,15 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     cfg = config_from_args(ControllerConfig, args)
+    from kvgrid.common.telemetry import setup_telemetry
     from kvgrid.controller.service import serve
 
-    telemetry = None
-    try:
-        from kvgrid.common.telemetry import setup_telemetry
-
-        telemetry = setup_telemetry("kvgrid-controller", prometheus_port=cfg.prometheus_port or None)
-    except Exception as e:  # metrics are optional; never keep the service from starting
-        logging.getLogger(__name__).warning("telemetry disabled: %s", e)
+    # Never raises for a telemetry setting: a bad one is logged and that exporter left out.
+    telemetry = setup_telemetry(
+        "kvgrid-controller",
+        prometheus_port=cfg.prometheus_port or None,
+        otlp_endpoint=cfg.otlp_endpoint or None,
+    )
     done = threading.Event()
 
     def _stop(signum: int, _frame: object) -> None:
@@ -45,8 +45,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvgrid controller listening on {server.address} (index: {cfg.index_backend})", flush=True)
     done.wait()
     server.stop()
-    if telemetry is not None:
-        telemetry.shutdown()
+    telemetry.shutdown()
     return 0
 
 

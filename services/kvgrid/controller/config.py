@@ -131,6 +131,30 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True):
             "cannot do mTLS), on the listen host; 0 = none",
         ),
     ] = 0
+    readiness_settle_ms: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="after start, health stays NOT_SERVING at least this long so agents can register "
+            "again (set it to the agents' reconnect_max_backoff_ms with the memory index); then it turns "
+            "SERVING once every registered agent's snapshot is pulled and the index backend answers",
+        ),
+    ] = 0
+    readiness_max_wait_ms: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="SERVING after this long from start even if some agent's snapshot pull has not "
+            "finished (an unreachable agent must not keep the controller out of service)",
+        ),
+    ] = 30_000
+    otlp_endpoint: Annotated[
+        str,
+        msgspec.Meta(
+            description="OTLP collector for traces and metrics, e.g. otel-collector:4317 (empty: "
+            "OTEL_EXPORTER_OTLP_ENDPOINT, if set)"
+        ),
+    ] = ""
     tls_cert_file: Annotated[
         str,
         msgspec.Meta(

@@ -27,18 +27,22 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import msgspec
 from grpc_health.v1 import health_pb2_grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2
 from kvgrid.common.authz import ANY_ROLE, Authorizer, Identity, Policy, Role, caller
 from kvgrid.common.errors import KvgridError, PermissionDenied, Unavailable, within
 from kvgrid.common.rpc import RpcServer, ServerOptions
 from kvgrid.common.tls import AGENT_SERVER_NAME, Channels, ClientTls, server_credentials
+from kvgrid.common.tracing import traced_channel
 from kvgrid.common.wire import pod_identity_from_proto
 from kvgrid.controller import wire
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.core import Controller, PackedQueries, Query
 from kvgrid.controller.index import ChunkIndex, make_index
 from kvgrid.controller.ingest import AgentSnapshot
+from kvgrid.controller.readiness import Readiness, ReadinessWatcher
 from kvgrid.controller.registry import AgentRecord
 
 if TYPE_CHECKING:
@@ -86,21 +90,32 @@ class AgentSnapshots:
     """Pulls ``AgentService.Snapshot`` from a record's ``agent_address`` (one channel per address;
     mTLS with the controller's certificate when ``tls`` is set)."""
 
-    def __init__(self, tls: ClientTls | None = None) -> None:
+    def __init__(self, tls: ClientTls | None = None, tracer: trace.Tracer | None = None) -> None:
         self._channels = Channels(tls, AGENT_SERVER_NAME, [("grpc.max_receive_message_length", 256 << 20)])
+        self._tracer: trace.Tracer = tracer if tracer is not None else trace.NoOpTracer()
 
     def __call__(self, record: AgentRecord, timeout_s: float) -> AgentSnapshot:
         addr = record.pod.agent_address
         if not addr:
             raise ValueError(f"pod {record.pod.pod_uid!r} registered without agent_address; cannot pull")
-        ch = self._channels.get(addr)
-        try:
-            snap = agent_pb2_grpc.AgentServiceStub(ch).Snapshot(
-                agent_pb2.SnapshotRequest(), timeout=timeout_s
-            )
-        except grpc.RpcError as e:
-            raise Unavailable(f"snapshot from {addr}: {e.code() if hasattr(e, 'code') else e}") from None
-        return wire.agent_snapshot_from_proto(snap)
+        # A pull is the root of its own trace (a resync thread); the agent's Snapshot span is its child.
+        with self._tracer.start_as_current_span(
+            "controller.snapshot_pull",
+            kind=SpanKind.CLIENT,
+            attributes={"kvgrid.pod_uid": record.pod.pod_uid, "server.address": addr},
+        ) as span:
+            ch = traced_channel(self._channels.get(addr))
+            try:
+                snap = agent_pb2_grpc.AgentServiceStub(ch).Snapshot(
+                    agent_pb2.SnapshotRequest(), timeout=timeout_s
+                )
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else e
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(code)))
+                raise Unavailable(f"snapshot from {addr}: {code}") from None
+            out = wire.agent_snapshot_from_proto(snap)
+            span.set_attribute("kvgrid.snapshot.last_sequence", out.last_sequence)
+            return out
 
     def close(self) -> None:
         self._channels.close()
@@ -109,8 +124,9 @@ class AgentSnapshots:
 class ControllerServicer:
     """One method per RPC of ControllerService: convert, call the core, convert back."""
 
-    def __init__(self, ctl: Controller) -> None:
+    def __init__(self, ctl: Controller, tracer: trace.Tracer | None = None) -> None:
         self.ctl = ctl
+        self.tracer: trace.Tracer = tracer if tracer is not None else trace.NoOpTracer()
         # A registration's ownership check and the registration itself happen as one step.
         self._register_lock = threading.Lock()
 
@@ -137,7 +153,13 @@ class ControllerServicer:
             if req.HasField("pod") and req.pod.pod_uid not in pods:
                 self._act_for(req.pod.pod_uid, "PublishEvents")
                 pods.append(req.pod.pod_uid)
-            yield req
+            # One span per message (a batch of events), child of the stream's server span; it ends
+            # when the core asks for the next message, i.e. once this one is applied.
+            with self.tracer.start_as_current_span(
+                "PublishEvents batch",
+                attributes={"kvgrid.events": len(req.events), "kvgrid.pod_uid": pods[-1] if pods else ""},
+            ):
+                yield req
 
     def _answered(self, rpc: str, queries: int) -> None:
         if self.ctl.metrics is not None:
@@ -234,8 +256,11 @@ class Server(msgspec.Struct):
     health_server: Any = None
     health_address: str = ""
     """host:port of the plaintext health-only listener ("" when ``health_port`` is 0)."""
+    readiness: ReadinessWatcher | None = None
 
     def stop(self, grace: float | None = 0.5) -> None:
+        if self.readiness is not None:
+            self.readiness.stop()
         if self.health_server is not None:
             self.health_server.stop(0)
         self.grpc_server.stop(grace).wait()
@@ -251,10 +276,12 @@ def serve(
 
     With ``telemetry`` (from :func:`kvgrid.common.telemetry.setup_telemetry`) the controller
     records its ``kvgrid_controller_*`` metrics and the toolkit its ``kvgrid_rpc_server_*`` ones on
-    ``telemetry.meter``.
+    ``telemetry.meter``, and spans (every RPC, each PublishEvents message, snapshot pulls) on
+    ``telemetry.tracer``. Health is NOT_SERVING until :mod:`kvgrid.controller.readiness` says ready.
     """
     tls = cfg.tls
-    snapshots = AgentSnapshots(ClientTls(tls) if tls is not None else None)
+    tracer = telemetry.tracer if telemetry is not None else None
+    snapshots = AgentSnapshots(ClientTls(tls) if tls is not None else None, tracer)
     ctl = Controller(cfg, index, telemetry, snapshots=snapshots)
     rpc = RpcServer(
         ServerOptions(
@@ -264,8 +291,9 @@ def serve(
         ),
         telemetry.meter if telemetry is not None else None,
         authorizer=Authorizer(POLICY, cfg.tls_trust_domain) if tls is not None else None,
+        tracer=tracer,
     )
-    servicer = ControllerServicer(ctl)
+    servicer = ControllerServicer(ctl, tracer)
     rpc.add_service(_SERVICE, servicer, on_error=servicer.rejected)
     port = rpc.bind(cfg.listen, server_credentials(tls) if tls is not None else None)
     if port == 0:
@@ -286,7 +314,16 @@ def serve(
             raise ValueError(f"health_port={cfg.health_port}: could not bind on {host}")
         health_address = f"{host}:{hport}"
     ctl.start()
-    rpc.start()
+    # Both listeners share rpc.health: the kubelet's probe sees the same readiness as gRPC clients.
+    readiness = ReadinessWatcher(
+        Readiness(ctl, settle_s=cfg.readiness_settle_ms / 1000, max_wait_s=cfg.readiness_max_wait_ms / 1000),
+        rpc.health,
+        rpc.service_names,
+    )
+    if telemetry is not None:
+        readiness.observe(telemetry.meter)
+    rpc.start(serving=False)
+    readiness.start()
     if health_server is not None:
         health_server.start()
     return Server(
@@ -296,4 +333,5 @@ def serve(
         snapshots=snapshots,
         health_server=health_server,
         health_address=health_address,
+        readiness=readiness,
     )
