@@ -18,7 +18,8 @@ COPY --from=build /opt/kvgrid /opt/kvgrid
 ENV PATH=/opt/kvgrid/bin:$PATH \
     PYTHONUNBUFFERED=1
 USER 65532:65532
-# 50061: ControllerService gRPC; 9400: Prometheus /metrics when enabled.
-EXPOSE 50061 9400
+# 50061: ControllerService gRPC; 9400: Prometheus /metrics when enabled; 50071: plaintext gRPC health
+# for kubelet probes when the service port needs mTLS (--health-port; the chart sets it with TLS on).
+EXPOSE 50061 9400 50071
 ENTRYPOINT ["kvgrid"]
 CMD ["controller", "--listen=0.0.0.0:50061"]

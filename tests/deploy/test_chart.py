@@ -522,6 +522,23 @@ def test_hadolint_passes(dockerfile: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_dockerfiles_expose_the_ports_the_services_and_chart_use() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    exposed = {
+        name: set(re.findall(r"^EXPOSE (.+)$", (DOCKER / f"{name}.Dockerfile").read_text(), re.M)[0].split())
+        for name in ("agent", "controller")
+    }
+    agent, controller = values["agent"], values["controller"]
+    assert exposed["agent"] == {str(AgentConfig().tcp_port), str(agent["port"]), str(agent["metricsPort"])}
+    listen_port = ControllerConfig().listen.rpartition(":")[2]
+    assert exposed["controller"] == {
+        listen_port,
+        str(controller["port"]),
+        str(controller["metricsPort"]),
+        str(controller["healthPort"]),
+    }
+
+
 def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM debian\nRUN apt-get update && apt-get install curl\nRUN cd /tmp\n")
