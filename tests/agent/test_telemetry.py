@@ -56,14 +56,14 @@ def test_store_retrieve_lookup_are_measured_and_traced(tmp_path: Path) -> None:
     core.retrieve("e", "r", keys, block_ids(8, 3))
 
     p = points(reader)
-    moved = {a["direction"]: v for a, v in p["kvgrid_agent_transfer_bytes"]}
+    moved = {a["direction"]: v for a, v in p["kvgrid_agent_transfer"]}
     assert moved == {"store": 2 * inst.bytes_per_chunk, "retrieve": 2 * inst.bytes_per_chunk}
     lookups = {a["result"]: v for a, v in p["kvgrid_agent_lookup_chunks"]}
     assert lookups == {"hit": 2, "miss_not_found": 1}
     assert dict((a["result"], v) for a, v in p["kvgrid_agent_store_chunks"]) == {"stored": 2}
     assert p["kvgrid_agent_l1_chunks"] == [({}, 2)]
-    assert p["kvgrid_agent_l1_capacity_bytes"] == [({}, 1 << 20)]
-    assert p["kvgrid_agent_l1_used_bytes"][0][1] == 2 * 5 * 4096  # 19456 bytes -> 5 pages each
+    assert p["kvgrid_agent_l1_capacity"] == [({}, 1 << 20)]
+    assert p["kvgrid_agent_l1_used"][0][1] == 2 * 5 * 4096  # 19456 bytes -> 5 pages each
     assert {a["direction"] for a, _ in p["kvgrid_agent_transfer_duration"]} == {"store", "retrieve"}
     names = [s.name for s in spans.get_finished_spans()]
     assert names == ["agent.register", "agent.store", "agent.lookup", "agent.retrieve"]

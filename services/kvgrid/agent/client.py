@@ -22,6 +22,7 @@ from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.groups import EngineGroupInfo, to_proto
 from kvgrid.common.hashing import KeyNamespace
 from kvgrid.common.tls import AGENT_SERVER_NAME, ClientTls, make_channel
+from kvgrid.common.tracing import traced_channel
 from kvgrid.common.wire import block_ids_to_proto, key_namespace_to_proto
 
 __all__ = ["AgentClient", "agent_target"]
@@ -53,14 +54,17 @@ class AgentClient:
         self.target = agent_target(address)
         self.timeout_s = timeout_s
         unix = self.target.startswith(("unix:", "unix-abstract:"))
-        self.channel = make_channel(
-            self.target,
-            None if unix else tls,
-            AGENT_SERVER_NAME,
-            [
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
+        # traced: the caller's current span (the connector's) is the parent of the agent's spans
+        self.channel = traced_channel(
+            make_channel(
+                self.target,
+                None if unix else tls,
+                AGENT_SERVER_NAME,
+                [
+                    ("grpc.max_receive_message_length", max_message_bytes),
+                    ("grpc.max_send_message_length", max_message_bytes),
+                ],
+            )
         )
         self._calls: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._streams: dict[str, grpc.UnaryStreamMultiCallable] = {}

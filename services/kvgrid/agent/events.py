@@ -12,6 +12,12 @@ If more than ``max_buffer`` events pile up (controller unreachable for long) the
 the controller then sees a gap in the sequence numbers and pulls a snapshot from the agent's
 ``Snapshot`` RPC, which is the recovery path for every inconsistency (the agent is the source of
 truth for its pod).
+
+Connection state (``EventPublisher.state``, exported as ``kvgrid_agent_controller_connection_state``):
+``disconnected`` (no session: before the first attempt, or backing off after a failure) ->
+``registering`` (channel open, RegisterAgent in flight) -> ``connected`` (registered, event stream
+and heartbeats running) -> back to ``disconnected`` on any failure. Each session after the first
+counts as one reconnect (``kvgrid_agent_controller_reconnects``).
 """
 
 from __future__ import annotations
@@ -24,15 +30,19 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Observation
 
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.identity import PodIdentity
 from kvgrid.common.tls import CONTROLLER_SERVER_NAME, ClientTls, make_channel
 from kvgrid.common.wire import pod_identity_to_proto
 
-__all__ = ["AgentLoadFn", "EventLog", "EventPublisher", "LoggedEvent"]
+__all__ = ["CONNECTION_STATES", "AgentLoadFn", "EventLog", "EventPublisher", "LoggedEvent"]
 
 log = logging.getLogger(__name__)
+
+CONNECTION_STATES = ("disconnected", "registering", "connected")
 
 
 @dataclass(frozen=True)
@@ -143,9 +153,11 @@ class EventPublisher:
         initial_backoff_s: float = 0.2,
         max_backoff_s: float = 10.0,
         tls: ClientTls | None = None,
+        meter: metrics.Meter | None = None,
     ) -> None:
         """``tls``: mTLS to the controller (credentials re-read per connection, so a rotated
-        certificate is used from the next reconnect on); None = plaintext."""
+        certificate is used from the next reconnect on); None = plaintext. ``meter``: export the
+        connection state and reconnects."""
         self.address = controller_address
         self.tls = tls
         self.log = log_
@@ -163,6 +175,30 @@ class EventPublisher:
         self.connected = threading.Event()
         self.connects = 0
         self.resyncs_requested = 0
+        self.state = "disconnected"
+        self.reconnects = 0
+        self._sessions = 0
+        if meter is not None:
+            self._instruments(meter)
+
+    def _instruments(self, meter: metrics.Meter) -> None:
+        def states(_opts: CallbackOptions) -> list[Observation]:
+            current = self.state
+            return [Observation(int(st == current), {"state": st}) for st in CONNECTION_STATES]
+
+        meter.create_observable_gauge(
+            "kvgrid_agent_controller_connection_state",
+            [states],
+            unit="1",
+            description="1 for the agent's current connection state to the controller "
+            "(disconnected, registering, connected), 0 for the others",
+        )
+        meter.create_observable_counter(
+            "kvgrid_agent_controller_reconnects",
+            [lambda _opts: [Observation(self.reconnects)]],
+            unit="{reconnect}",
+            description="Sessions with the controller started after an earlier one ended or failed",
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -193,6 +229,7 @@ class EventPublisher:
                 )
             finally:
                 self.connected.clear()
+                self.state = "disconnected"
             if self._stop.is_set():
                 break
             # Full jitter keeps a fleet of agents from reconnecting in lockstep after an outage.
@@ -202,6 +239,10 @@ class EventPublisher:
     def _session(self) -> None:
         self._reconnect.clear()
         pod_pb = pod_identity_to_proto(self.pod)
+        self._sessions += 1
+        if self._sessions > 1:
+            self.reconnects += 1
+        self.state = "registering"
         with make_channel(self.address, self.tls, CONTROLLER_SERVER_NAME) as channel:
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
             resp = stub.RegisterAgent(
@@ -219,6 +260,7 @@ class EventPublisher:
                 self.pod.epoch,
                 resp.lease_ttl_ms,
             )
+            self.state = "connected"
             self.connected.set()
             call = stub.PublishEvents(self._requests(pod_pb))
             hb = threading.Thread(target=self._heartbeats, args=(stub, call), daemon=True)

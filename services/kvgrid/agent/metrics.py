@@ -1,6 +1,10 @@
 """The agent's OpenTelemetry instruments (names ``kvgrid_agent_*``).
 
 Gauges are observed from the cache when a reader collects, so they cost nothing per request.
+Naming follows the OpenTelemetry conventions: no unit in an instrument's name, the unit in ``unit``
+(``By``, ``s``, ``{chunk}``...); the Prometheus exporter appends it (``kvgrid_agent_l1_used`` in
+``By`` is scraped as ``kvgrid_agent_l1_used_bytes``, counters get ``_total``). docs/telemetry.md
+lists every metric.
 """
 
 from __future__ import annotations
@@ -28,32 +32,37 @@ class AgentMetrics:
             return lambda _opts: [Observation(fn(self._stats()))]
 
         meter.create_observable_gauge(
-            "kvgrid_agent_l1_used_bytes",
+            "kvgrid_agent_l1_used",
             [gauge(lambda s: s.used_bytes)],
             unit="By",
             description="L1 bytes in use",
         )
         meter.create_observable_gauge(
-            "kvgrid_agent_l1_capacity_bytes",
+            "kvgrid_agent_l1_capacity",
             [gauge(lambda s: s.capacity_bytes)],
             unit="By",
             description="L1 pool size",
         )
         meter.create_observable_gauge(
-            "kvgrid_agent_l1_chunks", [gauge(lambda s: s.num_chunks)], description="Chunks held in L1"
+            "kvgrid_agent_l1_chunks",
+            [gauge(lambda s: s.num_chunks)],
+            unit="{chunk}",
+            description="Chunks held in L1",
         )
         meter.create_observable_gauge(
             "kvgrid_agent_l1_pinned_chunks",
             [gauge(lambda s: s.num_pins)],
+            unit="{pin}",
             description="Chunk pins held by lookups",
         )
         meter.create_observable_counter(
             "kvgrid_agent_evictions",
             [gauge(lambda s: s.evictions)],
+            unit="{chunk}",
             description="Chunks evicted from L1",
         )
         meter.create_observable_counter(
-            "kvgrid_agent_evicted_bytes",
+            "kvgrid_agent_evicted",
             [gauge(lambda s: s.evicted_bytes)],
             unit="By",
             description="Bytes evicted",
@@ -61,22 +70,26 @@ class AgentMetrics:
         meter.create_observable_gauge(
             "kvgrid_agent_instances",
             [lambda _opts: [Observation(instances())]],
+            unit="{instance}",
             description="Registered engine instances",
         )
         self.lookup_chunks = meter.create_counter(
             "kvgrid_agent_lookup_chunks",
+            unit="{chunk}",
             description="Chunks asked for by lookups, by result (hit, or miss with its cause)",
         )
         self.retrieve_chunks = meter.create_counter(
             "kvgrid_agent_retrieve_chunks",
+            unit="{chunk}",
             description="Chunks asked for by retrieves, by result (hit, or miss with its cause)",
         )
         self.stored_chunks = meter.create_counter(
             "kvgrid_agent_store_chunks",
+            unit="{chunk}",
             description="Chunks in store requests, by result (stored, present, skipped, dropped)",
         )
         self.bytes_moved = meter.create_counter(
-            "kvgrid_agent_transfer_bytes",
+            "kvgrid_agent_transfer",
             unit="By",
             description="Bytes copied, by direction (store, retrieve)",
         )

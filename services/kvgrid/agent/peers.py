@@ -37,6 +37,7 @@ from kvgrid.common.checksum import ChecksumMismatch, chunk_checksum, verify_chec
 from kvgrid.common.errors import FailedPrecondition, InvalidArgument, check_namespace_id, client_input
 from kvgrid.common.hashing import check_chunk_keys
 from kvgrid.common.tls import AGENT_SERVER_NAME, CONTROLLER_SERVER_NAME, Channels, ClientTls
+from kvgrid.common.tracing import traced_channel
 
 __all__ = [
     "MIN_PART_BYTES",
@@ -115,10 +116,12 @@ class PeerMetrics:
     def __init__(self, meter: metrics.Meter) -> None:
         self.stats = PeerStats()
         self.fetch_bytes = meter.create_counter(
-            "kvgrid_agent_peer_fetch_bytes", unit="By", description="Bytes fetched from peer agents into L1"
+            "kvgrid_agent_peer_fetch", unit="By", description="Bytes fetched from peer agents into L1"
         )
         self.fetch_chunks = meter.create_counter(
-            "kvgrid_agent_peer_fetch_chunks", description="Chunks fetched from peer agents into L1"
+            "kvgrid_agent_peer_fetch_chunks",
+            unit="{chunk}",
+            description="Chunks fetched from peer agents into L1",
         )
         self.fetch_duration = meter.create_histogram(
             "kvgrid_agent_peer_fetch_duration",
@@ -134,14 +137,15 @@ class PeerMetrics:
         )
         self.fetch_failures = meter.create_counter(
             "kvgrid_agent_peer_fetch_failures",
+            unit="{fetch}",
             description="Peer fetches that failed, by reason (controller, unavailable, deadline, "
             "layout_mismatch, protocol, checksum, error)",
         )
         self.served_bytes = meter.create_counter(
-            "kvgrid_agent_peer_served_bytes", unit="By", description="Bytes streamed to peer agents"
+            "kvgrid_agent_peer_served", unit="By", description="Bytes streamed to peer agents"
         )
         self.served_chunks = meter.create_counter(
-            "kvgrid_agent_peer_served_chunks", description="Chunks streamed to peer agents"
+            "kvgrid_agent_peer_served_chunks", unit="{chunk}", description="Chunks streamed to peer agents"
         )
 
 
@@ -295,7 +299,7 @@ class PeerDirectory:
     @property
     def stub(self) -> controller_pb2_grpc.ControllerServiceStub:
         """A stub on the current channel (a new one after the TLS files changed)."""
-        return controller_pb2_grpc.ControllerServiceStub(self._channels.get(self.address))
+        return controller_pb2_grpc.ControllerServiceStub(traced_channel(self._channels.get(self.address)))
 
     def addresses(self, timeout_s: float, *, refresh: bool = False) -> dict[str, str]:
         with self._lock:
@@ -353,7 +357,8 @@ class PeerFetcher:
         )
 
     def _stub(self, address: str) -> agent_pb2_grpc.AgentServiceStub:
-        return agent_pb2_grpc.AgentServiceStub(self._channels.get(address))
+        # traced: the peer's FetchChunks span joins the Lookup's trace
+        return agent_pb2_grpc.AgentServiceStub(traced_channel(self._channels.get(address)))
 
     def _forget_channels(self, keep: Mapping[str, str]) -> None:
         """Close channels to addresses no agent has any more (pods that went away)."""

@@ -243,7 +243,7 @@ class AgentServer:
             opts = ServerOptions(
                 max_message_bytes=cfg.max_message_bytes, workers=workers, thread_name_prefix=name
             )
-            return RpcServer(opts, rpc_metrics=rpc_metrics, authorizer=authorizer)
+            return RpcServer(opts, rpc_metrics=rpc_metrics, authorizer=authorizer, tracer=self._tracer)
 
         servers: list[RpcServer] = []
         tcp_servers: set[int] = set()
@@ -298,6 +298,7 @@ class AgentServer:
                 initial_backoff_s=cfg.reconnect_initial_backoff_ms / 1000,
                 max_backoff_s=cfg.reconnect_max_backoff_ms / 1000,
                 tls=ClientTls(tls) if tls is not None else None,
+                meter=self._meter,
             )
             core.on_instances_changed = self.publisher.reregister
             self.publisher.start()
