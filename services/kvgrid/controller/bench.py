@@ -211,8 +211,8 @@ def _tracemalloc_bytes(w: Workload) -> tuple[int, int]:
     return used, idx.num_entries()
 
 
-def _build_index(args: argparse.Namespace, q: Any) -> None:
-    w = Workload(args.pods, args.chunks, args.prompts, args.prompt_chunks, args.turns, args.turn_chunks)
+def _build_index(shape: tuple[int, ...], q: Any) -> None:
+    w = Workload(*shape)
     evs = w.events()
     rss0 = _rss()
     idx = MemoryIndex()
@@ -229,7 +229,8 @@ def _built_rss(args: argparse.Namespace) -> int:
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_build_index, args=(args, q))
+    shape = (args.pods, args.chunks, args.prompts, args.prompt_chunks, args.turns, args.turn_chunks)
+    p = ctx.Process(target=_build_index, args=(shape, q))
     p.start()
     out: int = q.get(timeout=1800)
     p.join(30)
