@@ -4,8 +4,8 @@ A controller that just started knows nothing its agents hold until they register
 snapshots are pulled, so its answers would route every request as a miss. :class:`Readiness` says
 NOT_SERVING until, in this order:
 
-1. the index backend answers (``data_generation()``; a Redis/Valkey that cannot be reached keeps
-   the controller out of service at any time, not only at start);
+1. the index backend answers (``data_generation()``; later the core's backend watcher's verdict:
+   a Redis/Valkey that cannot be reached keeps the controller out of service at any time);
 2. ``readiness_settle_ms`` passed since start (time for agents to register again);
 3. every registered agent with an ``agent_address`` has had its snapshot pulled
    (:meth:`~kvgrid.controller.ingest.Ingestor.is_synced`), or ``readiness_max_wait_ms`` passed
@@ -63,12 +63,15 @@ class Readiness:
         ]
 
     def check(self) -> tuple[bool, str]:
+        if self._resynced:
+            # After start the core's backend watcher (backend_check_interval_ms) keeps this current.
+            if not self.ctl.backend_available:
+                return False, f"index backend {self.ctl.index.backend} unreachable"
+            return True, ""
         try:
             self.ctl.index.data_generation()
         except Unavailable as e:
             return False, f"index backend unreachable: {e}"
-        if self._resynced:
-            return True, ""
         waited = self._clock() - self._t0
         if waited < self.settle_s:
             return False, f"settling: {waited:.1f}s of readiness_settle_ms={self.settle_s * 1000:.0f}"
@@ -94,7 +97,7 @@ class ReadinessWatcher:
         readiness: Readiness,
         servicer: health.HealthServicer,
         services: Sequence[str],
-        interval_s: float = 0.1,
+        interval_s: float = 0.25,
     ) -> None:
         self.readiness, self.servicer = readiness, servicer
         self.services = ("", *services)
