@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 MAX_GRAPHS = 32  # shapes kept per plan (least recently used dropped)
 INSTANCES = 4  # executable copies per shape: replays of one shape queued at once without waiting
+MAX_SEEN = 4096  # shapes remembered as seen once (the next sighting captures)
 
 
 @dataclass
@@ -82,7 +83,11 @@ class _Graph:
     id_src: np.ndarray | None = None  # ... and which entry of the concatenated ids each takes
 
     def destroy(self, drv: Driver) -> None:
-        for inst in self.instances:  # an in-flight launch completes first (CUDA)
+        for inst in self.instances:
+            # The host buffers go back to torch's pinned pool, which does not know the upload node
+            # reads them: wait for the last replay first (the executable itself would be freed
+            # after an in-flight launch anyway).
+            inst.done.synchronize()
             drv.destroy_graph(inst.exe, 0)
         drv.destroy_graph(0, self.graph)
         self.instances = []
@@ -124,6 +129,8 @@ class GraphRunner:
             return None
         g = self.graphs.get(key)
         if g is None and key not in self.seen:
+            if len(self.seen) > MAX_SEEN:  # shapes seen once are only a hint: forget them in bulk
+                self.seen.clear()
             self.seen.add(key)
             return None
         try:
