@@ -52,6 +52,7 @@ from kvgrid.common.hashing import chain_chunk_keys, chunk_keys, pack_token_ids
 from kvgrid.connector.chunk_policy import loadable_chunks, new_tokens_to_load, storable_chunks
 from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
 from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder, StoreOrder
+from kvgrid.connector.tracing import agent_call_span
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -201,36 +202,44 @@ class ConnectorScheduler:
         limit = min(loadable_chunks(request.num_prompt_tokens, tpc), len(keys[0]))
         if limit * tpc <= num_computed_tokens:
             return 0, False
-        hit = limit
-        ident = self.identity
-        peers = _peers_of(request, ident.world_size)
-        for rank in range(ident.world_size):
-            address = ident.agent_addresses[rank]
-            if time.monotonic() < self._agent_back_off.get(address, 0.0):
-                hit = 0
-                break
-            try:
-                res = self._agents[address].lookup(
-                    ident.instance_ids[rank],
-                    request.request_id,
-                    keys[rank][:hit],
-                    pin_ttl_ms=self.config.pin_ttl_ms,
-                    peer_address=peers[rank],
-                )
-            except grpc.RpcError as e:
-                # An agent is away (restarting) or this rank is not registered (yet): a miss.
-                log.warning(
-                    "kvgrid lookup for request %s on rank %d failed: %s",
-                    request.request_id,
-                    rank,
-                    rpc_text(e),
-                )
-                self._agent_back_off[address] = time.monotonic() + self.config.reregister_interval_s
-                hit = 0
-            else:
-                hit = min(hit, res.num_hit_chunks)
-            if hit == 0:
-                break
+        # One span for the agents' lookups, in the request's own trace when vLLM carries one.
+        with agent_call_span(
+            "kvgrid.connector.lookup",
+            request.request_id,
+            trace_headers=getattr(request, "trace_headers", None),
+            attributes={"kvgrid.chunks": limit},
+        ) as span:
+            hit = limit
+            ident = self.identity
+            peers = _peers_of(request, ident.world_size)
+            for rank in range(ident.world_size):
+                address = ident.agent_addresses[rank]
+                if time.monotonic() < self._agent_back_off.get(address, 0.0):
+                    hit = 0
+                    break
+                try:
+                    res = self._agents[address].lookup(
+                        ident.instance_ids[rank],
+                        request.request_id,
+                        keys[rank][:hit],
+                        pin_ttl_ms=self.config.pin_ttl_ms,
+                        peer_address=peers[rank],
+                    )
+                except grpc.RpcError as e:
+                    # An agent is away (restarting) or this rank is not registered (yet): a miss.
+                    log.warning(
+                        "kvgrid lookup for request %s on rank %d failed: %s",
+                        request.request_id,
+                        rank,
+                        rpc_text(e),
+                    )
+                    self._agent_back_off[address] = time.monotonic() + self.config.reregister_interval_s
+                    hit = 0
+                else:
+                    hit = min(hit, res.num_hit_chunks)
+                if hit == 0:
+                    break
+            span.set_attribute("kvgrid.hit_chunks", hit)
         if rank > 0 or hit:
             # Pins were taken on some ranks; after_alloc or finished releases them.
             self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens, pinned=True)

@@ -45,6 +45,7 @@ from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
 from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder
 from kvgrid.connector.scheduler import rpc_text
 from kvgrid.connector.shm import shared_memory_file
+from kvgrid.connector.tracing import agent_call_span
 from kvgrid.connector.vllm_specs import (
     apply_kv_cache_group_edits,
     create_engine_group_infos_from_vllm,
@@ -253,13 +254,14 @@ class ConnectorWorker:
     def _load(self, order: LoadOrder) -> LoadOutcome:
         keys = self._my_keys(order.keys)
         try:
-            res = self.agent.retrieve(
-                self.identity.instance_id,
-                order.request_id,
-                keys,
-                agent_block_ids(order.block_ids),
-                skip_first_n_tokens=order.skip_first_n_tokens,
-            )
+            with agent_call_span("kvgrid.connector.retrieve", order.request_id):
+                res = self.agent.retrieve(
+                    self.identity.instance_id,
+                    order.request_id,
+                    keys,
+                    agent_block_ids(order.block_ids),
+                    skip_first_n_tokens=order.skip_first_n_tokens,
+                )
             loaded = res.num_retrieved_chunks
         except grpc.RpcError as e:
             self._note_failure("retrieve", order.request_id, e)
@@ -355,12 +357,13 @@ class ConnectorWorker:
             return
         for order in meta.stores:
             try:
-                res = self.agent.store(
-                    self.identity.instance_id,
-                    self._my_keys(order.keys),
-                    agent_block_ids(order.block_ids),
-                    skip_first_n_chunks=order.skip_first_n_chunks,
-                )
+                with agent_call_span("kvgrid.connector.store", order.request_id):
+                    res = self.agent.store(
+                        self.identity.instance_id,
+                        self._my_keys(order.keys),
+                        agent_block_ids(order.block_ids),
+                        skip_first_n_chunks=order.skip_first_n_chunks,
+                    )
             except grpc.RpcError as e:
                 self._note_failure("store", order.request_id, e)
                 continue
