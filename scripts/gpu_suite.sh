@@ -25,7 +25,7 @@ python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/kernels test
 # LMCache's kernel joins the transfer table when its wheel was fetched (fetch_gpu_wheels.sh --lmcache)
 lmcache=()
 for w in "$root"/.whl-lmcache/lmcache-*.whl; do [[ -f "$w" ]] && lmcache=(--lmcache-wheel "$w"); done
-python3 -m kvgrid.cli bench transfer --device cuda "${lmcache[@]}" --out "$out/bench-transfer.json"
+python3 -m kvgrid.cli bench transfer --device cuda ${lmcache[@]+"${lmcache[@]}"} --out "$out/bench-transfer.json"
 for n in 1 32; do
     python3 -m kvgrid.cli bench agent --device cuda --chunks "$n" --iters 10
 done 2>&1 | tee "$out/bench-agent.txt"
