@@ -32,6 +32,8 @@ FORMATS = {
 def load_c_ops(wheel: str) -> Any:
     """Import ``lmcache.c_ops`` from the wheel file (extracted to a temporary folder)."""
     folder = tempfile.mkdtemp(prefix="kvgrid-lmcache-")
+    if not zipfile.is_zipfile(wheel):
+        raise ValueError(f"--lmcache-wheel {wheel!r}: not a readable wheel (zip) file; expected LMCache's")
     with zipfile.ZipFile(wheel) as z:
         names = [n for n in z.namelist() if n.startswith("lmcache/c_ops") and n.endswith(".so")]
         if not names:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -550,3 +551,19 @@ def test_bench_transfer_cpu_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     for r in rows:
         assert r["gbps"] > 0 and r["limit_gbps"] > 0
         assert r["ratio"] == pytest.approx(r["gbps"] / r["limit_gbps"])
+
+
+def test_lmcache_wheel_that_is_not_a_wheel_is_named(tmp_path: Path) -> None:
+    import zipfile
+
+    from kvgrid_kernels.lmcache_ref import load_c_ops
+
+    bad = tmp_path / "lmcache.whl"
+    bad.write_text("not a zip")
+    with pytest.raises(ValueError, match="not a readable wheel"):
+        load_c_ops(str(bad))
+    empty = tmp_path / "other.whl"
+    with zipfile.ZipFile(empty, "w") as z:
+        z.writestr("other/__init__.py", "")
+    with pytest.raises(ValueError, match="no lmcache/c_ops"):
+        load_c_ops(str(empty))
