@@ -251,10 +251,14 @@ def test_controller_args_build_a_real_controller_config(helm: list[str], tmp_pat
     assert cfg.prometheus_port == 9400
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": 50061, "metrics": 9400, "health": 50071}
-    # TLS is on: the kubelet's gRPC probes use the plaintext health-only listener.
+    # TLS is on: the kubelet's gRPC probes use the plaintext health-only listener; liveness is a TCP
+    # connect (health is NOT_SERVING while the index backend is down, which a restart would not fix).
     assert cfg.health_port == 50071
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert container[probe]["grpc"] == {"port": cfg.health_port}
+    assert container["livenessProbe"]["tcpSocket"] == {"port": cfg.health_port}
+    # A shared (redis) index needs no settle time; the deadline for snapshot pulls is the chart's.
+    assert (cfg.readiness_settle_ms, cfg.readiness_max_wait_ms) == (0, 30000)
     service = _find(docs, "Service", name)
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 50061, "metrics": 9400}
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
@@ -487,6 +491,20 @@ def test_service_link_env_would_not_break_the_config_loaders(helm: list[str], tm
 
     assert load_config(AgentConfig, env=env) == AgentConfig()
     assert load_config(ControllerConfig, env=env) == ControllerConfig()
+
+
+def test_memory_index_readiness_waits_for_the_agents_to_reconnect(helm: list[str], tmp_path: Path) -> None:
+    """With the memory index a new controller starts empty: it stays NOT_SERVING at least as long as
+    an agent may wait before reconnecting, so the agents have registered (and been resynced)."""
+    docs = _template(helm, {}, tmp_path)
+    pod = _find(docs, "Deployment", f"{RELEASE}-kvgrid-controller")["spec"]["template"]["spec"]
+    c = _container(pod, "controller")
+    cfg = _parse_kvgrid(c, ControllerConfig, _literal_env(c))
+    assert cfg.readiness_settle_ms == AgentConfig().reconnect_max_backoff_ms
+    assert (
+        cfg.readiness_max_wait_ms
+        < c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] * 1000
+    )
 
 
 def test_values_schema_knows_every_controller_config_field() -> None:

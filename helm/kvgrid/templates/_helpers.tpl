@@ -357,6 +357,13 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 {{- if ne (include "kvgrid.tlsProvider" .) "off" }}
 - {{ printf "--health-port=%d" (int .Values.controller.healthPort) | quote }}
 {{- end }}
+{{- $r := .Values.controller.readiness }}
+{{- $settle := ternary 10000 0 (eq .Values.controller.index.backend "memory") }}
+{{- if not (kindIs "invalid" $r.settleMs) }}
+{{- $settle = int $r.settleMs }}
+{{- end }}
+- {{ printf "--readiness-settle-ms=%d" $settle | quote }}
+- {{ printf "--readiness-max-wait-ms=%d" (int $r.maxWaitMs) | quote }}
 {{- if .Values.controller.config }}
 - "--config=/etc/kvgrid/config/controller.yaml"
 {{- end }}
@@ -374,9 +381,9 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 {{- if and $c.enabled (eq $c.index.backend "redis") (not $c.index.redis.url) (not $c.index.redis.existingSecret) }}
 {{- fail "controller.index.backend=redis needs controller.index.redis.url (e.g. redis://valkey:6379/0) or controller.index.redis.existingSecret naming a Secret that holds the URL" }}
 {{- end }}
-{{- range $key := list "listen" "index_backend" "redis_url" "redis_prefix" "lease_ttl_ms" "grpc_workers" "prometheus_port" "health_port" "tls_cert_file" "tls_key_file" "tls_ca_file" "tls_trust_domain" }}
+{{- range $key := list "listen" "index_backend" "redis_url" "redis_prefix" "lease_ttl_ms" "grpc_workers" "prometheus_port" "health_port" "readiness_settle_ms" "readiness_max_wait_ms" "tls_cert_file" "tls_key_file" "tls_ca_file" "tls_trust_domain" }}
 {{- if hasKey $c.config $key }}
-{{- fail (printf "controller.config.%s is set by the chart (a flag wins over the config file); use the dedicated value instead (see values.yaml: controller.port, controller.index.*, controller.leaseTtlMs, controller.grpcWorkers, controller.metricsPort, controller.healthPort, tls.*)" $key) }}
+{{- fail (printf "controller.config.%s is set by the chart (a flag wins over the config file); use the dedicated value instead (see values.yaml: controller.port, controller.index.*, controller.leaseTtlMs, controller.grpcWorkers, controller.metricsPort, controller.healthPort, controller.readiness.*, tls.*)" $key) }}
 {{- end }}
 {{- end }}
 {{- $n := int .Values.agent.sidecarsPerPod }}
