@@ -144,6 +144,18 @@ def _calls(code: str, per_minute: int) -> list[dict[str, str]]:
 UNIT_TESTS: list[tuple[str, list[dict[str, str]], str, list[dict[str, str]]]] = [
     ("KvgridControllerDown", _up(C, "0x10"), "5m", [{"severity": "critical"}]),
     ("KvgridControllerDown", _up(C, "1x10"), "5m", []),
+    (
+        "KvgridControllerNotReady",
+        [_series("kvgrid_controller_ready", C | {"instance": "c"}, "0x20")],
+        "15m",
+        [{"severity": "warning", "instance": "c"}],
+    ),
+    (
+        "KvgridControllerNotReady",
+        [_series("kvgrid_controller_ready", C | {"instance": "c"}, "0x5 1x15")],
+        "15m",
+        [],
+    ),
     ("KvgridAgentDown", _up(A, "0x10"), "7m", [{"severity": "warning", "instance": "i0"}]),
     ("KvgridAgentDown", _up(A, "1x10"), "7m", []),
     (

@@ -21,6 +21,14 @@ groups:
         annotations:
           summary: No kvgrid controller of {{ $ns }}/{{ .Release.Name }} is scraped as up
           description: Routers get no answers and agents cannot publish; engines keep serving from their own L1.
+      - alert: KvgridControllerNotReady
+        expr: (min by (instance) (kvgrid_controller_ready{ {{- $ctrl -}} })) < 1
+        for: 10m
+        labels:
+          severity: warning
+        annotations:
+          summary: kvgrid controller {{ "{{" }} $labels.instance {{ "}}" }} has not been ready for 10 minutes
+          description: Its health stays NOT_SERVING (index backend unreachable, or agents' snapshots not pulled); the Service sends it no traffic.
       - alert: KvgridAgentsNotRegistered
         expr: (count(up{ {{- $agents -}} } == 1) - max(kvgrid_controller_agents{ {{- $ctrl -}} })) > 0
         for: 10m
