@@ -156,6 +156,9 @@ def test_per_pod_identities_use_csi_volumes_with_the_pod_uid(helm: list[str], tm
     assert volume["csi"]["driver"] == "csi.cert-manager.io"
     assert attrs["csi.cert-manager.io/uri-sans"] == f"{SPIFFE}/agent/pod/${{POD_UID}}"
     assert attrs["csi.cert-manager.io/issuer-name"] == f"{RELEASE}-kvgrid-ca"
+    # The same file names as a cert-manager Secret, which the KVGRID_TLS_* env names.
+    files = [attrs[f"csi.cert-manager.io/{k}"] for k in ("certificate-file", "privatekey-file", "ca-file")]
+    assert files == ["tls.crt", "tls.key", "ca.crt"]
 
 
 # --- failures with clear messages -----------------------------------------------------------------

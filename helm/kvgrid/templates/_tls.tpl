@@ -114,6 +114,9 @@ sidecar i of several proves <pod uid>-gpu<i>, the POD_UID it registers with).
       csi.cert-manager.io/duration: {{ $root.Values.tls.certManager.duration | quote }}
       csi.cert-manager.io/renew-before: {{ $root.Values.tls.certManager.renewBefore | quote }}
       csi.cert-manager.io/fs-group: {{ $root.Values.tls.fsGroup | quote }}
+      csi.cert-manager.io/certificate-file: tls.crt
+      csi.cert-manager.io/privatekey-file: tls.key
+      csi.cert-manager.io/ca-file: ca.crt
 {{- end }}
 {{- else }}
 {{ include "kvgrid.tlsSecretVolume" (dict "root" . "role" "agent" "volume" "kvgrid-tls") }}
