@@ -177,9 +177,11 @@ def _stream_pod(ch: grpc.Channel, msgs: list[bytes]) -> float:
             yield m
 
     t0 = time.perf_counter()
-    for ack in _raw_stream(ch, requests()):
-        if ack.acked_sequence >= last:
-            break
+    acked = 0
+    for ack in _raw_stream(ch, requests()):  # ends when the server has answered every message
+        acked = max(acked, ack.acked_sequence)
+    if acked < last:
+        raise RuntimeError(f"PublishEvents acknowledged up to {acked}, sent up to {last}")
     return time.perf_counter() - t0
 
 

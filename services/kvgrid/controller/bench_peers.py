@@ -23,6 +23,9 @@ started answers ``{"error": ...}`` naming why, and the bench reports it instead 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import http.client
 import importlib
 import json
@@ -47,6 +50,13 @@ def rss_bytes(pid: int | str = "self") -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+def trim() -> None:
+    """Return freed heap pages to the OS (glibc), as the bench does for kvgrid's index."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def tokens(keys: list[bytes]) -> list[int]:
@@ -77,6 +87,7 @@ class Peers:
 
     # --- Dynamo in-process ----------------------------------------------------------------------
     def dynamo_inproc(self) -> dict[str, Any]:
+        trim()
         rss0 = rss_bytes()
         tree = self.dynamo.RadixTree()
         blocks = events = 0
@@ -103,6 +114,7 @@ class Peers:
         self._wait(lambda: self._tree_best(tree, self._probe()) == len(self._probe()), "in-process tree")
         dt = time.perf_counter() - t0
         self.tree = tree
+        trim()
         return {"rss_bytes": rss_bytes() - rss0, "apply_s": dt, "events": events, "blocks": blocks}
 
     def _probe(self) -> list[int]:
