@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -27,6 +28,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, AgentConfig)
 
 
+def _pod_resource() -> dict[str, str]:
+    """OpenTelemetry resource attributes of this agent's pod (downward-API env vars), so spans and
+    metrics of two agents tell which is which."""
+    names = {
+        "POD_UID": "k8s.pod.uid",
+        "POD_NAME": "k8s.pod.name",
+        "POD_NAMESPACE": "k8s.namespace.name",
+        "NODE_NAME": "k8s.node.name",
+    }
+    return {attr: os.environ[env] for env, attr in names.items() if os.environ.get(env)}
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(AgentConfig, args)
@@ -41,8 +54,12 @@ def run(args: argparse.Namespace) -> int:
     from kvgrid.agent.service import AgentServer
     from kvgrid.common.telemetry import setup_telemetry
 
+    # Never raises for a telemetry setting: a bad one is logged and that exporter left out.
     telemetry = setup_telemetry(
-        "kvgrid-agent", prometheus_port=cfg.prometheus_port or None, otlp_endpoint=cfg.otlp_endpoint or None
+        "kvgrid-agent",
+        prometheus_port=cfg.prometheus_port or None,
+        otlp_endpoint=cfg.otlp_endpoint or None,
+        resource_attributes=_pod_resource(),
     )
     server = AgentServer(cfg, meter=telemetry.meter, tracer=telemetry.tracer)
     # Handlers go in before the "serving" line: a SIGTERM right after it must stop cleanly.

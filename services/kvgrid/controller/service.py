@@ -157,7 +157,11 @@ class ControllerServicer:
             # when the core asks for the next message, i.e. once this one is applied.
             with self.tracer.start_as_current_span(
                 "PublishEvents batch",
-                attributes={"kvgrid.events": len(req.events), "kvgrid.pod_uid": pods[-1] if pods else ""},
+                attributes={
+                    "kvgrid.events": len(req.events),
+                    "kvgrid.chunk_keys": sum(len(e.chunk_keys) for e in req.events),
+                    "kvgrid.pod_uid": pods[-1] if pods else "",
+                },
             ):
                 yield req
 
