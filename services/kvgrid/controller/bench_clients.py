@@ -14,7 +14,6 @@ import http.client
 import json
 import multiprocessing as mp
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -164,25 +163,27 @@ def _snapshots(pod: common_pb2.PodIdentity, ns_id: str) -> grpc.GenericRpcHandle
 
 
 def _stream_pod(ch: grpc.Channel, msgs: list[bytes]) -> float:
-    """Stream ``msgs`` (serialized PublishEventsRequest) for ``pod`` and wait until the last is
-    acknowledged; returns seconds from the first message to the last ack."""
+    """Stream ``msgs`` (serialized PublishEventsRequest) and keep the stream open until the last
+    event is acknowledged (events that arrive during the controller's snapshot pull of a new stream
+    are acknowledged after it: empty messages ask for the current ack, as an idle agent's would);
+    returns seconds from the first message to that ack."""
     last = controller_pb2.PublishEventsRequest.FromString(msgs[-1]).events[-1].sequence
-    out: queue.Queue[bytes | None] = queue.Queue()
-    for m in msgs:
-        out.put(m)
-    out.put(None)
+    done = threading.Event()
+    poll = controller_pb2.PublishEventsRequest().SerializeToString()
 
     def requests() -> Iterator[bytes]:
-        while (m := out.get()) is not None:
-            yield m
+        yield from msgs
+        while not done.wait(0.002):
+            yield poll
 
     t0 = time.perf_counter()
-    acked = 0
-    for ack in _raw_stream(ch, requests()):  # ends when the server has answered every message
-        acked = max(acked, ack.acked_sequence)
-    if acked < last:
-        raise RuntimeError(f"PublishEvents acknowledged up to {acked}, sent up to {last}")
-    return time.perf_counter() - t0
+    for ack in _raw_stream(ch, requests()):
+        if ack.acked_sequence >= last:
+            done.set()
+            dt = time.perf_counter() - t0
+    if not done.is_set():
+        raise RuntimeError(f"PublishEvents ended before sequence {last} was acknowledged")
+    return dt
 
 
 def _raw_stream(
