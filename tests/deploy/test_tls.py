@@ -427,3 +427,20 @@ def test_rendered_per_gpu_per_pod_identities_register_over_mtls(
     }
     docs = template(helm, values, tmp_path)
     assert _run_rendered(docs, tmp_path, free_port, TestCA(), "uid-7") == {"uid-7-gpu0", "uid-7-gpu1"}
+
+
+def test_the_trust_domain_reaches_every_identity_and_service(helm: list[str], tmp_path: Path) -> None:
+    values = {"tls": {"trustDomain": "prod.example", "agentIdentity": "perPod"}, **EXAMPLE}
+    docs = template(helm, values, tmp_path)
+    uris = [u for d in docs if d["kind"] == "Certificate" for u in d["spec"].get("uris", [])]
+    pod = _engine_pod(docs)
+    csi = _mounted_volume(pod, container(pod, "kvgrid-agent"), MOUNT)["csi"]["volumeAttributes"]
+    uris.append(csi["csi.cert-manager.io/uri-sans"])
+    assert len(uris) == 3 and all(u.startswith(f"spiffe://prod.example/ns/{NAMESPACE}/role/") for u in uris)
+    for p, name in ((_controller_pod(docs), "controller"), (pod, "kvgrid-agent")):
+        assert literal_env(container(p, name))["KVGRID_TLS_TRUST_DOMAIN"] == "prod.example"
+
+
+def test_a_bad_trust_domain_is_refused(helm: list[str], tmp_path: Path) -> None:
+    proc = run([*helm, "template", RELEASE, str(CHART), "--set", "tls.trustDomain=Prod/Example"])
+    assert proc.returncode != 0 and "/tls/trustDomain" in proc.stderr, proc.stderr
