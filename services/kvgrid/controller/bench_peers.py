@@ -291,6 +291,8 @@ def main() -> int:
     except Exception as e:  # reported to the bench, which prints why the peer is absent
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
         return 0
+    gc.collect()
+    gc.freeze()  # the workload's objects are not the peer's state (as in the bench's process)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
