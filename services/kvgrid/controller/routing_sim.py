@@ -11,8 +11,8 @@ Model (one line each, so a reader can argue with it):
 - When a request's prefill starts, its leading blocks are served from the fastest tier holding
   them: the pod's GPU prefix cache (free), the pod's own L1 (one copy to GPU), any other pod's L1
   (a peer fetch, then the copy); a tier slower than recomputing a block is not used, as the
-  engine would recompute; the rest is prefilled at ``prefill_tokens_per_s``. Time to first token = the wait in the
-  queue + that. These are the costs :mod:`kvgrid.controller.scoring` estimates with.
+  engine would recompute; the rest is prefilled at ``prefill_tokens_per_s``. Time to first
+  token = the wait in the queue + that. These are the costs :mod:`kvgrid.controller.scoring` estimates with.
 - When its prefill ends, every block of the request enters the pod's GPU cache and its L1 (the
   connector stores computed chunks), both LRU; what they push out is evicted. The cache changes
   come out as :class:`CacheEvent` for the caller to publish.
