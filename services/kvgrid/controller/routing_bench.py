@@ -41,12 +41,12 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import grpc
 import msgspec
 
-from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.config import add_config_arguments, config_from_args
 from kvgrid.common.hashing import KeyNamespace
 from kvgrid.common.procs import free_port, wait_serving
@@ -118,14 +118,6 @@ def _key(block: int) -> bytes:
 # --- simulated pods as agents of a real controller ---------------------------------------------
 
 
-class _SnapshotServer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, link: _PodLink) -> None:
-        self.link = link
-
-    def Snapshot(self, request: agent_pb2.SnapshotRequest, context: grpc.ServicerContext) -> Any:
-        return self.link.snapshot()
-
-
 class _PodLink:
     """One simulated pod's agent side: registration, snapshot, acked event stream, heartbeats."""
 
@@ -136,7 +128,15 @@ class _PodLink:
         self.seq = 0
         self.snapshotted = threading.Event()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(_SnapshotServer(self), self.server)
+        # Only the method the controller calls on an agent here: its snapshot pull.
+        snapshot = grpc.unary_unary_rpc_method_handler(
+            lambda request, context: self.snapshot(),
+            request_deserializer=agent_pb2.SnapshotRequest.FromString,
+            response_serializer=agent_pb2.SnapshotResponse.SerializeToString,
+        )
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("kvgrid.v1.AgentService", {"Snapshot": snapshot}),)
+        )
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         self.pod = common_pb2.PodIdentity(
@@ -386,18 +386,18 @@ def run(args: argparse.Namespace) -> int:
         f"{'policy':<13} {'hit':>5} {'gpu':>5} {'l1':>5} {'peer':>5}  {'TTFT mean':>9} {'p50':>7} {'p90':>7} "
         f"{'p99':>7} ms  {'spread':>6}  {'route':>7}"
     )
-    for policy, r in results.items():
+    for name, r in results.items():
         print(
-            f"{policy:<13} {r['hit']:5.3f} {r['gpu_hit']:5.3f} {r['l1_hit']:5.3f} {r['peer_hit']:5.3f}  "
+            f"{name:<13} {r['hit']:5.3f} {r['gpu_hit']:5.3f} {r['l1_hit']:5.3f} {r['peer_hit']:5.3f}  "
             f"{r['ttft_mean_ms']:9.0f} {r['ttft_p50_ms']:7.0f} {r['ttft_p90_ms']:7.0f} "
             f"{r['ttft_p99_ms']:7.0f}     {r['load_max_over_mean']:6.2f}  {r['route_us']:5.0f}µs"
         )
     if "score" in results:
         s = results["score"]
-        for policy, r in results.items():
-            if policy != "score":
+        for name, r in results.items():
+            if name != "score":
                 print(
-                    f"score / {policy}: TTFT mean {s['ttft_mean_ms'] / r['ttft_mean_ms']:.2f}, "
+                    f"score / {name}: TTFT mean {s['ttft_mean_ms'] / r['ttft_mean_ms']:.2f}, "
                     f"p90 {s['ttft_p90_ms'] / r['ttft_p90_ms']:.2f}"
                 )
         if ref is not None:
