@@ -83,7 +83,13 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_dtype: Annotated[str, _d("KV cache dtype of the engines (vLLM's cache dtype, or the model dtype)")] = (
         "bfloat16"
     )
-    kv_layout: Annotated[str, _d("KV cache layout the engines report; empty = auto")] = ""
+    kv_layout: Annotated[
+        str,
+        _d(
+            "KV cache layout of the engines: the name vLLM logs at start ('Using LBHNC KV cache "
+            "layout'); empty = none logged (auto)"
+        ),
+    ] = ""
     tensor_parallel_size: Annotated[int, _d("engines' --tensor-parallel-size"), msgspec.Meta(ge=1)] = 1
     pipeline_parallel_size: Annotated[int, _d("engines' --pipeline-parallel-size"), msgspec.Meta(ge=1)] = 1
     kv_identity_extra: Annotated[str, _d("the connector's kv_identity (extra text)")] = ""
