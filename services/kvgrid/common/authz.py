@@ -1,18 +1,28 @@
-"""Who the caller is (its verified certificate's URI SAN) and which methods its role may call.
+"""Who the caller is (its verified certificate's URI or DNS SAN) and which methods its role may call.
 
-Identity scheme (the chart issues exactly these; docs/security.md)::
+Identity scheme (the chart issues exactly these; docs/security.md). URI SANs (cert-manager)::
 
     spiffe://<trust-domain>/ns/<namespace>/role/agent                 one shared agent certificate
     spiffe://<trust-domain>/ns/<namespace>/role/agent/pod/<pod-uid>   a per-pod agent certificate
     spiffe://<trust-domain>/ns/<namespace>/role/controller
     spiffe://<trust-domain>/ns/<namespace>/role/router
 
+and a DNS SAN form for certificates Helm makes itself (its ``genSignedCert`` writes every alt name as
+a DNS SAN, never a URI), with no per-pod variant::
+
+    <agent|controller|router>.<namespace>.kvgrid-id.<trust-domain>
+
 Invariants:
 
-- An identity is read only from a certificate gRPC verified against the CA (``peer_uri`` of the
-  call's auth context); nothing a client *sends* names it. A certificate with several kvgrid URIs
-  is the most specific one (a per-pod agent URI wins over the shared one).
-- A caller outside the trust domain, without a kvgrid URI, or whose role the method's
+- An identity is read only from a certificate gRPC verified against the CA (``peer_uri`` and
+  ``peer_dns`` of the call's auth context: SANs only, never the subject's common name); nothing a
+  client *sends* names it. A certificate with several kvgrid identities is the most specific one: a
+  certificate with a kvgrid URI is judged by its URIs alone (its DNS SANs are not read), and a
+  per-pod agent URI wins over the shared one.
+- A DNS name is an identity only with exactly a role label, a namespace label, the ``kvgrid-id``
+  label and then the whole trust domain; anything after the trust domain makes it another trust
+  domain (``agent.x.kvgrid-id.cluster.local.evil.com`` is in ``cluster.local.evil.com``).
+- A caller outside the trust domain, without a kvgrid identity, or whose role the method's
   :class:`Policy` entry does not list is PERMISSION_DENIED with a text naming the method, the roles
   it needs and the caller's URI. A method absent from the policy is refused for everyone.
 - :func:`caller` is the identity of the call the current thread serves (set by the server toolkit,
@@ -37,6 +47,7 @@ __all__ = [
     "Policy",
     "Role",
     "caller",
+    "parse_dns_identity",
     "parse_identity",
     "set_caller",
 ]
@@ -46,8 +57,13 @@ ROLES: tuple[Role, ...] = get_args(Role)
 ANY_ROLE: frozenset[Role] = frozenset(ROLES)
 
 
+DNS_ID_LABEL = "kvgrid-id"
+"""The label between namespace and trust domain that marks a DNS SAN as a kvgrid identity."""
+
+
 class Identity(msgspec.Struct, frozen=True):
     uri: str
+    """The SAN that proves it, as written in the certificate (a URI, or a DNS name)."""
     trust_domain: str
     namespace: str
     role: Role
@@ -73,6 +89,17 @@ def parse_identity(uri: str) -> Identity | None:
     return Identity(uri, td, parts[1], role)
 
 
+def parse_dns_identity(name: str) -> Identity | None:
+    """The kvgrid identity a DNS SAN names (``<role>.<namespace>.kvgrid-id.<trust-domain>``), or None."""
+    labels = name.lower().split(".")
+    if len(labels) < 4 or labels[2] != DNS_ID_LABEL or not labels[1] or not all(labels[3:]):
+        return None
+    role = labels[0]
+    if role not in ROLES:
+        return None
+    return Identity(name, ".".join(labels[3:]), labels[1], role)
+
+
 class Policy(msgspec.Struct, frozen=True):
     """Method name -> the roles that may call it, for one service on one listener."""
 
@@ -92,6 +119,13 @@ def set_caller(identity: Identity | None) -> None:
     _CALLER.set(identity)
 
 
+def _sans(auth: Mapping[str, object], key: str) -> list[str]:
+    """One auth-context property's values (grpc gives a list of bytes per property)."""
+    raw = auth.get(key) or []
+    values: list[object] = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+    return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in values]
+
+
 def _roles(roles: frozenset[Role]) -> str:
     return " or ".join(sorted(roles)) or "no"
 
@@ -104,15 +138,20 @@ class Authorizer:
         self.trust_domain = trust_domain
 
     def identify(self, context: grpc.ServicerContext) -> Identity:
-        raw: list[object] = list(context.auth_context().get("peer_uri", []))
-        uris = [u.decode(errors="replace") if isinstance(u, bytes) else str(u) for u in raw]
-        ids = [i for i in map(parse_identity, uris) if i is not None]
+        auth = context.auth_context()
+        uris, names = _sans(auth, "peer_uri"), _sans(auth, "peer_dns")
+        by_uri = [i for i in map(parse_identity, uris) if i is not None]
+        by_dns = [i for i in map(parse_dns_identity, names) if i is not None]
+        ids = by_uri + by_dns
         if not ids:
             raise PermissionDenied(
-                f"client certificate carries no kvgrid identity (URI SANs: {uris or 'none'}); expected "
-                f"spiffe://{self.trust_domain}/ns/<namespace>/role/<agent|controller|router>"
+                f"client certificate carries no kvgrid identity (URI SANs: {uris or 'none'}; DNS SANs: "
+                f"{names or 'none'}); expected a URI SAN "
+                f"spiffe://{self.trust_domain}/ns/<namespace>/role/<agent|controller|router> or a DNS SAN "
+                f"<agent|controller|router>.<namespace>.{DNS_ID_LABEL}.{self.trust_domain}"
             )
-        ours = [i for i in ids if i.trust_domain == self.trust_domain]
+        # A URI identity wins: DNS SANs are read only from a certificate without a kvgrid URI.
+        ours = [i for i in (by_uri or by_dns) if i.trust_domain == self.trust_domain]
         if not ours:
             raise PermissionDenied(
                 f"client identity {ids[0].uri!r} is outside trust domain {self.trust_domain!r}"
