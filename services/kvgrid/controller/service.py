@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import msgspec
 from grpc_health.v1 import health_pb2_grpc
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
@@ -148,22 +149,28 @@ class ControllerServicer:
         self, requests: Iterator[controller_pb2.PublishEventsRequest], pods: list[str]
     ) -> Iterator[controller_pb2.PublishEventsRequest]:
         """``requests``, each pod checked like a registration (a stream may register its pod
-        implicitly, with a newer epoch); the pods go to ``pods``."""
+        implicitly, with a newer epoch); the pods go to ``pods``. Each message is a span, child of
+        the stream's server span, ending when the core asks for the next message (i.e. once this one
+        is applied); started and ended explicitly, never made current, as a generator may resume
+        in another context."""
+        stream = otel_context.get_current()
         for req in requests:
             if req.HasField("pod") and req.pod.pod_uid not in pods:
                 self._act_for(req.pod.pod_uid, "PublishEvents")
                 pods.append(req.pod.pod_uid)
-            # One span per message (a batch of events), child of the stream's server span; it ends
-            # when the core asks for the next message, i.e. once this one is applied.
-            with self.tracer.start_as_current_span(
+            span = self.tracer.start_span(
                 "PublishEvents batch",
+                context=stream,
                 attributes={
                     "kvgrid.events": len(req.events),
                     "kvgrid.chunk_keys": sum(len(e.chunk_keys) for e in req.events),
                     "kvgrid.pod_uid": pods[-1] if pods else "",
                 },
-            ):
+            )
+            try:
                 yield req
+            finally:
+                span.end()
 
     def _answered(self, rpc: str, queries: int) -> None:
         if self.ctl.metrics is not None:
