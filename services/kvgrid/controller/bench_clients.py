@@ -10,6 +10,7 @@ outside the timed loop), so the loop costs the same for every system.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import multiprocessing as mp
@@ -162,28 +163,35 @@ def _snapshots(pod: common_pb2.PodIdentity, ns_id: str) -> grpc.GenericRpcHandle
     )
 
 
-def _stream_pod(ch: grpc.Channel, msgs: list[bytes]) -> float:
-    """Stream ``msgs`` (serialized PublishEventsRequest) and keep the stream open until the last
-    event is acknowledged (events that arrive during the controller's snapshot pull of a new stream
-    are acknowledged after it: empty messages ask for the current ack, as an idle agent's would);
-    returns seconds from the first message to that ack."""
+def _stream_pod(ch: grpc.Channel, hello: bytes, msgs: list[bytes], start: threading.Barrier) -> float:
+    """One agent's stream: ``hello`` (the pod identity, no events) opens it; once the controller's
+    snapshot pull of the new stream is done (an ack without ``resync``), every stream of the wave
+    passes ``start`` together and sends ``msgs`` (serialized PublishEventsRequest). The stream stays
+    open until the last event is acknowledged (empty messages ask for the current ack, as an idle
+    agent's would); returns the time of that ack (perf_counter)."""
     last = controller_pb2.PublishEventsRequest.FromString(msgs[-1]).events[-1].sequence
-    done = threading.Event()
+    synced, done = threading.Event(), threading.Event()
     poll = controller_pb2.PublishEventsRequest().SerializeToString()
 
     def requests() -> Iterator[bytes]:
+        yield hello
+        while not synced.wait(0.01):
+            yield poll
+        start.wait()
         yield from msgs
-        while not done.wait(0.002):
+        while not done.wait(0.01):
             yield poll
 
-    t0 = time.perf_counter()
+    end = 0.0
     for ack in _raw_stream(ch, requests()):
-        if ack.acked_sequence >= last:
+        if not ack.resync_started:  # the snapshot pull of the new stream is done
+            synced.set()
+        if ack.acked_sequence >= last and not done.is_set():
+            end = time.perf_counter()
             done.set()
-            dt = time.perf_counter() - t0
     if not done.is_set():
         raise RuntimeError(f"PublishEvents ended before sequence {last} was acknowledged")
-    return dt
+    return end
 
 
 def _raw_stream(
@@ -197,10 +205,16 @@ def _raw_stream(
     return method(requests)
 
 
+def _stamp(box: list[float]) -> None:
+    box[0] = time.perf_counter()
+
+
 def ingest(addr: str, per_pod: list[list[bytes]], ns_id: str, streams: int, q: Any) -> None:
-    """Agents of every pod: register, then stream their messages (``per_pod[i]``: serialized
-    PublishEventsRequest, the first carrying the pod identity), ``streams`` pods at a time, each
-    wave's snapshot servers started before its clock starts. Reports the streaming seconds."""
+    """Agents of every pod: register, open a stream and wait out the controller's snapshot pull,
+    then stream their messages (``per_pod[i]``: serialized PublishEventsRequest), ``streams`` pods
+    at a time. The clock of a wave runs from the moment all its streams start sending events to
+    the last acknowledgement (steady-state ingest, as after an agent's start); reports the summed
+    seconds of the waves."""
     ch = grpc.insecure_channel(addr)
     stub = controller_pb2_grpc.ControllerServiceStub(ch)
     busy = 0.0
@@ -219,16 +233,14 @@ def ingest(addr: str, per_pod: list[list[bytes]], ns_id: str, streams: int, q: A
             servers.append(server)
             pods.append(pod)
             stub.RegisterAgent(controller_pb2.RegisterAgentRequest(pod=pod, namespaces=[ns_id]), timeout=10)
-        first = {
-            i: controller_pb2.PublishEventsRequest(
-                pod=pod, events=controller_pb2.PublishEventsRequest.FromString(per_pod[i][0]).events
-            ).SerializeToString()
-            for i, pod in zip(wave, pods, strict=True)
-        }
-        c0, t0 = time.process_time(), time.perf_counter()
+        t0 = [0.0]
+        start = threading.Barrier(len(wave), action=functools.partial(_stamp, t0))
+        hellos = [controller_pb2.PublishEventsRequest(pod=p).SerializeToString() for p in pods]
+        c0 = time.process_time()
         with futures.ThreadPoolExecutor(len(wave)) as ex:
-            list(ex.map(_stream_pod, [ch] * len(wave), [[first[i], *per_pod[i][1:]] for i in wave]))
-        busy += time.perf_counter() - t0
+            n = len(wave)
+            ends = list(ex.map(_stream_pod, [ch] * n, hellos, [per_pod[i] for i in wave], [start] * n))
+        busy += max(ends) - t0[0]
         cpu += time.process_time() - c0
         for s in servers:
             s.stop(0)
