@@ -165,7 +165,8 @@ def test_per_pod_identities_use_csi_volumes_with_the_pod_uid(helm: list[str], tm
 
 _SECRETS = {"provider": "existingSecrets", "existingSecrets": {"controller": "c", "agent": "a"}}
 FAILING: list[tuple[dict[str, Any], bool, str]] = [
-    ({}, False, "this cluster has no cert-manager (API cert-manager.io/v1 not found)"),
+    ({"tls": {"agentIdentity": "perPod"}},
+     False, 'got tls provider "helm"'),  # auto without cert-manager: the chart's CA has no per-pod form
     ({"tls": {"agentIdentity": "perPod", **_SECRETS}},
      True, "tls.agentIdentity=perPod needs certificates from cert-manager's csi-driver"),
     ({"tls": {"provider": "existingSecrets", "existingSecrets": {"controller": "c"}}},
@@ -316,15 +317,26 @@ def _registered_pods(address: str, router_files: Path) -> set[str]:
 
 
 def _run_rendered(
-    docs: list[dict[str, Any]], tmp_path: Path, free_port: Callable[[], int], ca: TestCA, pod_uid: str
+    docs: list[dict[str, Any]],
+    tmp_path: Path,
+    free_port: Callable[[], int],
+    ca: TestCA | None,
+    pod_uid: str,
+    *,
+    certs: dict[str, Path] | None = None,
+    while_running: Callable[[str, dict[str, Path]], None] | None = None,
 ) -> set[str]:
     """Controller + every agent sidecar of the engine pod, run with the rendered TLS env and
-    certificates signed from the rendered requests; returns the pod UIDs that registered."""
-    certs = {
-        d["spec"]["secretName"]: sign_certificate(ca, d, tmp_path / "secrets")
-        for d in docs
-        if d["kind"] == "Certificate"
-    }
+    certificates signed from the rendered requests by ``ca`` (or ``certs``: Secret name -> directory
+    of its files); returns the pod UIDs that registered. ``while_running(address, certs)`` runs once
+    they have."""
+    if certs is None:
+        assert ca is not None
+        certs = {
+            d["spec"]["secretName"]: sign_certificate(ca, d, tmp_path / "secrets")
+            for d in docs
+            if d["kind"] == "Certificate"
+        }
     address = f"127.0.0.1:{free_port()}"
     ctrl_pod = _controller_pod(docs)
     ctrl = container(ctrl_pod, "controller")
@@ -345,6 +357,8 @@ def _run_rendered(
             _plaintext_health(address)
         with _agents(sidecars, engine, tmp_path, certs, ca, pod_uid, address) as expected:
             _wait("the agents registered", lambda: _registered_pods(address, router_files) >= expected, 30)
+            if while_running is not None:
+                while_running(address, certs)
             return _registered_pods(address, router_files)
 
 
@@ -370,7 +384,7 @@ def _agents(
     pod: dict[str, Any],
     tmp_path: Path,
     certs: dict[str, Path],
-    ca: TestCA,
+    ca: TestCA | None,
     pod_uid: str,
     address: str,
 ) -> Iterator[set[str]]:
@@ -380,6 +394,7 @@ def _agents(
         for i, c in enumerate(sidecars):
             volume = _mounted_volume(pod, c, MOUNT)
             if "csi" in volume:  # what the csi-driver issues for this pod
+                assert ca is not None
                 files = sign_csi_volume(
                     ca,
                     volume,

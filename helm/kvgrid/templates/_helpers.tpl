@@ -408,12 +408,12 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 {{- end }}
 {{- $tls := include "kvgrid.tlsProvider" . }}
 {{- if and (eq .Values.tls.agentIdentity "perPod") (ne $tls "cert-manager") }}
-{{- fail (printf "tls.agentIdentity=perPod needs certificates from cert-manager's csi-driver (csi.cert-manager.io), got tls provider %q: expected tls.provider=auto on a cluster with cert-manager, or tls.provider=cert-manager, or tls.agentIdentity=shared" $tls) }}
+{{- fail (printf "tls.agentIdentity=perPod needs certificates from cert-manager's csi-driver (csi.cert-manager.io), got tls provider %q: expected tls.provider=auto on a cluster with cert-manager, or tls.provider=cert-manager, or tls.agentIdentity=shared (certificates Helm makes carry no per-pod identity)" $tls) }}
 {{- end }}
 {{- if eq $tls "existingSecrets" }}
 {{- range $role := list "controller" "agent" }}
 {{- if not (get $.Values.tls.existingSecrets $role) }}
-{{- fail (printf "tls.provider=existingSecrets needs tls.existingSecrets.%s: the name of a Secret with tls.crt, tls.key and ca.crt whose URI SAN is %s" $role (include "kvgrid.spiffeId" (dict "root" $ "role" $role))) }}
+{{- fail (printf "tls.provider=existingSecrets needs tls.existingSecrets.%s: the name of a Secret with tls.crt, tls.key and ca.crt whose URI SAN is %s (or, without a kvgrid URI SAN, whose DNS SAN is %s)" $role (include "kvgrid.spiffeId" (dict "root" $ "role" $role)) (include "kvgrid.dnsId" (dict "root" $ "role" $role))) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -1,15 +1,18 @@
 {{/*
 TLS: where the certificates come from and how pods get them.
 
-Identities are SPIFFE IDs in the certificates' URI SAN (the services authorize by them):
+Identities are SPIFFE IDs in the certificates' URI SAN (cert-manager, existingSecrets):
   spiffe://<tls.trustDomain>/ns/<release namespace>/role/{controller,router,agent}
   spiffe://<tls.trustDomain>/ns/<release namespace>/role/agent/pod/<pod uid>   (tls.agentIdentity=perPod)
+or, for certificates the chart makes itself (tls.provider=helm; Helm's genSignedCert writes every
+alt name as a DNS SAN and no URI SAN), a DNS SAN (kvgrid.common.authz reads both):
+  {controller,router,agent}.<release namespace>.kvgrid-id.<tls.trustDomain>
 Every certificate is mounted at /etc/kvgrid/tls/{tls.crt,tls.key,ca.crt} (cert-manager's Secret
 layout) and named to the services through KVGRID_TLS_* env. Rotation replaces the mounted files in
 place and the services reload them, so nothing here restarts pods for a new certificate.
 */}}
 
-{{/* "cert-manager" | "existingSecrets" | "off" */}}
+{{/* "cert-manager" | "helm" | "existingSecrets" | "off" */}}
 {{- define "kvgrid.tlsProvider" -}}
 {{- $t := .Values.tls }}
 {{- if not $t.enabled }}
@@ -18,11 +21,36 @@ place and the services reload them, so nothing here restarts pods for a new cert
 {{- if .Capabilities.APIVersions.Has "cert-manager.io/v1" }}
 {{- "cert-manager" }}
 {{- else }}
-{{- fail "tls.enabled=true needs certificates, and this cluster has no cert-manager (API cert-manager.io/v1 not found). Install cert-manager (and csi-driver for tls.agentIdentity=perPod), or set tls.provider=existingSecrets with tls.existingSecrets.{controller,agent} naming Secrets that hold tls.crt, tls.key and ca.crt with the SPIFFE URI SANs of docs/deploy.md, or set tls.enabled=false (no TLS: every caller that reaches a port is trusted). Helm cannot make these certificates itself: its genSignedCert writes no URI SAN." }}
+{{- "helm" }}
 {{- end }}
 {{- else }}
 {{- $t.provider }}
 {{- end }}
+{{- end }}
+
+{{/* The DNS SAN identity of a role (tls.provider=helm); call with (dict "root" $ "role" "agent"). */}}
+{{- define "kvgrid.dnsId" -}}
+{{- printf "%s.%s.kvgrid-id.%s" .role .root.Release.Namespace .root.Values.tls.trustDomain }}
+{{- end }}
+
+{{/*
+The role certificates a provider issues, as JSON (fromJsonArray): role, usages and the DNS names
+the services verify (kvgrid.common.tls: kvgrid-controller and kvgrid-agent, whatever address they
+dial) plus the controller's Service names. No shared agent certificate with tls.agentIdentity=perPod.
+*/}}
+{{- define "kvgrid.tlsRoles" -}}
+{{- $ctrl := include "kvgrid.controllerName" . }}
+{{- $headless := include "kvgrid.componentName" (dict "root" . "suffix" "controllers") }}
+{{- $ns := .Release.Namespace }}
+{{- $roles := list }}
+{{- if .Values.controller.enabled }}
+{{- $roles = append $roles (dict "role" "controller" "usages" (list "server auth" "client auth") "dns" (list "kvgrid-controller" $ctrl (printf "%s.%s" $ctrl $ns) (printf "%s.%s.svc" $ctrl $ns) (printf "%s.%s.svc.cluster.local" $ctrl $ns) (printf "%s.%s.svc" $headless $ns))) }}
+{{- end }}
+{{- $roles = append $roles (dict "role" "router" "usages" (list "client auth") "dns" (list)) }}
+{{- if ne .Values.tls.agentIdentity "perPod" }}
+{{- $roles = append $roles (dict "role" "agent" "usages" (list "server auth" "client auth") "dns" (list "kvgrid-agent")) }}
+{{- end }}
+{{- toJson $roles }}
 {{- end }}
 
 {{/* call with (dict "root" $ "role" "agent" ["pod" "${POD_UID}"]) */}}
