@@ -145,11 +145,13 @@ class PodRanker:
             with self._lock:
                 self._in_flight[pod_uid] -= 1
 
-    def fallback_order(self, pods: Sequence[KnownPod]) -> list[KnownPod]:
-        """Least requests in flight first; ties in a rotating (round-robin) order."""
+    def fallback_order(self, pods: Sequence[KnownPod], *, rotate: bool = True) -> list[KnownPod]:
+        """Least requests in flight first; ties in a rotating (round-robin) order. ``rotate=False``
+        keeps the given order among ties and does not advance the rotation (for lookups that are
+        not a routing decision)."""
         if not pods:
             return []
-        start = next(self._turn) % len(pods)
+        start = next(self._turn) % len(pods) if rotate else 0
         rotated = [*pods[start:], *pods[:start]]
         with self._lock:
             return sorted(rotated, key=lambda p: self._in_flight.get(p.pod_uid, 0))  # stable: keeps rotation

@@ -15,6 +15,7 @@ what was expected; gRPC calls (blocking) run in worker threads, never on the eve
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from typing import Any, Literal
@@ -47,13 +48,18 @@ class Router:
     def __init__(self, cfg: RouterConfig, ranker: PodRanker) -> None:
         self.cfg = cfg
         self.ranker = ranker
+        self._tokenize_turn = itertools.count()  # spreads /tokenize calls over the pods
 
     def session(self, request: web.Request) -> aiohttp.ClientSession:
         return request.app[SESSION_KEY]
 
     async def known_targets(self) -> list[Target]:
+        """Routable pods, least loaded first; the round-robin turn is left to the routing decision
+        (``rank``), so one request advances it once."""
         pods = await asyncio.to_thread(self.ranker.pods)
-        return targets(self.ranker.fallback_order(pods), self.cfg.engine_urls, self.cfg.engine_port)
+        return targets(
+            self.ranker.fallback_order(pods, rotate=False), self.cfg.engine_urls, self.cfg.engine_port
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._route(request, "completion", "/v1/completions")
@@ -117,8 +123,9 @@ class Router:
     async def _tokenize(
         self, request: web.Request, known: list[Target], body: dict[str, Any]
     ) -> list[int] | None:
-        """Token ids from the first pod that tokenizes (in fallback order); None when none could."""
-        for target in known[: self.cfg.max_attempts]:
+        """Token ids from the first pod that tokenizes, pods taken in turn; None when none could."""
+        start = next(self._tokenize_turn) % len(known)
+        for target in [*known[start:], *known[:start]][: self.cfg.max_attempts]:
             try:
                 return await tokenize(self.session(request), target.url, body)
             except TokenizeError as e:
