@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from types import TracebackType
@@ -43,9 +44,10 @@ from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
-__all__ = ["METRIC_PREFIX", "Telemetry", "setup_telemetry"]
+__all__ = ["METRIC_PREFIX", "SHUTDOWN_TIMEOUT_S", "Telemetry", "setup_telemetry"]
 
 METRIC_PREFIX = "kvgrid_"
+SHUTDOWN_TIMEOUT_S = 3.0
 _SCOPE = "kvgrid"
 _log = logging.getLogger(__name__)
 _global_installed = False
@@ -99,20 +101,35 @@ class Telemetry:
                 ok = bool(flush(timeout_millis)) and ok
         return ok
 
-    def shutdown(self) -> None:
-        """Flush and stop exporters and the Prometheus server; safe to call more than once."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Flush and stop exporters and the Prometheus server; safe to call more than once.
+
+        Bounded: exporters retrying an unreachable collector get ``timeout_s`` in all, then are
+        left behind (daemon thread, logged) so a stopping service never waits on its telemetry."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
+        if self._prometheus_server is not None:
+            self._prometheus_server.shutdown()
+            self._prometheus_server.server_close()
+        done = threading.Thread(target=self._stop_providers, name="kvgrid-telemetry-stop", daemon=True)
+        done.start()
+        done.join(timeout_s)
+        if done.is_alive():
+            _log.warning(
+                "%s telemetry: exporters did not finish within %.0fs (collector unreachable?); "
+                "stopping without them",
+                self.service_name,
+                timeout_s,
+            )
+
+    def _stop_providers(self) -> None:
         self.force_flush()
         for provider in (self.tracer_provider, self.meter_provider):
             stop = getattr(provider, "shutdown", None)
             if stop is not None:
                 stop()
-        if self._prometheus_server is not None:
-            self._prometheus_server.shutdown()
-            self._prometheus_server.server_close()
 
     def __enter__(self) -> Telemetry:
         return self
