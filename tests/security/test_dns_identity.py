@@ -179,3 +179,34 @@ def test_the_common_name_is_not_an_identity(tls_controller: Server, pki: Pki) ->
     with ch:
         text = _denied(lambda: _register(stub, "pod-cn"))
     assert "no kvgrid identity" in text
+
+
+def test_the_agent_port_authorizes_dns_identities(tmp_path: Path, pki: Pki) -> None:
+    """An agent serving with a DNS-only certificate: a DNS agent fetches chunks, a DNS router may not,
+    and only the DNS controller may pull its snapshot."""
+    from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
+    from tests.security.test_agent_listeners import _agent, _fetch, _put
+
+    server = _agent(tmp_path, _dir(pki, "agent-srv", dns_id("agent"), AGENT_SERVER_NAME))
+    try:
+        keys = [bytes([4]) * 16]
+        _put(server, keys)
+        address = f"127.0.0.1:{server.tcp_port}"
+
+        def as_(who: Path) -> grpc.Channel:
+            return channel_as(address, who, AGENT_SERVER_NAME, ca=pki.ca.pem)
+
+        with as_(_dir(pki, "agent-peer", dns_id("agent"), AGENT_SERVER_NAME)) as ch:
+            assert sum(len(p.data) for p in _fetch(ch, keys)) == 4096
+            snap = agent_pb2_grpc.AgentServiceStub(ch)
+            assert "needs a controller identity" in _denied(
+                lambda: snap.Snapshot(agent_pb2.SnapshotRequest(), timeout=5)
+            )
+        with as_(_dir(pki, "router", dns_id("router"))) as ch:
+            text = _denied(lambda: _fetch(ch, keys))
+        assert "needs a agent identity" in text and dns_id("router") in text
+        with as_(_dir(pki, "controller", dns_id("controller"))) as ch:
+            resp = agent_pb2_grpc.AgentServiceStub(ch).Snapshot(agent_pb2.SnapshotRequest(), timeout=5)
+        assert keys[0] in set(resp.chunk_keys)
+    finally:
+        server.stop(0)
