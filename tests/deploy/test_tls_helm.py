@@ -187,3 +187,11 @@ def test_the_helm_ca_setup_registers_and_a_router_only_reads(
     assert seen["match"].num_query_chunks == 1
     code, text = seen["register"]
     assert code == grpc.StatusCode.PERMISSION_DENIED and _dns_id("router") in text, text
+
+
+def test_install_notes_name_the_dns_identities_and_the_ca_secret(helm: list[str], tmp_path: Path) -> None:
+    proc = run([*helm, "install", RELEASE, str(CHART), "-n", NAMESPACE, "--dry-run=client"])
+    assert proc.returncode == 0, proc.stderr
+    assert "certificates from helm" in proc.stdout
+    assert f"<controller|agent|router>.{NAMESPACE}.kvgrid-id.cluster.local (DNS SANs)" in proc.stdout
+    assert f"The chart's CA is Secret {CA_SECRET}" in proc.stdout
