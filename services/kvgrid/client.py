@@ -6,7 +6,9 @@ to first token). Invariants:
 
 - ``rank`` never raises for a controller problem: when ``Score`` fails (down, deadline, TLS) the
   answer is the fallback order, ``source == "fallback"`` with the reason in ``error``, and a warning
-  is logged (once per outage, not per request).
+  is logged (once per outage, not per request). After a failure ``Score`` is not asked again for
+  ``retry_s``, so an unreachable controller (connects that hang until the deadline) costs one
+  deadline per ``retry_s``, not one per request.
 - The fallback order is least-loaded, then round-robin: pods with the fewest requests this client
   has in flight (:meth:`PodRanker.in_flight`) first, ties rotated from call to call.
 - Known pods are the union of the controller's ``ListAgents`` (refreshed at most every
@@ -85,16 +87,19 @@ class PodRanker:
         reserve: bool = False,
         static_pods: Sequence[str] = (),
         agents_refresh_s: float = 5.0,
+        retry_s: float = 1.0,
     ) -> None:
         """``namespace``: the engines' key namespace with an empty cache salt and LoRA (set per
         request in :meth:`rank`). ``reserve``: ask Score to record a speculative entry for the best
-        pod. ``static_pods``: pod UIDs known without the controller."""
+        pod. ``static_pods``: pod UIDs known without the controller. ``retry_s``: after a controller
+        error, how long requests take the fallback order without asking."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: expected a positive number of seconds")
         self.namespace = namespace
         self.timeout_s = timeout_s
         self.reserve = reserve
         self.agents_refresh_s = agents_refresh_s
+        self.retry_s = retry_s
         self._channel = controller_channel(
             controller,
             cert_file=tls_cert_file,
@@ -110,6 +115,7 @@ class PodRanker:
         self._in_flight: dict[str, int] = {}
         self._turn = itertools.count()
         self._outage = ""  # the last controller error while it lasts; "" when the controller answers
+        self._retry_at = -float("inf")  # no Score call before this (monotonic s) during an outage
 
     # ---- known pods ---------------------------------------------------------------------------
 
@@ -178,6 +184,11 @@ class PodRanker:
             ),
             reserve=self.reserve,
         )
+        with self._lock:
+            waiting = self._outage if time.monotonic() < self._retry_at else ""
+        if waiting:
+            error = f"{waiting} (asked again within {self.retry_s:g} s)"
+            return Ranking(tuple(RankedPod(p) for p in self.fallback_order(known)), "fallback", error=error)
         try:
             resp = self._stub.Score(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
@@ -207,6 +218,7 @@ class PodRanker:
         with self._lock:
             first = not self._outage
             self._outage = error
+            self._retry_at = time.monotonic() + self.retry_s
         if first:
             log.warning("%s; routing least-loaded/round-robin until it answers again", error)
         return error

@@ -22,13 +22,17 @@ NS = KeyNamespace(model="m", tokens_per_chunk=16, kv_identity="x")
 def test_controller_down_falls_back_least_loaded_round_robin(
     free_port: Callable[[], int], caplog: pytest.LogCaptureFixture
 ) -> None:
-    ranker = PodRanker(f"127.0.0.1:{free_port()}", NS, timeout_s=0.5, static_pods=["a", "b", "c"])
+    ranker = PodRanker(
+        f"127.0.0.1:{free_port()}", NS, timeout_s=0.5, static_pods=["a", "b", "c"], retry_s=600
+    )
     try:
         with caplog.at_level(logging.WARNING, logger="kvgrid.client"):
             firsts = []
             for _ in range(3):
                 r = ranker.rank(list(range(40)))
                 assert r.source == "fallback" and "UNAVAILABLE" in r.error
+                # The pod list's ListAgents failed first: Score is not asked within retry_s.
+                assert r.error.endswith("(asked again within 600 s)"), r.error
                 assert sorted(p.pod.pod_uid for p in r.pods) == ["a", "b", "c"]
                 firsts.append(r.pods[0].pod.pod_uid)
         assert sorted(firsts) == ["a", "b", "c"]  # round-robin among equally loaded pods

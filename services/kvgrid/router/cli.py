@@ -41,6 +41,7 @@ async def _serve(cfg: RouterConfig) -> None:
         reserve=cfg.reserve,
         static_pods=list(cfg.engine_urls),
         agents_refresh_s=cfg.agents_refresh_s,
+        retry_s=cfg.controller_retry_s,
     )
     runner = web.AppRunner(make_app(cfg, ranker), access_log=None)
     await runner.setup()

@@ -46,6 +46,11 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         _d("deadline of each Score/ListAgents call (s); past it the request is routed least-loaded"),
         msgspec.Meta(gt=0),
     ] = 0.5
+    controller_retry_s: Annotated[
+        float,
+        _d("after a controller error, requests are routed least-loaded without asking it for this long (s)"),
+        msgspec.Meta(ge=0),
+    ] = 1.0
     reserve: Annotated[
         bool, _d("ask Score to record a speculative entry for the chosen pod (helps bursts of one prefix)")
     ] = True
