@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvgrid.common.config import ByteSize, GiB, check_choices
-from kvgrid.common.tls import TlsFiles, tls_files
+from kvgrid.common.tls import TlsSettings
 
 __all__ = ["AgentConfig", "EvictionPolicyName", "LogLevel", "Switch"]
 
@@ -22,7 +22,7 @@ def _d(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
 
 
-class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
+class AgentConfig(TlsSettings, frozen=True, kw_only=True):
     """Everything ``kvgrid agent`` can be told; each description is its ``--help`` line."""
 
     uds_path: Annotated[
@@ -228,29 +228,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         _d("OTLP gRPC endpoint for metrics and traces; empty = OTEL_EXPORTER_OTLP_ENDPOINT or none"),
     ] = ""
     log_level: Annotated[LogLevel, _d("Logging level: debug, info, warning or error")] = "info"
-    tls_cert_file: Annotated[
-        str,
-        _d(
-            "PEM certificate (chain) of this agent, e.g. /etc/kvgrid/tls/tls.crt; with tls_key_file and "
-            "tls_ca_file it turns on mTLS for the TCP port and for calls to peers and the controller "
-            "(all three or none); reloaded when the file changes"
-        ),
-    ] = ""
-    tls_key_file: Annotated[str, _d("PEM private key of tls_cert_file, e.g. /etc/kvgrid/tls/tls.key")] = ""
-    tls_ca_file: Annotated[
-        str, _d("PEM CA bundle that signs every kvgrid certificate, e.g. /etc/kvgrid/tls/ca.crt")
-    ] = ""
-    tls_trust_domain: Annotated[
-        str, _d("SPIFFE trust domain of accepted identities (spiffe://<domain>/ns/<ns>/role/<role>)")
-    ] = "cluster.local"
 
     def __post_init__(self) -> None:
         check_choices(self)
-        tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
-        if not self.tls_trust_domain or "/" in self.tls_trust_domain:
-            raise ValueError(
-                f"tls_trust_domain={self.tls_trust_domain!r}: expected a domain such as cluster.local"
-            )
+        self.check_tls()
         if self.low_watermark > self.high_watermark:
             raise ValueError(
                 f"low_watermark={self.low_watermark} > high_watermark={self.high_watermark}: "
@@ -288,11 +269,6 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"reconnect_max_backoff_ms={self.reconnect_max_backoff_ms} < reconnect_initial_backoff_ms="
                 f"{self.reconnect_initial_backoff_ms}: expected max >= initial"
             )
-
-    @property
-    def tls(self) -> TlsFiles | None:
-        """The mTLS files, None when TLS is off."""
-        return tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
 
     def _check_tiers(self) -> None:
         if self.tier_disk_path and self.tier_disk_size < 64 * 1024:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import Annotated
 
 import grpc
 import msgspec
@@ -34,6 +35,7 @@ __all__ = [
     "Channels",
     "ClientTls",
     "TlsFiles",
+    "TlsSettings",
     "make_channel",
     "server_credentials",
     "tls_files",
@@ -68,6 +70,48 @@ def tls_files(cert_file: str, key_file: str, ca_file: str, *, prefix: str = "tls
             f"{set_} but {', '.join(missing)} empty: expected all three TLS files (mTLS) or none (TLS off)"
         )
     return TlsFiles(cert_file, key_file, ca_file)
+
+
+class TlsSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The TLS fields every kvgrid service's config has (the same names, flags and env keys)."""
+
+    tls_cert_file: Annotated[
+        str,
+        msgspec.Meta(
+            description="PEM certificate (chain) of this service, e.g. /etc/kvgrid/tls/tls.crt; with "
+            "tls_key_file and tls_ca_file it turns on mTLS on its TCP listener and its calls to other "
+            "kvgrid services (all three or none); reloaded when the file changes"
+        ),
+    ] = ""
+    tls_key_file: Annotated[
+        str, msgspec.Meta(description="PEM private key of tls_cert_file, e.g. /etc/kvgrid/tls/tls.key")
+    ] = ""
+    tls_ca_file: Annotated[
+        str,
+        msgspec.Meta(
+            description="PEM CA bundle that signs every kvgrid certificate, e.g. /etc/kvgrid/tls/ca.crt"
+        ),
+    ] = ""
+    tls_trust_domain: Annotated[
+        str,
+        msgspec.Meta(
+            description="trust domain of accepted identities: spiffe://<domain>/ns/<ns>/role/<role> URI "
+            "SANs or <role>.<ns>.kvgrid-id.<domain> DNS SANs (docs/security.md)"
+        ),
+    ] = "cluster.local"
+
+    def check_tls(self) -> None:
+        """ValueError naming the field when the TLS settings are inconsistent (call from __post_init__)."""
+        tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+        if not self.tls_trust_domain or "/" in self.tls_trust_domain:
+            raise ValueError(
+                f"tls_trust_domain={self.tls_trust_domain!r}: expected a domain such as cluster.local"
+            )
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """The mTLS files, None when TLS is off."""
+        return tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
 
 
 _Stamp = tuple[tuple[int, int, int], ...]

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvgrid.common.hashing import KeyNamespace
-from kvgrid.common.tls import TlsFiles, tls_files
+from kvgrid.common.tls import TlsSettings
 
 __all__ = ["ControllerConfig", "VllmEventSource"]
 
@@ -26,7 +26,7 @@ class VllmEventSource(msgspec.Struct, frozen=True):
     topic: Annotated[str, msgspec.Meta(description="ZMQ topic prefix to subscribe to ('' = all)")] = ""
 
 
-class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True):
+class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
     listen: Annotated[
         str, msgspec.Meta(description="gRPC listen address host:port (port 0 = any free port)")
     ] = "127.0.0.1:50061"
@@ -155,29 +155,6 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True):
             "OTEL_EXPORTER_OTLP_ENDPOINT, if set)"
         ),
     ] = ""
-    tls_cert_file: Annotated[
-        str,
-        msgspec.Meta(
-            description="PEM certificate (chain) of the controller, e.g. /etc/kvgrid/tls/tls.crt; with "
-            "tls_key_file and tls_ca_file it turns on mTLS for the gRPC port and snapshot pulls from "
-            "agents (all three or none); reloaded when the file changes"
-        ),
-    ] = ""
-    tls_key_file: Annotated[
-        str, msgspec.Meta(description="PEM private key of tls_cert_file, e.g. /etc/kvgrid/tls/tls.key")
-    ] = ""
-    tls_ca_file: Annotated[
-        str,
-        msgspec.Meta(
-            description="PEM CA bundle that signs every kvgrid certificate, e.g. /etc/kvgrid/tls/ca.crt"
-        ),
-    ] = ""
-    tls_trust_domain: Annotated[
-        str,
-        msgspec.Meta(
-            description="SPIFFE trust domain of accepted identities (spiffe://<domain>/ns/<ns>/role/<role>)"
-        ),
-    ] = "cluster.local"
 
     def __post_init__(self) -> None:
         if self.index_backend not in ("memory", "redis"):
@@ -187,13 +164,4 @@ class ControllerConfig(msgspec.Struct, frozen=True, kw_only=True):
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"listen={self.listen!r}: expected host:port, e.g. 0.0.0.0:50061")
-        tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
-        if not self.tls_trust_domain or "/" in self.tls_trust_domain:
-            raise ValueError(
-                f"tls_trust_domain={self.tls_trust_domain!r}: expected a domain such as cluster.local"
-            )
-
-    @property
-    def tls(self) -> TlsFiles | None:
-        """The mTLS files, None when TLS is off."""
-        return tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+        self.check_tls()
