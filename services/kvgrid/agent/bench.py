@@ -73,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, AgentBenchConfig, env_prefix=ENV_PREFIX)
 
 
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
 def _median_gbps(nbytes: int, times: list[float]) -> float:
     return nbytes / statistics.median(times) / 1e9
 
@@ -209,7 +213,9 @@ def run(args: argparse.Namespace) -> int:
     for direction in ("store", "retrieve"):
         k = _median_gbps(total, kernel[direction])
         a = _median_gbps(total, agent_path[direction])
-        result[direction] = {"agent_gbps": round(a, 3), "kernel_gbps": round(k, 3), "ratio": round(a / k, 3)}
+        # Four significant digits, not decimals: tiny CPU rates would round to 0.001 and the
+        # printed ratio would no longer be the ratio of the printed figures.
+        result[direction] = {"agent_gbps": _sig(a), "kernel_gbps": _sig(k), "ratio": _sig(a / k)}
     if cfg.json:
         print(json.dumps(result))
         return 0
