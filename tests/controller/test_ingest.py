@@ -88,3 +88,40 @@ def test_events_dropped_from_a_full_resync_buffer_are_covered_by_a_newer_snapsho
     finally:
         release.set()
         ingest.close()
+
+
+def _ev(seq: int, kind: EventKind, tier: IndexTier, keys: list[bytes]) -> ChunkEvent:
+    return ChunkEvent(sequence=seq, kind=kind, tier=tier, keys=tuple(keys))
+
+
+def test_coalesced_admits_keep_event_order_across_tiers_evicts_and_gaps() -> None:
+    """Consecutive admits of one tier are written together; a tier change, an evict or a gap ends
+    the run, so the index equals applying the events one by one."""
+    index = MemoryIndex()
+    ingest = Ingestor(index, lambda rec, t: AgentSnapshot(rec.pod.pod_uid, rec.pod.epoch, [], 0))
+    registry = Registry(lease_ttl_ms=60_000)
+    L1, GPU, ADMIT, EVICT = IndexTier.L1, IndexTier.GPU, EventKind.ADMIT, EventKind.EVICT
+    try:
+        rec = registry.register(POD, ()).record
+        ingest.publish(rec, [], new_stream=True)
+        wait_until(lambda: ingest.is_synced(rec.holder), what="first sync")
+        k = rand_keys(8)
+        events = [
+            _ev(1, ADMIT, L1, k[0:2]),
+            _ev(2, ADMIT, L1, k[2:4]),
+            _ev(3, ADMIT, GPU, k[0:1]),
+            _ev(4, EVICT, L1, k[1:3]),  # must apply after 1-2 and before 5
+            _ev(5, ADMIT, L1, k[2:3]),
+            _ev(6, ADMIT, GPU, k[4:5]),
+            _ev(7, EventKind.CLEAR, GPU, []),
+            _ev(8, ADMIT, GPU, k[5:6]),
+        ]
+        assert ingest.publish(rec, events, new_stream=False) == (8, False)
+        assert index.holder_keys(rec.holder, L1) == {k[0], k[2], k[3]}
+        assert index.holder_keys(rec.holder, GPU) == {k[5]}
+        assert ingest.events_applied == 2 + 2 + 1 + 2 + 1 + 1 + 1 + 1
+        # a gap after a run: the run before it is applied and acknowledged, the rest waits
+        acked, resync = ingest.publish(rec, [_ev(9, ADMIT, L1, k[6:7]), _ev(11, ADMIT, L1, k[7:8])], False)
+        assert (acked, resync) == (9, True)
+    finally:
+        ingest.close()
