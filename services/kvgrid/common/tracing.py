@@ -124,10 +124,24 @@ def server_span(
     tracer: trace.Tracer, service: str, method: str, context: grpc.ServicerContext
 ) -> Iterator[Span]:
     """A SERVER span for one call of ``service``/``method``, child of the caller's trace context,
-    current while the block runs (the method's own spans and outgoing calls nest under it)."""
+    current while the block runs (the method's own spans and outgoing calls nest under it).
+
+    With a no-op tracer (nothing exported) no span is made: the caller's context, if any, is made
+    current as it is, so outgoing calls still carry the caller's trace id."""
+    parent = _remote_parent(context)
+    if isinstance(tracer, trace.NoOpTracer):
+        if parent is None:
+            yield trace.INVALID_SPAN
+            return
+        token = otel_context.attach(parent)
+        try:
+            yield trace.get_current_span(parent)
+        finally:
+            otel_context.detach(token)
+        return
     with tracer.start_as_current_span(
         f"{service}/{method}",
-        context=_remote_parent(context),
+        context=parent,
         kind=SpanKind.SERVER,
         attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
         record_exception=False,  # the status code says what failed; tracebacks go to the log
