@@ -19,7 +19,10 @@ from tests.agent.helpers import kvgrid_env
 from tests.router.cluster import http_ok, start_router, stop, wait_for
 
 
-def _pod(status: int) -> type[BaseHTTPRequestHandler]:
+def _pod(status: int, cut: bool = False) -> type[BaseHTTPRequestHandler]:
+    """A pod answering ``status`` with the JSON it received; ``cut``: the answer stops half-way
+    (the pod dies mid-answer)."""
+
     class Pod(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -28,7 +31,8 @@ def _pod(status: int) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(out)))
             self.end_headers()
-            self.wfile.write(out)
+            self.wfile.write(out[: len(out) // 2] if cut else out)
+            self.close_connection = True
 
         def log_message(self, *args: object) -> None:
             pass
@@ -39,7 +43,8 @@ def _pod(status: int) -> type[BaseHTTPRequestHandler]:
 @pytest.fixture
 def pods() -> Iterator[dict[str, str]]:
     servers = {
-        name: ThreadingHTTPServer(("127.0.0.1", 0), _pod(s)) for name, s in (("bad", 503), ("good", 200))
+        name: ThreadingHTTPServer(("127.0.0.1", 0), _pod(s, cut))
+        for name, s, cut in (("bad", 503, False), ("good", 200, False), ("cut", 200, True))
     }
     for s in servers.values():
         threading.Thread(target=s.serve_forever, daemon=True).start()
@@ -64,7 +69,7 @@ def _router(
 def test_a_pod_answering_5xx_fails_over_and_the_body_passes_unchanged(
     tmp_path: Path, free_port: Callable[[], int], pods: dict[str, str]
 ) -> None:
-    proc, url = _router(tmp_path, free_port, pods)
+    proc, url = _router(tmp_path, free_port, {"bad": pods["bad"], "good": pods["good"]})
     try:
         body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 3, "extra": {"kept": [1, "two"]}}
         routes = []
@@ -115,3 +120,16 @@ def test_a_bad_engine_url_stops_the_start_with_its_name(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "engine_urls['pod-a'] = '10.0.0.5:8000': expected a vLLM base URL" in out.stderr
+
+
+def test_an_answer_cut_mid_way_is_cut_for_the_client_and_the_router_keeps_serving(
+    tmp_path: Path, free_port: Callable[[], int], pods: dict[str, str]
+) -> None:
+    proc, url = _router(tmp_path, free_port, {"cut": pods["cut"]})
+    try:
+        with pytest.raises(httpx.RemoteProtocolError):  # fewer bytes than the Content-Length said
+            httpx.post(url + "/v1/completions", json={"model": "m", "prompt": [1, 2]}, timeout=30)
+        assert "answer from pod cut cut short" in (tmp_path / "router.log").read_text()
+        assert httpx.get(url + "/health", timeout=30).json()["pods"] == 1
+    finally:
+        stop(proc)

@@ -98,9 +98,8 @@ class Router:
                 self.ranker.rank, token_ids, namespace=namespace, cache_salt=rr.cache_salt
             )
         else:  # no pod could tokenize: route by load; forwarding reports what the pods say
-            ranking = Ranking(
-                tuple(RankedPod(p) for p in await asyncio.to_thread(self.ranker.pods)), "fallback"
-            )
+            pods = self.ranker.fallback_order(await asyncio.to_thread(self.ranker.pods))
+            ranking = Ranking(tuple(RankedPod(p) for p in pods), "fallback")
         chosen = targets((r.pod for r in ranking.pods), self.cfg.engine_urls, self.cfg.engine_port)
         chosen = chosen[: self.cfg.max_attempts]
         if ranking.pods and log.isEnabledFor(logging.DEBUG):

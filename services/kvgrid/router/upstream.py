@@ -77,9 +77,16 @@ async def forward(
                 out.headers["X-Kvgrid-Pod"] = target.pod_uid
                 out.headers["X-Kvgrid-Route"] = route if i == 0 else f"{route}+failover"
                 await out.prepare(request)
-                async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
+                try:
+                    async for chunk in resp.content.iter_any():
+                        await out.write(chunk)
+                    await out.write_eof()
+                except (aiohttp.ClientError, ConnectionResetError) as e:
+                    # Too late to fail over: the client has part of the answer. Closing both sides
+                    # tells the client (a cut stream) and vLLM (the request is aborted).
+                    log.warning("answer from pod %s cut short: %s: %s", target.pod_uid, type(e).__name__, e)
+                    if request.transport is not None:
+                        request.transport.close()
                 return out
     return web.json_response(
         {
