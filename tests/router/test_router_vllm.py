@@ -45,7 +45,8 @@ from tests.router.cluster import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+# The first test also pays the cluster's start-up (two vLLM servers, ~1-3 minutes on two busy cores).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PODS = ("pod-a", "pod-b")
 SAMPLING = {"temperature": 0, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
