@@ -11,6 +11,14 @@ on CUDA): the reference limit. The ratio is what the agent's RPC path costs on t
 chunks stored on agent A, then timed ``Lookup`` calls on agent B that fetch them from A
 (controller query + FetchChunks stream + commit into B's L1), against a plain copy of the same
 bytes between two host buffers in this process (the local-copy limit).
+
+``--engines N`` measures a TP=N pod instead: N engine ranks (threads of this process, each with its
+own KV cache and its own client; the gRPC calls release the GIL) store and retrieve at the same time,
+served by one shared agent (``--agents 1``) or one agent per rank (``--agents N``). Each round starts
+all ranks together; aggregate GB/s is N ranks' bytes over the round's wall time (first start to last
+finish), against N ranks' kernels run at once in the same run. Agent CPU is read from
+``/proc/<pid>/stat`` (Linux) over the timed rounds. Afterwards every rank's chunks are stored, its KV
+cache zeroed and retrieved again, and compared bit-exact with what it held.
 """
 
 from __future__ import annotations
@@ -66,6 +74,18 @@ class AgentBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
         bool, _d("measure peer fetch (agent B pulling chunks from agent A over TCP) vs a local copy")
     ] = False
     peer_part_size: Annotated[str, _d("--peer: FetchChunks part size on agent A")] = "1MiB"
+    engines: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description="engine ranks storing and retrieving at once, each with its own KV cache "
+            "(a TP=N pod); more than 1 measures the agent topology chosen by --agents",
+        ),
+    ] = 1
+    agents: Annotated[
+        Literal["1", "N"],
+        _d("--engines > 1: 1 = one agent serves every rank, N = one agent per rank"),
+    ] = "1"
     json: Annotated[bool, _d("print one JSON object instead of a table")] = False
 
 
@@ -99,6 +119,13 @@ def run(args: argparse.Namespace) -> int:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         print("kvgrid bench agent: --device cuda but no CUDA device is visible", file=sys.stderr)
         return 2
+    if cfg.engines > 1:
+        if cfg.peer:
+            print("kvgrid bench agent: --peer measures one engine; drop --engines", file=sys.stderr)
+            return 2
+        from kvgrid.agent.bench_tp import run_tp
+
+        return run_tp(cfg)
     dtype = _DTYPES[cfg.dtype]
     bpc = cfg.tokens_per_chunk // cfg.block_size
     num_blocks = bpc * cfg.chunks
