@@ -87,3 +87,32 @@ def test_bench_agent_options_load_like_a_service_config(tmp_path: Path) -> None:
     assert (cfg.layers, cfg.chunks, cfg.dtype, cfg.iters, cfg.json) == (4, 2, "fp16", 9, True)
     with pytest.raises(ConfigError, match=r"'dtype' has invalid value 'fp8' .*one of 'bf16', 'fp16', 'fp32'"):
         config_from_args(AgentBenchConfig, parser.parse_args(["--dtype", "fp8"]), env={})
+
+
+@pytest.mark.parametrize(("agents", "processes"), [("1", 1), ("N", 2)])
+def test_bench_agent_tp_topologies_both_run(agents: str, processes: int) -> None:
+    r = kvgrid(
+        "bench", "agent", "--device", "cpu", "--layers", "2", "--kv-heads", "2", "--head-size", "64",
+        "--chunks", "2", "--iters", "2", "--engines", "2", "--agents", agents, "--json", timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (res["mode"], res["engines"], res["agents"]) == ("tp", 2, agents)
+    assert res["agent_processes"] == processes
+    # Both ranks' chunks were stored, their caches zeroed, retrieved and compared bit-exact.
+    assert res["bit_exact"] == [True, True]
+    for direction in ("store", "retrieve"):
+        d = res[direction]
+        assert d["agent_gbps"] > 0 and d["kernel_gbps"] > 0
+        assert d["ratio"] == pytest.approx(d["agent_gbps"] / d["kernel_gbps"], rel=0.05)
+        assert 0 < d["p50_ms"] <= d["p99_ms"]
+    assert res["agent_cpu_s"] > 0 and res["agent_cpu_cores"] > 0
+
+
+def test_bench_agent_tp_refuses_peer_and_zero_engines() -> None:
+    r = kvgrid("bench", "agent", "--device", "cpu", "--engines", "2", "--peer")
+    assert r.returncode == 2 and "--peer measures one engine" in r.stderr
+    r = kvgrid("bench", "agent", "--device", "cpu", "--engines", "0")
+    assert r.returncode == 2 and "engines" in r.stderr and "0" in r.stderr
+    r = kvgrid("bench", "agent", "--device", "cpu", "--agents", "2")
+    assert r.returncode == 2 and "'agents' has invalid value '2'" in r.stderr
