@@ -46,11 +46,9 @@ def test_bench_runs_small(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     ing = out["ingest"]
     assert ing["keys"] == out["memory"]["entries"] and ing["messages"] < ing["events"] < ing["keys"]
-    assert (
-        ing["keys_s"] > 0
-        and out["memory"]["rss_per_entry"] > 0
-        and out["memory"]["tracemalloc_per_entry"] > 0
-    )
+    # RSS growth at this tiny size is allocator noise and may be negative: only its presence is checked.
+    assert ing["keys_s"] > 0 and out["memory"]["tracemalloc_per_entry"] > 0
+    assert isinstance(out["memory"]["rss_per_entry"], float)
     rows = out["rows"]
     assert {
         "kvgrid in-process, 1 query",

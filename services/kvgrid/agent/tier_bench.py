@@ -181,9 +181,11 @@ def run(args: argparse.Namespace) -> int:
         "chunk_bytes": cfg.chunk_size,
         "chunks": cfg.chunks,
         "iters": cfg.iters,
-        **{f"{k}_gbps": round(v, 3) for k, v in gbps.items()},
-        "write_ratio": round(gbps["tier_write"] / gbps["raw_write"], 3),
-        "read_ratio": round(gbps["tier_read"] / gbps["raw_read"], 3),
+        # Four significant digits, not decimals: slow rates (a loaded VM) would lose their precision
+        # and the printed ratios would no longer be the ratios of the printed figures.
+        **{f"{k}_gbps": float(f"{v:.4g}") for k, v in gbps.items()},
+        "write_ratio": float(f"{gbps['tier_write'] / gbps['raw_write']:.4g}"),
+        "read_ratio": float(f"{gbps['tier_read'] / gbps['raw_read']:.4g}"),
     }
     if cfg.json:
         print(json.dumps(result))
