@@ -79,7 +79,8 @@ class AgentBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
         msgspec.Meta(
             ge=1,
             description="engine ranks storing and retrieving at once, each with its own KV cache "
-            "(a TP=N pod); more than 1 measures the agent topology chosen by --agents",
+            "(a TP=N pod); more than 1 measures the agent topology chosen by --agents (on cuda all "
+            "ranks share the current GPU)",
         ),
     ] = 1
     agents: Annotated[
