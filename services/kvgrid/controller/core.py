@@ -1,10 +1,15 @@
 """The controller's state and operations, gRPC-free: msgspec types and plain Python in and out.
 
 :class:`Controller` ties the registry (who is alive), the ingestor (agent events and resyncs), the
-index (who holds what) and scoring together. It never sees protobuf: :mod:`kvgrid.controller.wire`
-converts requests to the types here and results back, :mod:`kvgrid.controller.service` serves it
-over gRPC. Errors the caller caused are :mod:`kvgrid.common.errors` types naming the bad value;
-nothing is applied from a request that fails validation.
+index (who holds what) and scoring together. The registry backend goes with the index's
+(:func:`~kvgrid.controller.registry.make_registry`): with ``index_backend=redis`` every replica
+shares one registry in Valkey, and the lease sweeper also refreshes this replica's view of it
+(records that left through another replica are dropped here as well).
+
+It never sees protobuf: :mod:`kvgrid.controller.wire` converts requests to the types here and
+results back, :mod:`kvgrid.controller.service` serves it over gRPC. Errors the caller caused are
+:mod:`kvgrid.common.errors` types naming the bad value; nothing is applied from a request that
+fails validation.
 
 Queries come in two forms: :class:`PrefixQuery` (as asked: token ids, or chunk keys, with the
 namespace) is resolved into :class:`Query` (chunk keys, namespace id, sizes) once; packed batches
@@ -45,7 +50,14 @@ from kvgrid.controller.ingest import AgentSnapshot, ChunkEvent, Ingestor, Snapsh
 from kvgrid.controller.limits import EntryCaps
 from kvgrid.controller.matching import BatchMatch, match_batch, match_one
 from kvgrid.controller.metrics import ControllerMetrics, StatsSource
-from kvgrid.controller.registry import AgentLoad, AgentRecord, Registry, StaleEpochError, UnknownPodError
+from kvgrid.controller.registry import (
+    AgentLoad,
+    AgentRecord,
+    AgentRegistry,
+    StaleEpochError,
+    UnknownPodError,
+    make_registry,
+)
 from kvgrid.controller.scoring import Candidate, Estimate, ScoreParams, rank
 from kvgrid.controller.slots import SlotTable
 from kvgrid.controller.vllm_events import VllmEventSubscriber
@@ -201,11 +213,12 @@ class Controller:
         telemetry: Telemetry | None = None,
         *,
         snapshots: SnapshotFn = _no_snapshots,
+        registry: AgentRegistry | None = None,
     ) -> None:
         self.cfg = cfg
         index = index if index is not None else make_index(cfg)
         self.index = InstrumentedIndex(index, telemetry.meter) if telemetry is not None else index
-        self.registry = Registry(cfg.lease_ttl_ms)
+        self.registry = registry if registry is not None else make_registry(cfg)
         self.caps = EntryCaps(self.index, cfg.max_entries_per_pod, cfg.max_index_entries)
         self.ingest = Ingestor(
             self.index,
@@ -269,13 +282,19 @@ class Controller:
             s.stop()
         self.ingest.close()
         self.index.close()
+        self.registry.close()
 
     def _sweep_loop(self) -> None:
-        while not self._stop.wait(self.cfg.sweep_interval_ms / 1000):
+        # The first round at once: a shared registry's view is loaded by it (readiness waits on it).
+        while True:
             try:
                 self.sweep()
+            except Unavailable as e:  # the readiness/backend watcher reports the outage
+                log.debug("lease sweep skipped: %s", e)
             except Exception:  # keep sweeping whatever one round hit (e.g. Redis briefly down)
                 log.exception("lease sweep failed")
+            if self._stop.wait(self.cfg.sweep_interval_ms / 1000):
+                return
 
     def _watch_loop(self) -> None:
         while not self._stop.wait(self.cfg.backend_check_interval_ms / 1000):
@@ -309,20 +328,31 @@ class Controller:
         self._generation = gen
         self.backend_losses += 1
         self.caps.reset()
-        n = self.ingest.resync_all(self.registry.all())
+        records = self.registry.all()
+        if self.registry.shared:
+            # The registry was in the lost data too: agents register again (heartbeats answer
+            # reregister) and those registrations pull; here only the streams this replica serves.
+            records = [r for r in records if self.ingest.tracks(r.holder)]
+        n = self.ingest.resync_all(records)
         for s in self.vllm:
             s.rebind(force=True)
         log.info("index backend loss: %d snapshot pulls started", n)
         return True
 
     def sweep(self) -> list[AgentRecord]:
+        """Drop lapsed leases, then refresh a shared registry's view (records that left through
+        another replica are dropped here too); returns the records dropped."""
         gone = self.registry.expire()
         for rec in gone:
             log.info("lease of %s lapsed: dropping its entries", rec.holder)
             self._drop(rec)
-        if gone:
+        synced = self.registry.sync()
+        for rec in synced.gone:
+            log.info("%s left the shared registry (through another replica): dropping it here", rec.holder)
+            self._drop(rec)  # drop_holder is idempotent; it also removes what a late write left
+        if gone or synced.changed:
             self._refresh_holders()
-        return gone
+        return gone + synced.gone
 
     def _drop(self, rec: AgentRecord) -> None:
         # Order matters: fence every writer of this holder (event streams, resyncs, vLLM events)
@@ -345,14 +375,17 @@ class Controller:
 
     def _learn_namespaces(self, rec: AgentRecord, namespaces: Sequence[str]) -> None:
         good = tuple(ns for ns in namespaces if is_namespace_id(ns))
-        if good and set(good) != set(rec.namespaces):
-            rec.namespaces = tuple(dict.fromkeys((*rec.namespaces, *good)))
+        if self.registry.learn_namespaces(rec, good):
             with self._holders_lock:
                 self._holders_version += 1
 
     # --- registry -----------------------------------------------------------------------------
-    def register(self, pod: PodIdentity, namespaces: Sequence[str], l1_capacity_bytes: int) -> Registration:
-        out = self.registry.register(pod, list(namespaces), l1_capacity_bytes)
+    def register(
+        self, pod: PodIdentity, namespaces: Sequence[str], l1_capacity_bytes: int, *, owner: str | None = None
+    ) -> Registration:
+        """Register ``pod``; ``owner`` (the caller's mTLS identity) is checked and recorded in the
+        same step (PermissionDenied when another identity owns the live pod)."""
+        out = self.registry.register(pod, list(namespaces), l1_capacity_bytes, owner=owner)
         if out.replaced is not None:
             log.info("pod %s: epoch %d replaces %d", pod.pod_uid, pod.epoch, out.replaced.pod.epoch)
             self._drop(out.replaced)
@@ -377,8 +410,9 @@ class Controller:
         return Lease(self.cfg.lease_ttl_ms, reregister=False)
 
     # --- ingest -------------------------------------------------------------------------------
-    def publish(self, messages: Iterable[EventMessage]) -> Iterator[PublishAck]:
-        """One agent's event stream: one pod incarnation, registered implicitly if unknown."""
+    def publish(self, messages: Iterable[EventMessage], *, owner: str | None = None) -> Iterator[PublishAck]:
+        """One agent's event stream: one pod incarnation, registered implicitly if unknown (with
+        ``owner`` checked and recorded as in :meth:`register`)."""
         rec: AgentRecord | None = None
         first = True
         for msg in messages:
@@ -397,7 +431,7 @@ class Controller:
             if current is None:
                 # Unknown pod or newer epoch (e.g. this controller restarted): register implicitly;
                 # the snapshot pull brings the entries and the namespaces.
-                out = self.registry.register(pod, (), 0)
+                out = self.registry.register(pod, (), 0, owner=owner)
                 if out.replaced is not None:
                     self._drop(out.replaced)
                 self._refresh_holders()
@@ -487,7 +521,9 @@ class Controller:
         """The :class:`SlotTable` for ``view``'s slots (cached while neither side changes)."""
         nslots = 64 * view.nwords
         version = self._holders_version  # read before _holders: a racing change only misses the cache
-        remote_ok = self.index.shared
+        # A holder without a record here is another replica's agent only when each replica keeps
+        # its own registry; with a shared one it is a holder that left (entries not dropped yet).
+        remote_ok = self.index.shared and not self.registry.shared
         if view.slots_version is None:
             return SlotTable(view.holders, nslots, self._holders, remote_ok)
         key = (view.slots_version, version, nslots)

@@ -143,6 +143,10 @@ class Ingestor:
         st = self._pods.get(holder)
         return st.last_applied if st else 0
 
+    def tracks(self, holder: str) -> bool:
+        """True when this ingestor has state for ``holder`` (its stream or a pull went through here)."""
+        return holder in self._pods
+
     def is_synced(self, holder: str) -> bool:
         st = self._pods.get(holder)
         return bool(st and st.synced and not st.resyncing)

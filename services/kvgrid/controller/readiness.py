@@ -5,9 +5,13 @@ snapshots are pulled, so its answers would route every request as a miss. :class
 NOT_SERVING until, in this order:
 
 1. the index backend answers (``data_generation()``; later the core's backend watcher's verdict:
-   a Redis/Valkey that cannot be reached keeps the controller out of service at any time);
+   a Redis/Valkey that cannot be reached keeps the controller out of service at any time), and a
+   shared agent registry has been loaded (``registry.synced``: the first sweep's sync), so a
+   replica that starts or restarts never answers with fewer agents than the others;
 2. ``readiness_settle_ms`` passed since start (time for agents to register again);
-3. every registered agent with an ``agent_address`` has had its snapshot pulled
+3. every registered agent with an ``agent_address`` has had its snapshot pulled (with a shared
+   registry: every agent whose stream or pull this replica took; the others' entries are in the
+   shared index already)
    (:meth:`~kvgrid.controller.ingest.Ingestor.is_synced`), or ``readiness_max_wait_ms`` passed
    since start (an agent that cannot be reached must not keep the controller out of service).
 
@@ -56,10 +60,13 @@ class Readiness:
         self._resynced = False
 
     def _pending_pulls(self) -> list[str]:
+        ingest, shared = self.ctl.ingest, self.ctl.registry.shared
         return [
             rec.pod.pod_uid
             for rec in self.ctl.registry.all()
-            if rec.pod.agent_address and not self.ctl.ingest.is_synced(rec.holder)
+            if rec.pod.agent_address
+            and not ingest.is_synced(rec.holder)
+            and (not shared or ingest.tracks(rec.holder))
         ]
 
     def check(self) -> tuple[bool, str]:
@@ -72,6 +79,8 @@ class Readiness:
             self.ctl.index.data_generation()
         except Unavailable as e:
             return False, f"index backend unreachable: {e}"
+        if not self.ctl.registry.synced:
+            return False, "the shared agent registry is not loaded yet (first sync pending)"
         waited = self._clock() - self._t0
         if waited < self.settle_s:
             return False, f"settling: {waited:.1f}s of readiness_settle_ms={self.settle_s * 1000:.0f}"

@@ -12,7 +12,8 @@ Authorization (mTLS configured; docs/security.md): :data:`POLICY` lets only agen
 the write RPCs (RegisterAgent, Heartbeat, PublishEvents) and every kvgrid identity (agent,
 controller, router) the read RPCs. An agent acts only for its own pod: a per-pod certificate's pod
 UID must equal the request's, and a live pod belongs to the identity that registered it
-(:meth:`~kvgrid.controller.registry.Registry.check_owner`), so no other identity can heartbeat it, publish
+(:meth:`~kvgrid.controller.registry.AgentRegistry.check_owner`; the registration checks and records
+it atomically, in the shared registry across replicas), so no other identity can heartbeat it, publish
 for it or take it over with a newer epoch. Without TLS everyone may call everything (logged loudly).
 """
 
@@ -186,9 +187,9 @@ class ControllerServicer:
         pod = pod_identity_from_proto(req.pod)
         with self._register_lock:
             ident = self._act_for(pod.pod_uid, "RegisterAgent")
-            reg = self.ctl.register(pod, list(req.namespaces), req.l1_capacity_bytes)
-            if ident is not None:
-                self.ctl.registry.set_owner(pod.pod_uid, ident.uri)
+            reg = self.ctl.register(
+                pod, list(req.namespaces), req.l1_capacity_bytes, owner=ident.uri if ident else None
+            )
         return wire.registration_to_proto(reg)
 
     def Heartbeat(self, req: controller_pb2.HeartbeatRequest) -> controller_pb2.HeartbeatResponse:
@@ -202,7 +203,9 @@ class ControllerServicer:
         ident = caller()
         pods: list[str] = []
         owned = 0
-        for ack in self.ctl.publish(wire.event_messages_from_proto(self._own_events(requests, pods))):
+        owner = ident.uri if ident is not None else None
+        msgs = wire.event_messages_from_proto(self._own_events(requests, pods))
+        for ack in self.ctl.publish(msgs, owner=owner):
             if ident is not None and owned < len(pods):
                 # The stream's pod is registered now (perhaps implicitly, by this stream).
                 for uid in pods[owned:]:

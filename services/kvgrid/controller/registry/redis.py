@@ -1,0 +1,492 @@
+"""Redis/Valkey backend of :class:`~kvgrid.controller.registry.base.AgentRegistry`: one registry
+for every controller replica (``index_backend=redis``).
+
+Layout (every name starts with the configured prefix ``P``, the index's, default ``kvg:``)::
+
+    P a:epoch  HASH uid -> epoch, 19 digits zero-padded (string order = number order, all 63 bits)
+    P a:pod    HASH uid -> PodIdentity (JSON)       P a:ns    HASH uid -> namespace ids (JSON list)
+    P a:l1     HASH uid -> L1 capacity (bytes)      P a:since HASH uid -> registration time (server ms)
+    P a:lease  HASH uid -> lease deadline (server ms, from the server's TIME)
+    P a:load   HASH uid -> AgentLoad (JSON; absent until the first heartbeat with a load)
+    P a:owner  HASH uid -> mTLS identity that registered the live pod
+
+Invariants:
+
+- Every write is one Lua script, so the ownership check, the epoch check and the write are atomic
+  across replicas: two replicas cannot both accept different epochs, and a forged newer epoch from
+  another identity is refused whichever replica it reaches. Lua rather than WATCH/MULTI: one round
+  trip, no retry loop under contention (every agent heartbeats every few seconds), and lease
+  deadlines come from the server's clock (``TIME`` inside the script), so replicas' clocks never
+  disagree about who is alive.
+- A lapsed lease is removed by whichever replica's sweep runs first (one script: it deletes the
+  records and returns them; that replica drops their index entries); every other replica sees them
+  gone at its next :meth:`RedisRegistry.sync` and fences them too.
+- Each replica answers from a mirror of these hashes, refreshed by :meth:`RedisRegistry.sync`
+  (the controller's sweeper, every ``sweep_interval_ms``) and by its own writes. A mirror record
+  keeps its identity while its (uid, epoch) stays registered. ``synced`` is False until the first
+  full sync: the replica is not ready before (:mod:`kvgrid.controller.readiness`).
+
+While the server cannot be reached every method raises
+:class:`~kvgrid.common.errors.Unavailable` naming the URL.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+import redis
+
+from kvgrid.common.errors import PermissionDenied, Unavailable
+from kvgrid.common.identity import PodIdentity
+from kvgrid.controller.registry.base import (
+    AgentLoad,
+    AgentRecord,
+    AgentRegistry,
+    RegisterOutcome,
+    StaleEpochError,
+    SyncResult,
+    UnknownPodError,
+    check_namespace_ids,
+)
+
+__all__ = ["RedisRegistry"]
+
+_FIELDS = ("epoch", "pod", "ns", "l1", "since", "lease", "load", "owner")
+
+_NOW = """
+local P = ARGV[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function forget(uid)
+  for _, f in ipairs({'epoch', 'pod', 'ns', 'l1', 'since', 'lease', 'load', 'owner'}) do
+    redis.call('HDEL', P .. 'a:' .. f, uid)
+  end
+end
+"""
+
+# ARGV: P, uid, epoch19, pod_json, ttl_ms, owner ('' none), ns_json ('' none given), l1
+_REGISTER = (
+    _NOW
+    + """
+local uid, ep, ttl, owner, ns, l1 = ARGV[2], ARGV[3], tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8]
+local cur_owner = redis.call('HGET', P .. 'a:owner', uid)
+if owner ~= '' and cur_owner and cur_owner ~= owner then return {'denied', cur_owner} end
+local old = redis.call('HGET', P .. 'a:epoch', uid)
+if old and ep < old then return {'stale', old} end
+redis.call('HSET', P .. 'a:pod', uid, ARGV[4])
+redis.call('HSET', P .. 'a:lease', uid, now + ttl)
+if owner ~= '' and not cur_owner then redis.call('HSET', P .. 'a:owner', uid, owner) end
+if old and ep == old then
+  if ns ~= '' then redis.call('HSET', P .. 'a:ns', uid, ns) end
+  if l1 ~= '0' then redis.call('HSET', P .. 'a:l1', uid, l1) end
+  return {'same', ''}
+end
+redis.call('HSET', P .. 'a:epoch', uid, ep)
+redis.call('HSET', P .. 'a:ns', uid, ns == '' and '[]' or ns)
+redis.call('HSET', P .. 'a:l1', uid, l1)
+redis.call('HSET', P .. 'a:since', uid, now)
+redis.call('HDEL', P .. 'a:load', uid)
+return {'new', old or ''}
+"""
+)
+
+# ARGV: P, uid, epoch19, ttl_ms, load_json ('' none)
+_HEARTBEAT = (
+    _NOW
+    + """
+local uid, ep = ARGV[2], ARGV[3]
+local old = redis.call('HGET', P .. 'a:epoch', uid)
+if not old or ep > old then return {'unknown', old or ''} end
+if ep < old then return {'stale', old} end
+redis.call('HSET', P .. 'a:lease', uid, now + tonumber(ARGV[4]))
+if ARGV[5] ~= '' then redis.call('HSET', P .. 'a:load', uid, ARGV[5]) end
+return {'ok', old}
+"""
+)
+
+# ARGV: P, uid, epoch19, ns_json: set the namespaces of that incarnation (no-op for another epoch)
+_NAMESPACES = """
+local P, uid = ARGV[1], ARGV[2]
+if redis.call('HGET', P .. 'a:epoch', uid) ~= ARGV[3] then return 0 end
+redis.call('HSET', P .. 'a:ns', uid, ARGV[4])
+return 1
+"""
+
+# ARGV: P, uid, identity
+_SET_OWNER = """
+local P, uid = ARGV[1], ARGV[2]
+if redis.call('HEXISTS', P .. 'a:epoch', uid) == 1 then redis.call('HSETNX', P .. 'a:owner', uid, ARGV[3]) end
+return 0
+"""
+
+# ARGV: P -> flat list uid, epoch19, pod_json of every record removed
+_EXPIRE = (
+    _NOW
+    + """
+local gone = {}
+local leases = redis.call('HGETALL', P .. 'a:lease')
+for i = 1, #leases, 2 do
+  if tonumber(leases[i + 1]) <= now then
+    local uid = leases[i]
+    table.insert(gone, uid)
+    table.insert(gone, redis.call('HGET', P .. 'a:epoch', uid) or '')
+    table.insert(gone, redis.call('HGET', P .. 'a:pod', uid) or '')
+    forget(uid)
+  end
+end
+return gone
+"""
+)
+
+# ARGV: P, uid -> {epoch19, pod_json} removed, or {}
+_REMOVE = (
+    _NOW
+    + """
+local uid = ARGV[2]
+local ep = redis.call('HGET', P .. 'a:epoch', uid)
+if not ep then return {} end
+local pod = redis.call('HGET', P .. 'a:pod', uid) or ''
+forget(uid)
+return {ep, pod}
+"""
+)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _reachable(fn: _F) -> _F:
+    """Raise :class:`Unavailable` (naming the server) when the server cannot be reached."""
+
+    @functools.wraps(fn)
+    def wrapper(self: RedisRegistry, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError) as e:
+            raise Unavailable(
+                f"agent registry unavailable: Redis/Valkey at {self.url} cannot be reached ({e}); retry later"
+            ) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _epoch19(epoch: int) -> str:
+    return f"{epoch:019d}"
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _denied(pod_uid: str, owner: str, identity: str) -> PermissionDenied:
+    return PermissionDenied(
+        f"pod {pod_uid!r} is registered by identity {owner!r}; the caller {identity!r} may not "
+        "register, heartbeat or publish for it (any epoch) while its lease is live"
+    )
+
+
+class RedisRegistry(AgentRegistry):
+    """The agent registry in Redis/Valkey, shared by controller replicas (see the module docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        lease_ttl_ms: int,
+        *,
+        prefix: str = "kvg:",
+        client: redis.Redis | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not prefix:
+            raise ValueError("prefix='': expected a non-empty key prefix such as 'kvg:'")
+        self.url, self.prefix = url, prefix
+        self.lease_s = lease_ttl_ms / 1000.0
+        self._ttl_ms = lease_ttl_ms
+        self._clock = clock
+        self._r = client if client is not None else redis.Redis.from_url(url, socket_connect_timeout=2.0)
+        self._register = self._r.register_script(_REGISTER)
+        self._heartbeat = self._r.register_script(_HEARTBEAT)
+        self._namespaces = self._r.register_script(_NAMESPACES)
+        self._expire = self._r.register_script(_EXPIRE)
+        self._remove = self._r.register_script(_REMOVE)
+        self._set_owner = self._r.register_script(_SET_OWNER)
+        self._by_uid: dict[str, AgentRecord] = {}
+        self._lock = threading.Lock()
+        self._synced = False
+        self._writes = 0
+        """Bumped by every record this replica puts in its mirror itself (under ``_lock``)."""
+        self._born: dict[str, int] = {}
+        """uid -> ``_writes`` when this replica last put its record in the mirror: a sync whose
+        snapshot was read before that leaves the record alone (it may predate the write)."""
+        self.expired_total = 0
+
+    @property
+    def shared(self) -> bool:
+        return True
+
+    @property
+    def synced(self) -> bool:
+        return self._synced
+
+    def _key(self, field: str) -> str:
+        return f"{self.prefix}a:{field}"
+
+    def _run(self, script: Any, *args: Any) -> Any:
+        return script(keys=[], args=[self.prefix, *args])
+
+    # --- ownership ------------------------------------------------------------------------------
+    @_reachable
+    def check_owner(self, pod_uid: str, identity: str) -> None:
+        owner = self._r.hget(self._key("owner"), pod_uid)
+        if owner is not None and _s(owner) != identity:
+            raise _denied(pod_uid, _s(owner), identity)
+
+    @_reachable
+    def set_owner(self, pod_uid: str, identity: str) -> None:
+        # Only while registered (the registration script sets it atomically when given an owner;
+        # this is for callers that registered without one); an existing owner is kept.
+        self._run(self._set_owner, pod_uid, identity)
+
+    # --- writes ---------------------------------------------------------------------------------
+    @_reachable
+    def register(
+        self,
+        pod: PodIdentity,
+        namespaces: Sequence[str],
+        l1_capacity_bytes: int = 0,
+        *,
+        owner: str | None = None,
+    ) -> RegisterOutcome:
+        ns = check_namespace_ids(namespaces)
+        status, old = (
+            _s(v)
+            for v in self._run(
+                self._register,
+                pod.pod_uid,
+                _epoch19(pod.epoch),
+                msgspec.json.encode(pod),
+                self._ttl_ms,
+                owner or "",
+                msgspec.json.encode(list(ns)) if ns else "",
+                int(l1_capacity_bytes),
+            )
+        )
+        if status == "denied":
+            raise _denied(pod.pod_uid, old, owner or "")
+        if status == "stale":
+            raise StaleEpochError(
+                f"pod {pod.pod_uid!r} epoch {pod.epoch} is older than the registered epoch "
+                f"{int(old)}: an agent restarted since; the old incarnation must stop"
+            )
+        now = self._clock()
+        with self._lock:
+            mine = self._by_uid.get(pod.pod_uid)
+            if status == "same" and mine is not None and mine.pod.epoch == pod.epoch:
+                mine.pod = pod
+                mine.namespaces = ns or mine.namespaces
+                mine.l1_capacity_bytes = l1_capacity_bytes or mine.l1_capacity_bytes
+                mine.lease_deadline = now + self.lease_s
+                return RegisterOutcome(record=mine, replaced=None, is_new=False)
+            rec = AgentRecord(
+                pod=pod,
+                namespaces=ns,
+                l1_capacity_bytes=l1_capacity_bytes,
+                load=AgentLoad(l1_capacity_bytes=l1_capacity_bytes),
+                lease_deadline=now + self.lease_s,
+                registered_at=now,
+            )
+            self._by_uid[pod.pod_uid] = rec
+            self._writes += 1
+            self._born[pod.pod_uid] = self._writes
+            if status == "same":  # registered through another replica, not mirrored here yet
+                return RegisterOutcome(record=rec, replaced=None, is_new=False)
+            replaced = None
+            if old:
+                old_epoch = int(old)
+                if mine is not None and mine.pod.epoch == old_epoch:
+                    replaced = mine
+                else:
+                    replaced = msgspec.structs.replace(rec, pod=msgspec.structs.replace(pod, epoch=old_epoch))
+            return RegisterOutcome(record=rec, replaced=replaced, is_new=True)
+
+    @_reachable
+    def heartbeat(self, pod_uid: str, epoch: int, load: AgentLoad | None) -> AgentRecord:
+        status, cur = (
+            _s(v)
+            for v in self._run(
+                self._heartbeat,
+                pod_uid,
+                _epoch19(epoch),
+                self._ttl_ms,
+                msgspec.json.encode(load) if load is not None else "",
+            )
+        )
+        if status == "unknown":
+            raise UnknownPodError(f"pod {pod_uid!r} epoch {epoch} is not registered (lease lapsed?)")
+        if status == "stale":
+            raise StaleEpochError(
+                f"pod {pod_uid!r} epoch {epoch} is older than the registered epoch {int(cur)}"
+            )
+        with self._lock:
+            rec = self._by_uid.get(pod_uid)
+            if rec is not None and rec.pod.epoch == epoch:
+                rec.lease_deadline = self._clock() + self.lease_s
+                if load is not None:
+                    rec.load = load
+                return rec
+        self.sync()  # registered through another replica since this one's last sync
+        rec = self.get(pod_uid)
+        if rec is None or rec.pod.epoch != epoch:
+            raise UnknownPodError(f"pod {pod_uid!r} epoch {epoch} left the registry meanwhile")
+        return rec
+
+    @_reachable
+    def learn_namespaces(self, rec: AgentRecord, namespaces: Sequence[str]) -> bool:
+        if not namespaces or set(namespaces) <= set(rec.namespaces):
+            return False
+        merged = tuple(dict.fromkeys((*rec.namespaces, *namespaces)))
+        self._run(
+            self._namespaces, rec.pod.pod_uid, _epoch19(rec.pod.epoch), msgspec.json.encode(list(merged))
+        )
+        with self._lock:
+            rec.namespaces = merged
+        return True
+
+    @_reachable
+    def expire(self) -> list[AgentRecord]:
+        flat = [_s(v) for v in self._run(self._expire)]
+        gone = []
+        with self._lock:
+            for i in range(0, len(flat), 3):
+                uid, ep, pod_json = flat[i : i + 3]
+                gone.append(self._take(uid, int(ep or 0), pod_json))
+            self.expired_total += len(gone)
+        return gone
+
+    @_reachable
+    def remove(self, pod_uid: str) -> AgentRecord | None:
+        out = [_s(v) for v in self._run(self._remove, pod_uid)]
+        if not out:
+            with self._lock:
+                self._born.pop(pod_uid, None)
+                return self._by_uid.pop(pod_uid, None)
+        with self._lock:
+            return self._take(pod_uid, int(out[0]), out[1])
+
+    def _take(self, uid: str, epoch: int, pod_json: str) -> AgentRecord:
+        """Remove ``uid`` from the mirror: its mirror record when it is that epoch, else one built
+        from the removed data (this replica never mirrored it)."""
+        mine = self._by_uid.get(uid)
+        if mine is not None and mine.pod.epoch == epoch:
+            del self._by_uid[uid]
+            self._born.pop(uid, None)
+            return mine
+        pod = msgspec.json.decode(pod_json, type=PodIdentity) if pod_json else PodIdentity(uid, epoch=epoch)
+        now = self._clock()
+        return AgentRecord(pod=pod, namespaces=(), l1_capacity_bytes=0, load=AgentLoad(), lease_deadline=now,
+                           registered_at=now)  # fmt: skip
+
+    # --- reads (from the mirror) ----------------------------------------------------------------
+    def get(self, pod_uid: str) -> AgentRecord | None:
+        with self._lock:
+            return self._by_uid.get(pod_uid)
+
+    def current(self, pod_uid: str, epoch: int) -> AgentRecord | None:
+        rec = self.get(pod_uid)
+        if rec is not None and epoch < rec.pod.epoch:
+            raise StaleEpochError(
+                f"pod {pod_uid!r} epoch {epoch} is older than the registered epoch {rec.pod.epoch}"
+            )
+        if rec is None or epoch > rec.pod.epoch:
+            # Not mirrored yet, or a newer epoch registered elsewhere: the backend decides.
+            fresh = self._fetch_epoch(pod_uid)
+            if fresh is not None and epoch < fresh:
+                raise StaleEpochError(
+                    f"pod {pod_uid!r} epoch {epoch} is older than the registered epoch {fresh}"
+                )
+            if fresh == epoch:
+                self.sync()
+                rec = self.get(pod_uid)
+                return rec if rec is not None and rec.pod.epoch == epoch else None
+            return None
+        return rec
+
+    @_reachable
+    def _fetch_epoch(self, pod_uid: str) -> int | None:
+        v = self._r.hget(self._key("epoch"), pod_uid)
+        return None if v is None else int(v)
+
+    def all(self) -> list[AgentRecord]:
+        with self._lock:
+            return list(self._by_uid.values())
+
+    def lease_remaining_ms(self, rec: AgentRecord) -> int:
+        return int((rec.lease_deadline - self._clock()) * 1000)
+
+    # --- the mirror -----------------------------------------------------------------------------
+    @_reachable
+    def sync(self) -> SyncResult:
+        with self._lock:
+            read_at = self._writes
+        pipe = self._r.pipeline(transaction=True)  # one consistent snapshot of every hash
+        pipe.time()
+        for f in _FIELDS:
+            pipe.hgetall(self._key(f))
+        out = pipe.execute()
+        secs, usecs = out[0]
+        server_now_ms = secs * 1000 + usecs // 1000
+        h: dict[str, dict[str, bytes]] = {
+            f: {_s(k): v for k, v in d.items()} for f, d in zip(_FIELDS, out[1:], strict=True)
+        }
+        now = self._clock()
+        gone: list[AgentRecord] = []
+        changed = False
+        with self._lock:
+            seen = set()
+            for uid, ep_b in h["epoch"].items():
+                epoch = int(ep_b)
+                pod_json = h["pod"].get(uid)
+                if pod_json is None:
+                    continue
+                seen.add(uid)
+                pod = msgspec.json.decode(pod_json, type=PodIdentity)
+                ns = tuple(msgspec.json.decode(h["ns"].get(uid, b"[]"), type=list[str]))
+                l1 = int(h["l1"].get(uid, b"0"))
+                load_b = h["load"].get(uid)
+                load = (
+                    msgspec.json.decode(load_b, type=AgentLoad) if load_b else AgentLoad(l1_capacity_bytes=l1)
+                )
+                deadline = now + (int(h["lease"].get(uid, b"0")) - server_now_ms) / 1000
+                rec = self._by_uid.get(uid)
+                if self._born.get(uid, 0) > read_at:
+                    continue  # written here after the snapshot was read: newer than it
+                if rec is not None and rec.pod.epoch == epoch:
+                    if rec.pod != pod or rec.namespaces != ns:
+                        changed = True
+                    rec.pod, rec.namespaces, rec.l1_capacity_bytes = pod, ns, l1
+                    rec.load, rec.lease_deadline = load, deadline
+                    continue
+                if rec is not None:
+                    rec.dropped = True
+                    gone.append(rec)
+                since = now + (int(h["since"].get(uid, b"0")) - server_now_ms) / 1000
+                self._by_uid[uid] = AgentRecord(
+                    pod=pod, namespaces=ns, l1_capacity_bytes=l1, load=load, lease_deadline=deadline,
+                    registered_at=since,
+                )  # fmt: skip
+                changed = True
+            for uid in [u for u in self._by_uid if u not in seen and self._born.get(u, 0) <= read_at]:
+                rec = self._by_uid.pop(uid)
+                self._born.pop(uid, None)
+                rec.dropped = True
+                gone.append(rec)
+                changed = True
+            self._synced = True
+        return SyncResult(gone, changed)
+
+    def close(self) -> None:
+        self._r.close()
