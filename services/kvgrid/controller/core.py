@@ -271,6 +271,10 @@ class Controller:
             self._generation = self.index.data_generation()  # the baseline later checks compare to
         except Unavailable as e:
             log.warning("%s", e)
+        try:
+            self.sweep()  # loads a shared registry's view now (readiness waits for it), else the sweeper
+        except Unavailable as e:
+            log.warning("%s", e)
         self._sweeper.start()
         self._watcher.start()
         for s in self.vllm:
@@ -285,16 +289,13 @@ class Controller:
         self.registry.close()
 
     def _sweep_loop(self) -> None:
-        # The first round at once: a shared registry's view is loaded by it (readiness waits on it).
-        while True:
+        while not self._stop.wait(self.cfg.sweep_interval_ms / 1000):
             try:
                 self.sweep()
             except Unavailable as e:  # the readiness/backend watcher reports the outage
                 log.debug("lease sweep skipped: %s", e)
             except Exception:  # keep sweeping whatever one round hit (e.g. Redis briefly down)
                 log.exception("lease sweep failed")
-            if self._stop.wait(self.cfg.sweep_interval_ms / 1000):
-                return
 
     def _watch_loop(self) -> None:
         while not self._stop.wait(self.cfg.backend_check_interval_ms / 1000):
