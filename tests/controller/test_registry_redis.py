@@ -119,3 +119,19 @@ def test_racing_registrations_by_two_identities_leave_one_owner(backend: str, va
                 r.check_owner(uid, f"spiffe://x/agent/{1 - winner}")
     for r in regs:
         r.close()
+
+
+def test_a_refresh_inside_a_call_keeps_what_left_for_the_next_sync(three: list[RedisRegistry]) -> None:
+    """A heartbeat for a pod another replica registered reloads the mirror at once; a record that
+    left meanwhile must still come out of the next :meth:`sync` (the controller drops it there)."""
+    a, b, _ = three
+    a.register(PodIdentity("x", epoch=1), [])
+    b.sync()
+    x = b.get("x")
+    assert x is not None
+    a.remove("x")
+    a.register(PodIdentity("y", epoch=1), [])
+    b.heartbeat("y", 1, None)  # unknown to b's mirror: reloads it, and x is gone from it
+    assert b.get("x") is None and x.dropped
+    assert b.sync().gone == [x]
+    assert b.sync().gone == []

@@ -222,6 +222,8 @@ class RedisRegistry(AgentRegistry):
         self._born: dict[str, int] = {}
         """uid -> ``_writes`` when this replica last put its record in the mirror: a sync whose
         snapshot was read before that leaves the record alone (it may predate the write)."""
+        self._pending_gone: list[AgentRecord] = []
+        self._pending_changed = False
         self.expired_total = 0
 
     @property
@@ -291,19 +293,25 @@ class RedisRegistry(AgentRegistry):
                 mine.l1_capacity_bytes = l1_capacity_bytes or mine.l1_capacity_bytes
                 mine.lease_deadline = now + self.lease_s
                 return RegisterOutcome(record=mine, replaced=None, is_new=False)
-            rec = AgentRecord(
-                pod=pod,
-                namespaces=ns,
-                l1_capacity_bytes=l1_capacity_bytes,
-                load=AgentLoad(l1_capacity_bytes=l1_capacity_bytes),
-                lease_deadline=now + self.lease_s,
-                registered_at=now,
-            )
-            self._by_uid[pod.pod_uid] = rec
-            self._writes += 1
-            self._born[pod.pod_uid] = self._writes
-            if status == "same":  # registered through another replica, not mirrored here yet
-                return RegisterOutcome(record=rec, replaced=None, is_new=False)
+            if status != "same":
+                rec = AgentRecord(
+                    pod=pod,
+                    namespaces=ns,
+                    l1_capacity_bytes=l1_capacity_bytes,
+                    load=AgentLoad(l1_capacity_bytes=l1_capacity_bytes),
+                    lease_deadline=now + self.lease_s,
+                    registered_at=now,
+                )
+                self._by_uid[pod.pod_uid] = rec
+                self._writes += 1
+                self._born[pod.pod_uid] = self._writes
+        if status == "same":  # registered through another replica, not mirrored here yet
+            self._refresh()
+            same = self.get(pod.pod_uid)
+            if same is None or same.pod.epoch != pod.epoch:
+                raise UnknownPodError(f"pod {pod.pod_uid!r} epoch {pod.epoch} left the registry meanwhile")
+            return RegisterOutcome(record=same, replaced=None, is_new=False)
+        with self._lock:
             replaced = None
             if old:
                 old_epoch = int(old)
@@ -338,7 +346,7 @@ class RedisRegistry(AgentRegistry):
                 if load is not None:
                     rec.load = load
                 return rec
-        self.sync()  # registered through another replica since this one's last sync
+        self._refresh()  # registered through another replica since this one's last sync
         rec = self.get(pod_uid)
         if rec is None or rec.pod.epoch != epoch:
             raise UnknownPodError(f"pod {pod_uid!r} epoch {epoch} left the registry meanwhile")
@@ -409,7 +417,7 @@ class RedisRegistry(AgentRegistry):
                     f"pod {pod_uid!r} epoch {epoch} is older than the registered epoch {fresh}"
                 )
             if fresh == epoch:
-                self.sync()
+                self._refresh()
                 rec = self.get(pod_uid)
                 return rec if rec is not None and rec.pod.epoch == epoch else None
             return None
@@ -430,6 +438,16 @@ class RedisRegistry(AgentRegistry):
     # --- the mirror -----------------------------------------------------------------------------
     @_reachable
     def sync(self) -> SyncResult:
+        self._refresh()
+        with self._lock:
+            out = SyncResult(self._pending_gone, self._pending_changed)
+            self._pending_gone, self._pending_changed = [], False
+        return out
+
+    @_reachable
+    def _refresh(self) -> None:
+        """Reload the mirror; what left or changed waits in ``_pending_*`` for :meth:`sync`'s caller
+        (a refresh inside register/heartbeat must not lose records the controller has to drop)."""
         with self._lock:
             read_at = self._writes
         pipe = self._r.pipeline(transaction=True)  # one consistent snapshot of every hash
@@ -486,7 +504,8 @@ class RedisRegistry(AgentRegistry):
                 gone.append(rec)
                 changed = True
             self._synced = True
-        return SyncResult(gone, changed)
+            self._pending_gone.extend(gone)
+            self._pending_changed = self._pending_changed or changed
 
     def close(self) -> None:
         self._r.close()
