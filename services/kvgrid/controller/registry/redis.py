@@ -56,8 +56,6 @@ from kvgrid.controller.registry.base import (
 
 __all__ = ["RedisRegistry"]
 
-_FIELDS = ("epoch", "pod", "ns", "l1", "since", "lease", "load", "owner")
-
 _NOW = """
 local P = ARGV[1]
 local t = redis.call('TIME')
@@ -78,14 +76,24 @@ local cur_owner = redis.call('HGET', P .. 'a:owner', uid)
 if owner ~= '' and cur_owner and cur_owner ~= owner then return {'denied', cur_owner} end
 local old = redis.call('HGET', P .. 'a:epoch', uid)
 if old and ep < old then return {'stale', old} end
+local pod_changed = redis.call('HGET', P .. 'a:pod', uid) ~= ARGV[4]
 redis.call('HSET', P .. 'a:pod', uid, ARGV[4])
 redis.call('HSET', P .. 'a:lease', uid, now + ttl)
 if owner ~= '' and not cur_owner then redis.call('HSET', P .. 'a:owner', uid, owner) end
 if old and ep == old then
-  if ns ~= '' then redis.call('HSET', P .. 'a:ns', uid, ns) end
-  if l1 ~= '0' then redis.call('HSET', P .. 'a:l1', uid, l1) end
+  local changed = pod_changed
+  if ns ~= '' and redis.call('HGET', P .. 'a:ns', uid) ~= ns then
+    redis.call('HSET', P .. 'a:ns', uid, ns)
+    changed = true
+  end
+  if l1 ~= '0' and redis.call('HGET', P .. 'a:l1', uid) ~= l1 then
+    redis.call('HSET', P .. 'a:l1', uid, l1)
+    changed = true
+  end
+  if changed then redis.call('INCR', P .. 'a:ver') end
   return {'same', ''}
 end
+redis.call('INCR', P .. 'a:ver')
 redis.call('HSET', P .. 'a:epoch', uid, ep)
 redis.call('HSET', P .. 'a:ns', uid, ns == '' and '[]' or ns)
 redis.call('HSET', P .. 'a:l1', uid, l1)
@@ -114,6 +122,7 @@ _NAMESPACES = """
 local P, uid = ARGV[1], ARGV[2]
 if redis.call('HGET', P .. 'a:epoch', uid) ~= ARGV[3] then return 0 end
 redis.call('HSET', P .. 'a:ns', uid, ARGV[4])
+redis.call('INCR', P .. 'a:ver')
 return 1
 """
 
@@ -139,6 +148,7 @@ for i = 1, #leases, 2 do
     forget(uid)
   end
 end
+if #gone > 0 then redis.call('INCR', P .. 'a:ver') end
 return gone
 """
 )
@@ -152,9 +162,27 @@ local ep = redis.call('HGET', P .. 'a:epoch', uid)
 if not ep then return {} end
 local pod = redis.call('HGET', P .. 'a:pod', uid) or ''
 forget(uid)
+redis.call('INCR', P .. 'a:ver')
 return {ep, pod}
 """
 )
+
+# ARGV: P, the (gen:ver) this replica last read in full -> msgpack [now_ms, gen:ver, lease, load,
+# and when gen:ver differs: epoch, pod, ns, l1, since] (hashes as flat field/value lists). One
+# string to parse instead of thousands of RESP items: redis-py's parser is pure Python.
+_SNAPSHOT = """
+local P = ARGV[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ver = (redis.call('GET', P .. 'gen') or '') .. ':' .. (redis.call('GET', P .. 'a:ver') or '0')
+local out = {now, ver, redis.call('HGETALL', P .. 'a:lease'), redis.call('HGETALL', P .. 'a:load')}
+if ver ~= ARGV[2] then
+  for _, f in ipairs({'epoch', 'pod', 'ns', 'l1', 'since'}) do
+    table.insert(out, redis.call('HGETALL', P .. 'a:' .. f))
+  end
+end
+return cmsgpack.pack(out)
+"""
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -189,6 +217,19 @@ def _denied(pod_uid: str, owner: str, identity: str) -> PermissionDenied:
     )
 
 
+class _Static(msgspec.Struct, frozen=True):
+    epoch: int
+    pod: PodIdentity
+    namespaces: tuple[str, ...]
+    l1_capacity_bytes: int
+    since_ms: int
+
+
+def _pairs(flat: list[Any]) -> dict[str, bytes]:
+    it = iter(flat)
+    return {_s(k): v if isinstance(v, bytes) else str(v).encode() for k, v in zip(it, it, strict=True)}
+
+
 class RedisRegistry(AgentRegistry):
     """The agent registry in Redis/Valkey, shared by controller replicas (see the module docstring)."""
 
@@ -214,8 +255,13 @@ class RedisRegistry(AgentRegistry):
         self._expire = self._r.register_script(_EXPIRE)
         self._remove = self._r.register_script(_REMOVE)
         self._set_owner = self._r.register_script(_SET_OWNER)
+        self._snapshot = self._r.register_script(_SNAPSHOT)
+        self._static: dict[str, _Static] = {}
+        """uid -> what changes only with ``a:ver``, as of the last full read (``_static_ver``)."""
+        self._static_ver = ""
         self._by_uid: dict[str, AgentRecord] = {}
         self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
         self._synced = False
         self._writes = 0
         """Bumped by every record this replica puts in its mirror itself (under ``_lock``)."""
@@ -448,37 +494,43 @@ class RedisRegistry(AgentRegistry):
     def _refresh(self) -> None:
         """Reload the mirror; what left or changed waits in ``_pending_*`` for :meth:`sync`'s caller
         (a refresh inside register/heartbeat must not lose records the controller has to drop)."""
+        with self._refresh_lock:  # one at a time: an older snapshot must never be applied last
+            self._refresh_locked()
+
+    def _refresh_locked(self) -> None:
         with self._lock:
             read_at = self._writes
-        pipe = self._r.pipeline(transaction=True)  # one consistent snapshot of every hash
-        pipe.time()
-        for f in _FIELDS:
-            pipe.hgetall(self._key(f))
-        out = pipe.execute()
-        secs, usecs = out[0]
-        server_now_ms = secs * 1000 + usecs // 1000
-        h: dict[str, dict[str, bytes]] = {
-            f: {_s(k): v for k, v in d.items()} for f, d in zip(_FIELDS, out[1:], strict=True)
-        }
+        raw = self._snapshot(keys=[], args=[self.prefix, self._static_ver])
+        out = msgspec.msgpack.decode(raw)
+        server_now_ms, ver = int(out[0]), _s(out[1])
+        leases, loads = _pairs(out[2]), _pairs(out[3])
+        if len(out) > 4:  # something but leases and loads changed: decode the records again
+            epochs, pods, nss, l1s, sinces = (_pairs(x) for x in out[4:9])
+            self._static = {
+                uid: _Static(
+                    epoch=int(ep),
+                    pod=msgspec.json.decode(pods[uid], type=PodIdentity),
+                    namespaces=tuple(msgspec.json.decode(nss.get(uid, b"[]"), type=list[str])),
+                    l1_capacity_bytes=int(l1s.get(uid, b"0")),
+                    since_ms=int(sinces.get(uid, b"0")),
+                )
+                for uid, ep in epochs.items()
+                if uid in pods
+            }
+            self._static_ver = ver
         now = self._clock()
         gone: list[AgentRecord] = []
         changed = False
         with self._lock:
             seen = set()
-            for uid, ep_b in h["epoch"].items():
-                epoch = int(ep_b)
-                pod_json = h["pod"].get(uid)
-                if pod_json is None:
-                    continue
+            for uid, st in self._static.items():
                 seen.add(uid)
-                pod = msgspec.json.decode(pod_json, type=PodIdentity)
-                ns = tuple(msgspec.json.decode(h["ns"].get(uid, b"[]"), type=list[str]))
-                l1 = int(h["l1"].get(uid, b"0"))
-                load_b = h["load"].get(uid)
+                epoch, pod, ns, l1 = st.epoch, st.pod, st.namespaces, st.l1_capacity_bytes
+                load_b = loads.get(uid)
                 load = (
                     msgspec.json.decode(load_b, type=AgentLoad) if load_b else AgentLoad(l1_capacity_bytes=l1)
                 )
-                deadline = now + (int(h["lease"].get(uid, b"0")) - server_now_ms) / 1000
+                deadline = now + (int(leases.get(uid, b"0")) - server_now_ms) / 1000
                 rec = self._by_uid.get(uid)
                 if self._born.get(uid, 0) > read_at:
                     continue  # written here after the snapshot was read: newer than it
@@ -491,7 +543,7 @@ class RedisRegistry(AgentRegistry):
                 if rec is not None:
                     rec.dropped = True
                     gone.append(rec)
-                since = now + (int(h["since"].get(uid, b"0")) - server_now_ms) / 1000
+                since = now + (st.since_ms - server_now_ms) / 1000
                 self._by_uid[uid] = AgentRecord(
                     pod=pod, namespaces=ns, l1_capacity_bytes=l1, load=load, lease_deadline=deadline,
                     registered_at=since,
