@@ -135,3 +135,21 @@ def test_a_refresh_inside_a_call_keeps_what_left_for_the_next_sync(three: list[R
     assert b.get("x") is None and x.dropped
     assert b.sync().gone == [x]
     assert b.sync().gone == []
+
+
+def test_changes_of_a_known_record_reach_a_replica_that_already_read_it(three: list[RedisRegistry]) -> None:
+    """A sync re-reads records only when ``a:ver`` moved: every change of identity, address or
+    namespaces must move it."""
+    a, b, _ = three
+    ns2 = "f" * 32
+    a.register(PodIdentity("p", epoch=3, agent_address="10.0.0.1:1"), [NS_ID])
+    b.sync()
+    seen = b.get("p")
+    assert seen is not None and seen.pod.agent_address == "10.0.0.1:1"
+    assert not b.sync().changed  # nothing moved
+    a.register(PodIdentity("p", epoch=3, agent_address="10.0.0.2:1"), [])  # same incarnation, new address
+    assert b.sync().changed and seen.pod.agent_address == "10.0.0.2:1" and seen.namespaces == (NS_ID,)
+    rec = a.get("p")
+    assert rec is not None and a.learn_namespaces(rec, [ns2])
+    assert b.sync().changed and seen.namespaces == (NS_ID, ns2)
+    assert b.get("p") is seen
