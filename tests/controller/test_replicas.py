@@ -79,10 +79,12 @@ def agents(replicas: Replicas) -> Iterator[list[FakeAgent]]:
         a.close()
 
 
-def _agents(stub: Stub) -> list[tuple[str, int, str, str, int]]:
+def _agents(stub: Stub) -> list[tuple[str, int, str, str, int, int]]:
+    """ListAgents rows: pod UID, epoch, name, agent address, entries, last applied sequence."""
     resp = stub.ListAgents(controller_pb2.ListAgentsRequest(), timeout=5)
     return [
-        (a.pod.pod_uid, a.pod.epoch, a.pod.pod_name, a.pod.agent_address, a.num_chunks) for a in resp.agents
+        (a.pod.pod_uid, a.pod.epoch, a.pod.pod_name, a.pod.agent_address, a.num_chunks, a.last_sequence)
+        for a in resp.agents
     ]
 
 
@@ -128,6 +130,12 @@ def test_every_replica_gives_the_same_answers(replicas: Replicas, agents: list[F
     wait_until(
         lambda: all(r[4] == 4 + 3 + int(r[0][-1]) for r in _agents(replicas.stubs[0])),
         what="every agent's snapshot indexed",
+    )
+    # The sequence each agent's own replica applied is shared too (published by its sweeps).
+    wait_until(
+        lambda: all([r[5] for r in _agents(s)] == [1, 1, 1] for s in replicas.stubs),
+        timeout=3,
+        what="every replica shows every agent's last sequence",
     )
     rows = [_agents(s) for s in replicas.stubs]
     assert rows[0] == rows[1] == rows[2]
@@ -216,7 +224,7 @@ def test_a_replica_restarted_midway_is_ready_only_with_the_shared_view(
             assert _uids(stub) == want
             served += 1
     assert served == 20
-    assert _agents(stub) == _agents(replicas.stubs[0])
+    wait_until(lambda: _agents(stub) == _agents(replicas.stubs[0]), timeout=3, what="same rows as replica 0")
 
 
 # --- ownership across replicas (mTLS) -----------------------------------------------------------

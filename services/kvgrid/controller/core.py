@@ -347,6 +347,14 @@ class Controller:
         for rec in gone:
             log.info("lease of %s lapsed: dropping its entries", rec.holder)
             self._drop(rec)
+        if self.registry.shared:  # the streams served here: every replica's ListAgents shows them
+            self.registry.publish_sequences(
+                {
+                    r.pod.pod_uid: (r.pod.epoch, self.ingest.last_sequence(r.holder))
+                    for r in self.registry.all()
+                    if self.ingest.tracks(r.holder)
+                }
+            )
         synced = self.registry.sync()
         for rec in synced.gone:
             log.info("%s left the shared registry (through another replica): dropping it here", rec.holder)
@@ -701,7 +709,7 @@ class Controller:
                     load=load,
                     lease_remaining_ms=self.registry.lease_remaining_ms(rec),
                     num_chunks=self.index.holder_entries(rec.holder),
-                    last_sequence=self.ingest.last_sequence(rec.holder),
+                    last_sequence=max(self.ingest.last_sequence(rec.holder), rec.last_sequence),
                 )
             )
         return out

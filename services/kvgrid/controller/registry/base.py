@@ -67,6 +67,9 @@ class AgentRecord(msgspec.Struct):
     lease_deadline: float
     """On this process's monotonic clock."""
     registered_at: float
+    last_sequence: int = 0
+    """A shared registry: the last event sequence the replica serving this agent's stream applied
+    (published by that replica's sweeps); 0 otherwise."""
     dropped: bool = False
     """Set (before its entries are dropped) once this incarnation left the registry: late events,
     resyncs and vLLM events for it must not write to the index any more."""
@@ -166,6 +169,10 @@ class AgentRegistry(abc.ABC):
     def sync(self) -> SyncResult:
         """Refresh this replica's view from the backend (nothing to do for a local one)."""
         return SyncResult([], False)
+
+    def publish_sequences(self, sequences: dict[str, tuple[int, int]]) -> None:  # noqa: B027
+        """Share ``pod_uid -> (epoch, last applied sequence)`` of the streams this replica serves
+        (a local registry has nobody to share them with)."""
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release the backend's connections."""

@@ -9,6 +9,8 @@ Layout (every name starts with the configured prefix ``P``, the index's, default
     P a:lease  HASH uid -> lease deadline (server ms, from the server's TIME)
     P a:load   HASH uid -> AgentLoad (JSON; absent until the first heartbeat with a load)
     P a:owner  HASH uid -> mTLS identity that registered the live pod
+    P a:seq    HASH uid -> "<epoch19>:<sequence>": last event applied by the replica serving its stream
+    P a:ver    counter, bumped by every change of the records but leases, loads and sequences
 
 Invariants:
 
@@ -61,7 +63,7 @@ local P = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function forget(uid)
-  for _, f in ipairs({'epoch', 'pod', 'ns', 'l1', 'since', 'lease', 'load', 'owner'}) do
+  for _, f in ipairs({'epoch', 'pod', 'ns', 'l1', 'since', 'lease', 'load', 'owner', 'seq'}) do
     redis.call('HDEL', P .. 'a:' .. f, uid)
   end
 end
@@ -126,6 +128,17 @@ redis.call('INCR', P .. 'a:ver')
 return 1
 """
 
+# ARGV: P, (uid, epoch19, sequence)...: only for the incarnation still registered
+_SEQUENCES = """
+local P = ARGV[1]
+for i = 2, #ARGV, 3 do
+  if redis.call('HGET', P .. 'a:epoch', ARGV[i]) == ARGV[i + 1] then
+    redis.call('HSET', P .. 'a:seq', ARGV[i], ARGV[i + 1] .. ':' .. ARGV[i + 2])
+  end
+end
+return 0
+"""
+
 # ARGV: P, uid, identity
 _SET_OWNER = """
 local P, uid = ARGV[1], ARGV[2]
@@ -167,7 +180,7 @@ return {ep, pod}
 """
 )
 
-# ARGV: P, the (gen:ver) this replica last read in full -> msgpack [now_ms, gen:ver, lease, load,
+# ARGV: P, the (gen:ver) this replica last read in full -> msgpack [now_ms, gen:ver, lease, load, seq,
 # and when gen:ver differs: epoch, pod, ns, l1, since] (hashes as flat field/value lists). One
 # string to parse instead of thousands of RESP items: redis-py's parser is pure Python.
 _SNAPSHOT = """
@@ -175,7 +188,8 @@ local P = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ver = (redis.call('GET', P .. 'gen') or '') .. ':' .. (redis.call('GET', P .. 'a:ver') or '0')
-local out = {now, ver, redis.call('HGETALL', P .. 'a:lease'), redis.call('HGETALL', P .. 'a:load')}
+local out = {now, ver, redis.call('HGETALL', P .. 'a:lease'), redis.call('HGETALL', P .. 'a:load'),
+  redis.call('HGETALL', P .. 'a:seq')}
 if ver ~= ARGV[2] then
   for _, f in ipairs({'epoch', 'pod', 'ns', 'l1', 'since'}) do
     table.insert(out, redis.call('HGETALL', P .. 'a:' .. f))
@@ -256,6 +270,9 @@ class RedisRegistry(AgentRegistry):
         self._remove = self._r.register_script(_REMOVE)
         self._set_owner = self._r.register_script(_SET_OWNER)
         self._snapshot = self._r.register_script(_SNAPSHOT)
+        self._sequences = self._r.register_script(_SEQUENCES)
+        self._published: dict[str, tuple[int, int]] = {}
+        """What this replica last published with :meth:`publish_sequences` (only changes are sent)."""
         self._static: dict[str, _Static] = {}
         """uid -> what changes only with ``a:ver``, as of the last full read (``_static_ver``)."""
         self._static_ver = ""
@@ -503,9 +520,9 @@ class RedisRegistry(AgentRegistry):
         raw = self._snapshot(keys=[], args=[self.prefix, self._static_ver])
         out = msgspec.msgpack.decode(raw)
         server_now_ms, ver = int(out[0]), _s(out[1])
-        leases, loads = _pairs(out[2]), _pairs(out[3])
-        if len(out) > 4:  # something but leases and loads changed: decode the records again
-            epochs, pods, nss, l1s, sinces = (_pairs(x) for x in out[4:9])
+        leases, loads, seqs = _pairs(out[2]), _pairs(out[3]), _pairs(out[4])
+        if len(out) > 5:  # something but leases and loads changed: decode the records again
+            epochs, pods, nss, l1s, sinces = (_pairs(x) for x in out[5:10])
             self._static = {
                 uid: _Static(
                     epoch=int(ep),
@@ -518,6 +535,7 @@ class RedisRegistry(AgentRegistry):
                 if uid in pods
             }
             self._static_ver = ver
+            self._published = {}  # the data may have been lost: publish every sequence again
         now = self._clock()
         gone: list[AgentRecord] = []
         changed = False
@@ -531,6 +549,8 @@ class RedisRegistry(AgentRegistry):
                     msgspec.json.decode(load_b, type=AgentLoad) if load_b else AgentLoad(l1_capacity_bytes=l1)
                 )
                 deadline = now + (int(leases.get(uid, b"0")) - server_now_ms) / 1000
+                seq_ep, _, seq = seqs.get(uid, b"").partition(b":")
+                last_seq = int(seq) if seq and int(seq_ep) == epoch else 0
                 rec = self._by_uid.get(uid)
                 if self._born.get(uid, 0) > read_at:
                     continue  # written here after the snapshot was read: newer than it
@@ -538,7 +558,7 @@ class RedisRegistry(AgentRegistry):
                     if rec.pod != pod or rec.namespaces != ns:
                         changed = True
                     rec.pod, rec.namespaces, rec.l1_capacity_bytes = pod, ns, l1
-                    rec.load, rec.lease_deadline = load, deadline
+                    rec.load, rec.lease_deadline, rec.last_sequence = load, deadline, last_seq
                     continue
                 if rec is not None:
                     rec.dropped = True
@@ -546,7 +566,7 @@ class RedisRegistry(AgentRegistry):
                 since = now + (st.since_ms - server_now_ms) / 1000
                 self._by_uid[uid] = AgentRecord(
                     pod=pod, namespaces=ns, l1_capacity_bytes=l1, load=load, lease_deadline=deadline,
-                    registered_at=since,
+                    registered_at=since, last_sequence=last_seq,
                 )  # fmt: skip
                 changed = True
             for uid in [u for u in self._by_uid if u not in seen and self._born.get(u, 0) <= read_at]:
@@ -558,6 +578,16 @@ class RedisRegistry(AgentRegistry):
             self._synced = True
             self._pending_gone.extend(gone)
             self._pending_changed = self._pending_changed or changed
+
+    @_reachable
+    def publish_sequences(self, sequences: dict[str, tuple[int, int]]) -> None:
+        changed = {uid: v for uid, v in sequences.items() if self._published.get(uid) != v}
+        if changed:
+            args: list[str | int] = []
+            for uid, (epoch, seq) in changed.items():
+                args += [uid, _epoch19(epoch), seq]
+            self._run(self._sequences, *args)
+        self._published = dict(sequences)
 
     def close(self) -> None:
         self._r.close()
