@@ -135,6 +135,8 @@ class RunResult:
     loaded_tokens: int
     """Prompt tokens the engine did not compute (they came from the agent)."""
     steps: int
+    """Scheduler steps from arrival to the first token (an asynchronous load adds steps that schedule
+    nothing while it runs)."""
 
 
 class _ConnectorHooks:
@@ -255,7 +257,9 @@ class TTFTEngine:
         blocks: list[int] = []
         logits: torch.Tensor | None = None
         loaded = steps = 0
-        while logits is None:
+        # Until vLLM accepts the first token: a load that failed inside the step makes it discard
+        # the step's token and recompute from the failed blocks.
+        while request_id in sched.requests:
             steps += 1
             out = sched.schedule()
             for new in out.scheduled_new_reqs:
@@ -279,8 +283,8 @@ class TTFTEngine:
                 if rid != request_id:
                     raise RuntimeError(f"scheduled {rid!r} while serving {request_id!r}: one request at a time")
                 start, n = computed[rid], out.num_scheduled_tokens[rid]
-                if start and not loaded:
-                    loaded = start
+                loaded = start
+                if start:
                     if self.after_load is not None:
                         w.wait_for_layer_load(layer_name(0))  # in-step loads land first
                         self.after_load(rid, blocks)
@@ -314,8 +318,8 @@ class TTFTEngine:
             if not req_ids:
                 time.sleep(0)  # an asynchronous load in flight: let the loader thread run
         ttft = time.perf_counter() - t0
-        if sched.requests.get(request_id) is not None:
-            raise RuntimeError(f"request {request_id!r} did not finish after its first token")
+        if logits is None:
+            raise RuntimeError(f"request {request_id!r} finished without computing its last prompt token")
         return RunResult(logits.cpu(), ttft, loaded, steps)
 
     def close(self) -> None:
