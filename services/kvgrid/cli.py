@@ -43,7 +43,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "transfer": ("kvgrid_kernels.bench", "KV transfer kernels: store/retrieve GB/s vs pinned memcpy"),
     "ttft": (
         "kvgrid.ttft.bench",
-        "time to first token of a Llama-shaped engine through KVGridConnector: miss, hit, pure prefill, raw copy",
+        "time to first token of a Llama-shaped engine through KVGridConnector: miss, hit, prefill, raw copy",
     ),
 }
 

@@ -37,7 +37,8 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 
 
 def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, PRESETS["tiny"].vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, PRESETS["tiny"].vocab, (n,), generator=gen).tolist()
 
 
 @pytest.mark.parametrize("layerwise", [False, True])

@@ -44,6 +44,7 @@ import msgspec
 import torch
 
 from kvgrid.common.config import add_config_arguments, config_from_args
+from kvgrid.ttft.engine import AgentProcess, TTFTEngine, slots_of
 from kvgrid.ttft.model import LLAMA3_8B, ModelShape, PagedLlama
 
 __all__ = ["PRESETS", "TTFTBenchConfig", "add_arguments", "run"]
@@ -53,10 +54,13 @@ ENV_PREFIX = "KVGRID_BENCH_TTFT_"
 PRESETS: dict[str, ModelShape] = {
     "llama3-8b": LLAMA3_8B,
     # CPU-sized: the same GQA ratio (4 query heads per KV head), a few layers.
-    "small": ModelShape(layers=4, hidden=512, heads=8, kv_heads=2, head_size=64, intermediate=1024, vocab=2048),
+    "small": ModelShape(
+        layers=4, hidden=512, heads=8, kv_heads=2, head_size=64, intermediate=1024, vocab=2048
+    ),
     "tiny": ModelShape(layers=2, hidden=256, heads=4, kv_heads=2, head_size=64, intermediate=512, vocab=1024),
 }
-MODES = ("whole", "layerwise")
+Mode = Literal["whole", "layerwise"]
+MODES: tuple[Mode, ...] = ("whole", "layerwise")
 
 
 def _d(text: str) -> msgspec.Meta:
@@ -80,9 +84,9 @@ class TTFTBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
         tuple[int, ...], _d("prompt lengths in tokens; empty = 2048,8192,32768 on cuda, 512,1024 on cpu")
     ] = ()
     modes: Annotated[
-        tuple[Literal["whole", "layerwise"], ...], _d("load modes: whole (asynchronous, before the step) "
-                                                      "and/or layerwise (inside the step)")
-    ] = MODES  # fmt: skip
+        tuple[Mode, ...],
+        _d("load modes: whole (asynchronous, before the step) and/or layerwise (inside the step)"),
+    ] = MODES
     block_size: Annotated[int, msgspec.Meta(ge=1, description="tokens per KV block")] = 16
     chunk_size: Annotated[int, msgspec.Meta(ge=1, description="tokens per kvgrid chunk")] = 256
     iters: Annotated[int, msgspec.Meta(ge=1, description="timed misses and hits per figure (median)")] = 3
@@ -154,8 +158,6 @@ def _copy_s(nbytes: int, device: torch.device, iters: int) -> float:
 
 def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
     """Run every prompt length and mode; return the figures (module docstring)."""
-    from kvgrid.ttft.engine import AgentProcess, TTFTEngine, slots_of
-
     shape, prompts = resolve(cfg)
     device = torch.device(cfg.device)
     dtype = torch.bfloat16
@@ -175,7 +177,7 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
         }  # fmt: skip
         try:
             for n in prompts:
-                rows.append(_one_length(cfg, n, model, engines, device, per_token, failures, slots_of))
+                rows.append(_one_length(cfg, n, model, engines, device, per_token, failures))
         finally:
             for eng in engines.values():
                 eng.close()
@@ -196,11 +198,10 @@ def _one_length(
     cfg: TTFTBenchConfig,
     n: int,
     model: PagedLlama,
-    engines: dict[str, Any],
+    engines: dict[Mode, TTFTEngine],
     device: torch.device,
     per_token: int,
     failures: list[str],
-    slots_of: Any,
 ) -> dict[str, Any]:
     vocab = model.shape.vocab
     row: dict[str, Any] = {"prompt_tokens": n}
@@ -219,13 +220,16 @@ def _one_length(
                 failures.append(f"{mode} {n}: the hit loaded nothing")
             loaded = hit.loaded_tokens
             if not torch.isfinite(hit.logits).all():
-                failures.append(f"{mode} {n}: the hit's logits are not finite (a position was neither loaded nor computed)")
+                failures.append(
+                    f"{mode} {n}: the hit's logits are not finite (a position was neither loaded "
+                    "nor computed)"
+                )
             diffs.append(float((hit.logits - miss.logits).abs().max()))
             if i:
                 miss_s.append(miss.ttft_s)
                 hit_s.append(hit.ttft_s)
             if i == cfg.iters:  # references for the last prompt, computed without the connector
-                _check_references(eng, model, tokens, loaded, miss.logits, hit.logits, failures, mode, slots_of)
+                _check_references(eng, tokens, loaded, miss.logits, hit.logits, failures, mode)
         row[mode] = {
             "miss_ms": _sig(_median(miss_s) * 1e3),
             "hit_ms": _sig(_median(hit_s) * 1e3),
@@ -234,7 +238,7 @@ def _one_length(
         }
     # Limits without the connector, on the last engine's cache (no request holds blocks now).
     eng = next(iter(engines.values()))
-    tokens = torch.tensor(_prompt(n, vocab, seed + 1), dtype=torch.int64, device=device)
+    ids = torch.tensor(_prompt(n, vocab, seed + 1), dtype=torch.int64, device=device)
     blocks = list(range(-(-n // cfg.block_size)))
     slots = slots_of(blocks, cfg.block_size, n, device)
     loaded = max(row[m]["loaded_tokens"] for m in engines)
@@ -242,9 +246,9 @@ def _one_length(
     for i in range(cfg.iters + 1):
         _sync(device)
         t0 = time.perf_counter()
-        model.forward(tokens, 0, eng.kv_list, slots).argmax().item()
+        model.forward(ids, 0, eng.kv_list, slots).argmax().item()
         t1 = time.perf_counter()
-        model.forward(tokens[loaded:], loaded, eng.kv_list, slots).argmax().item()
+        model.forward(ids[loaded:], loaded, eng.kv_list, slots).argmax().item()
         t2 = time.perf_counter()
         if i:
             prefill_s.append(t1 - t0)
@@ -271,17 +275,16 @@ def _one_length(
 
 
 def _check_references(
-    eng: Any,
-    model: PagedLlama,
+    eng: TTFTEngine,
     tokens: list[int],
     loaded: int,
     miss_logits: torch.Tensor,
     hit_logits: torch.Tensor,
     failures: list[str],
     mode: str,
-    slots_of: Any,
 ) -> None:
     """The miss must equal a full prefill and the hit a tail prefill over self-computed KV, bit for bit."""
+    model = eng.model
     dev = model.device
     t = torch.tensor(tokens, dtype=torch.int64, device=dev)
     bs = eng.block_size
@@ -338,7 +341,8 @@ def print_table(result: dict[str, Any]) -> None:
                 f"{r['of_limit']:>9.3g}"
             )
         print(
-            f"{'':>7} {'limits':>9} prefill {lim['prefill_ms']:.4g} ms, tail {lim['tail_prefill_ms']:.4g} ms, "
+            f"{'':>7} {'limits':>9} prefill {lim['prefill_ms']:.4g} ms, "
+            f"tail {lim['tail_prefill_ms']:.4g} ms, "
             f"copy {lim['copy_ms']:.4g} ms ({lim['copy_gbps']:.4g} GB/s); ceiling {lim['ceiling']:.4g}x, "
             f"limit with tail {lim['limit']:.4g}x"
         )

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,8 +86,9 @@ def slots_of(block_ids: list[int], block_size: int, num_tokens: int, device: tor
 
 def kv_buffer(
     shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: str, directory: Path
-) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
-    """(KVCacheConfig, per-layer views by name, the raw buffer), laid out as vLLM's runner does."""
+) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor, Path | None]:
+    """(KVCacheConfig, per-layer views by name, the raw buffer, its shared-memory file on CPU), laid
+    out as vLLM's runner does."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -117,14 +119,18 @@ def kv_buffer(
         kv_cache_layout=KVCacheLayout.LBNHC.name,
     )
     total = page * num_blocks * len(names)
+    path: Path | None = None
     if device == "cpu":
-        raw = allocate_shared_tensor(directory / f"kv-{os.getpid()}-{id(config)}.bin", (total,), torch.int8)
+        fd, name = tempfile.mkstemp(prefix="kv-", suffix=".bin", dir=directory)
+        os.close(fd)
+        path = Path(name)
+        raw = allocate_shared_tensor(path, (total,), torch.int8)
     else:
         raw = torch.zeros(total, dtype=torch.int8, device=device)
     views = {}
     for name, t in zip(names, tensors, strict=True):
         (views[name],) = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout.LBNHC, t)
-    return config, views, raw
+    return config, views, raw, path
 
 
 @dataclass(frozen=True)
@@ -178,7 +184,7 @@ class TTFTEngine:
         self.model = model
         self.block_size = block_size
         s = model.shape
-        model_dir = Path(tempfile.mkdtemp(prefix="kvgrid-ttft-model-", dir=directory))
+        self._model_dir = model_dir = Path(tempfile.mkdtemp(prefix="kvgrid-ttft-model-", dir=directory))
         (model_dir / "config.json").write_text(
             json.dumps(
                 {
@@ -227,8 +233,9 @@ class TTFTEngine:
         )
         cfg.cache_config.num_gpu_blocks = num_blocks
         device = model.device.type
-        self.kv_config, self.caches, self._raw = kv_buffer(s, num_blocks, block_size, model.dtype, device, directory)
-        self._raw_path = directory / f"kv-{os.getpid()}-{id(self.kv_config)}.bin" if device == "cpu" else None
+        self.kv_config, self.caches, self._raw, self._raw_path = kv_buffer(
+            s, num_blocks, block_size, model.dtype, device, directory
+        )
         self.kv_list = [self.caches[layer_name(i)] for i in range(s.layers)]
         self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kv_config)
         self.worker.register_kv_caches(self.caches)
@@ -281,13 +288,14 @@ class TTFTEngine:
             req_ids = list(out.num_scheduled_tokens)
             for rid in req_ids:
                 if rid != request_id:
-                    raise RuntimeError(f"scheduled {rid!r} while serving {request_id!r}: one request at a time")
+                    raise RuntimeError(
+                        f"scheduled {rid!r} while serving {request_id!r}: one request at a time"
+                    )
                 start, n = computed[rid], out.num_scheduled_tokens[rid]
                 loaded = start
-                if start:
-                    if self.after_load is not None:
-                        w.wait_for_layer_load(layer_name(0))  # in-step loads land first
-                        self.after_load(rid, blocks)
+                if start and self.after_load is not None:
+                    w.wait_for_layer_load(layer_name(0))  # in-step loads land first
+                    self.after_load(rid, blocks)
                 slots = slots_of(blocks, self.block_size, start + n, dev)
                 lg = self.model.forward(tokens[start : start + n], start, self.kv_list, slots, self._hooks)
                 if start + n >= len(prompt):
@@ -310,7 +318,7 @@ class TTFTEngine:
                     kv_connector_output=KVConnectorOutput(
                         finished_sending=results.finished_sending or None,
                         finished_recving=results.finished_recving or None,
-                        failed_recving=results.failed_recving or None,
+                        failed_recving=results.failed_recving or set(),
                         invalid_block_ids=invalid,
                     ),
                 ),
@@ -327,3 +335,4 @@ class TTFTEngine:
         self.scheduler.shutdown()
         if self._raw_path is not None:
             self._raw_path.unlink(missing_ok=True)
+        shutil.rmtree(self._model_dir, ignore_errors=True)

@@ -45,9 +45,7 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
             if getattr(self, field) < 1:
                 raise ValueError(f"model shape: {field}={getattr(self, field)}; expected >= 1")
         if self.heads % self.kv_heads:
-            raise ValueError(
-                f"model shape: heads={self.heads} is not a multiple of kv_heads={self.kv_heads}"
-            )
+            raise ValueError(f"model shape: heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
         if self.head_size % 2:
             raise ValueError(f"model shape: head_size={self.head_size}; expected an even size (RoPE)")
 
