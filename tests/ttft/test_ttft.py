@@ -87,16 +87,16 @@ def test_bench_reports_both_modes_and_the_limits(capsys: pytest.CaptureFixture[s
     result = json.loads(capsys.readouterr().out)
     assert result["failures"] == []
     (row,) = result["rows"]
-    assert row["prompt_tokens"] == 200
+    assert (row["prompt_tokens"], row["hit_tokens"]) == (200, 192)
     lim = row["limits"]
     assert lim["copy_bytes"] == 192 * PRESETS["tiny"].kv_bytes_per_token(torch.bfloat16)
     assert lim["ceiling"] == pytest.approx(lim["prefill_ms"] / lim["copy_ms"], rel=1e-3)
     for mode in ("whole", "layerwise"):
         r = row[mode]
-        assert r["loaded_tokens"] == 192
         assert r["hit_vs_miss_max_abs_logit_diff"] == 0.0
         assert r["speedup"] == pytest.approx(lim["prefill_ms"] / r["hit_ms"], rel=1e-3)
         assert r["store_overhead"] == pytest.approx(r["miss_ms"] / lim["prefill_ms"] - 1, rel=1e-3, abs=1e-3)
+        assert r["of_ceiling"] == pytest.approx(r["speedup"] / lim["ceiling"], rel=1e-3)
 
 
 def test_bad_values_are_refused_with_their_name() -> None:

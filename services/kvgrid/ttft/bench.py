@@ -8,7 +8,9 @@ filled with NaN (a **hit**: lookup + load + prefill of the tail the agent does n
 loads the whole prompt, so the tail is at least one token and at most one chunk). The agent is a
 real ``kvgrid agent`` process (KV by CUDA IPC handle, or a shared-memory file on CPU).
 
-Limits measured in the same run, on the same model, weights and KV cache, without the connector:
+Limits measured in the same run, on the same model, weights and KV cache, without the connector,
+in the same rounds as the misses and hits (each round: per mode a miss and its hit, then the
+limits; the first round warms up, figures are medians of the rest), so all see the same load:
 
 * ``prefill``: the model over the whole prompt (what a miss costs without storing);
 * ``tail``: the model over the hit's tail on top of the cached prefix;
@@ -136,24 +138,21 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
-def _copy_s(nbytes: int, device: torch.device, iters: int) -> float:
-    """Median time of one raw copy of ``nbytes``: pinned host -> GPU on CUDA, host -> host on CPU."""
-    if device.type == "cuda":
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    else:
-        src = torch.empty(nbytes, dtype=torch.uint8)
-        dst = torch.empty(nbytes, dtype=torch.uint8)
-    src.fill_(1)
-    times = []
-    for i in range(iters + 1):
-        _sync(device)
+class _Copy:
+    """A raw copy of ``nbytes``: pinned host -> GPU on CUDA, host -> host on CPU (buffers touched once)."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.device = device
+        pinned = device.type == "cuda"
+        self.src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+    def time_s(self) -> float:
+        _sync(self.device)
         t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        _sync(device)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return _median(times)
+        self.dst.copy_(self.src, non_blocking=True)
+        _sync(self.device)
+        return time.perf_counter() - t0
 
 
 def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
@@ -203,74 +202,78 @@ def _one_length(
     per_token: int,
     failures: list[str],
 ) -> dict[str, Any]:
+    """One prompt length: rounds of (per mode a miss and its hit, then the limits), so that every
+    figure sees the same machine load; the first round warms up; medians of the rest."""
     vocab = model.shape.vocab
-    row: dict[str, Any] = {"prompt_tokens": n}
+    # vLLM loads the full chunks before the last prompt token, never the whole prompt.
+    hit_tokens = (n - 1) // cfg.chunk_size * cfg.chunk_size
+    times: dict[str, list[float]] = {k: [] for k in ("prefill", "tail", "copy")}
+    for mode in engines:
+        times[f"{mode}-miss"], times[f"{mode}-hit"] = [], []
+    diffs: dict[str, float] = dict.fromkeys(engines, 0.0)
+    copier = _Copy(hit_tokens * per_token, device)
+    blocks = list(range(-(-n // cfg.block_size)))
+    slots = slots_of(blocks, cfg.block_size, n, device)
     seed = cfg.seed * 1_000_003 + n * 1009
-    for mode, eng in engines.items():
-        miss_s, hit_s, diffs = [], [], []
-        loaded = 0
-        for i in range(cfg.iters + 1):  # the first round warms up
+    for i in range(cfg.iters + 1):
+        for mode, eng in engines.items():
             seed += 1
             tokens = _prompt(n, vocab, seed)
             miss = eng.run(f"miss-{mode}-{n}-{i}", tokens)
             eng.poison()
             _sync(device)
             hit = eng.run(f"hit-{mode}-{n}-{i}", tokens)
-            if hit.loaded_tokens == 0:
-                failures.append(f"{mode} {n}: the hit loaded nothing")
-            loaded = hit.loaded_tokens
+            if hit.loaded_tokens != hit_tokens:
+                failures.append(
+                    f"{mode} {n}: the hit loaded {hit.loaded_tokens} tokens; expected {hit_tokens}"
+                )
             if not torch.isfinite(hit.logits).all():
                 failures.append(
-                    f"{mode} {n}: the hit's logits are not finite (a position was neither loaded "
-                    "nor computed)"
+                    f"{mode} {n}: the hit's logits are not finite (a position neither loaded nor computed)"
                 )
-            diffs.append(float((hit.logits - miss.logits).abs().max()))
+            diffs[mode] = max(diffs[mode], float((hit.logits - miss.logits).abs().max()))
             if i:
-                miss_s.append(miss.ttft_s)
-                hit_s.append(hit.ttft_s)
+                times[f"{mode}-miss"].append(miss.ttft_s)
+                times[f"{mode}-hit"].append(hit.ttft_s)
             if i == cfg.iters:  # references for the last prompt, computed without the connector
-                _check_references(eng, tokens, loaded, miss.logits, hit.logits, failures, mode)
-        row[mode] = {
-            "miss_ms": _sig(_median(miss_s) * 1e3),
-            "hit_ms": _sig(_median(hit_s) * 1e3),
-            "loaded_tokens": loaded,
-            "hit_vs_miss_max_abs_logit_diff": _sig(max(diffs)),
-        }
-    # Limits without the connector, on the last engine's cache (no request holds blocks now).
-    eng = next(iter(engines.values()))
-    ids = torch.tensor(_prompt(n, vocab, seed + 1), dtype=torch.int64, device=device)
-    blocks = list(range(-(-n // cfg.block_size)))
-    slots = slots_of(blocks, cfg.block_size, n, device)
-    loaded = max(row[m]["loaded_tokens"] for m in engines)
-    prefill_s, tail_s = [], []
-    for i in range(cfg.iters + 1):
+                _check_references(eng, tokens, hit_tokens, miss.logits, hit.logits, failures, mode)
+        # Limits without the connector, on the first engine's cache (no request holds blocks now).
+        kv = next(iter(engines.values())).kv_list
+        ids = torch.tensor(_prompt(n, vocab, seed), dtype=torch.int64, device=device)
         _sync(device)
         t0 = time.perf_counter()
-        model.forward(ids, 0, eng.kv_list, slots).argmax().item()
+        model.forward(ids, 0, kv, slots).argmax().item()
         t1 = time.perf_counter()
-        model.forward(ids[loaded:], loaded, eng.kv_list, slots).argmax().item()
+        model.forward(ids[hit_tokens:], hit_tokens, kv, slots).argmax().item()
         t2 = time.perf_counter()
+        copy = copier.time_s()
         if i:
-            prefill_s.append(t1 - t0)
-            tail_s.append(t2 - t1)
-    prefill, tail = _median(prefill_s), _median(tail_s)
-    copy = _copy_s(loaded * per_token, device, cfg.iters)
+            times["prefill"].append(t1 - t0)
+            times["tail"].append(t2 - t1)
+            times["copy"].append(copy)
+    prefill, tail, copy = (_median(times[k]) for k in ("prefill", "tail", "copy"))
+    row: dict[str, Any] = {"prompt_tokens": n, "hit_tokens": hit_tokens}
     row["limits"] = {
         "prefill_ms": _sig(prefill * 1e3),
         "tail_prefill_ms": _sig(tail * 1e3),
         "copy_ms": _sig(copy * 1e3),
-        "copy_bytes": loaded * per_token,
-        "copy_gbps": _sig(loaded * per_token / copy / 1e9),
+        "copy_bytes": hit_tokens * per_token,
+        "copy_gbps": _sig(hit_tokens * per_token / copy / 1e9),
         "ceiling": _sig(prefill / copy),
         "limit": _sig(prefill / (copy + tail)),
     }
     for mode in engines:
-        r = row[mode]
-        speedup = prefill / (r["hit_ms"] / 1e3)
-        r["store_overhead"] = _sig(r["miss_ms"] / 1e3 / prefill - 1)
-        r["speedup"] = _sig(speedup)
-        r["of_ceiling"] = _sig(speedup / (prefill / copy))
-        r["of_limit"] = _sig(speedup / (prefill / (copy + tail)))
+        miss_s, hit_s = _median(times[f"{mode}-miss"]), _median(times[f"{mode}-hit"])
+        speedup = prefill / hit_s
+        row[mode] = {
+            "miss_ms": _sig(miss_s * 1e3),
+            "hit_ms": _sig(hit_s * 1e3),
+            "hit_vs_miss_max_abs_logit_diff": _sig(diffs[mode]),
+            "store_overhead": _sig(miss_s / prefill - 1),
+            "speedup": _sig(speedup),
+            "of_ceiling": _sig(speedup / (prefill / copy)),
+            "of_limit": _sig(speedup / (prefill / (copy + tail))),
+        }
     return row
 
 
@@ -337,7 +340,7 @@ def print_table(result: dict[str, Any]) -> None:
                 continue
             print(
                 f"{row['prompt_tokens']:>7} {mode:>9} {r['miss_ms']:>9.4g} {r['store_overhead'] * 100:>9.3g} "
-                f"{r['hit_ms']:>9.4g} {r['loaded_tokens']:>7} {r['speedup']:>9.4g} {r['of_ceiling']:>8.3g} "
+                f"{r['hit_ms']:>9.4g} {row['hit_tokens']:>7} {r['speedup']:>9.4g} {r['of_ceiling']:>8.3g} "
                 f"{r['of_limit']:>9.3g}"
             )
         print(
