@@ -102,3 +102,18 @@ def test_bench_reports_both_modes_and_the_limits(capsys: pytest.CaptureFixture[s
 def test_bad_values_are_refused_with_their_name() -> None:
     with pytest.raises(SystemExit, match="2"):
         main(["bench", "ttft", "--device", "cpu", "--prompts", "64", "--chunk-size", "64"])
+
+
+@pytest.mark.gpu
+def test_bench_runs_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    """The same bench with the KV cache on the GPU (handed to the agent by CUDA IPC): the hit
+    equals a tail prefill over the same KV bit for bit (checked by the bench: failures empty)."""
+    argv = ["bench", "ttft", "--device", "cuda", "--model", "tiny", "--prompts", "300", "--chunk-size", "64",
+            "--iters", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["failures"] == []
+    (row,) = result["rows"]
+    assert row["hit_tokens"] == 256
+    for mode in ("whole", "layerwise"):
+        assert row[mode]["hit_vs_miss_max_abs_logit_diff"] < 0.1  # bf16 rounding of other kernel shapes

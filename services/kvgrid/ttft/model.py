@@ -168,8 +168,15 @@ class PagedLlama:
             ctx = flat[ctx_slots]
             keys = ctx[..., : s.head_size].transpose(0, 1)[None]
             values = ctx[..., s.head_size :].transpose(0, 1)[None]
+            gqa = True
+            if mask is not None and self.device.type == "cuda":
+                # A masked tail on CUDA: the memory-efficient kernel takes a mask but not enable_gqa
+                # (torch would fall back to the math kernel), so repeat the KV heads instead.
+                # Unmeasured so far (no GPU in the session that wrote it).
+                rep = s.heads // s.kv_heads
+                keys, values, gqa = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), False
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+                q.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
             )
             if hooks is not None:
                 hooks.after_attention(i, cache)
