@@ -41,6 +41,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "tier": ("kvgrid.agent.tier_bench", "disk tier write/read-back GB/s vs raw sequential I/O, same fs"),
     "transfer": ("kvgrid_kernels.bench", "KV transfer kernels: store/retrieve GB/s vs pinned memcpy"),
+    "ttft": (
+        "kvgrid.ttft.bench",
+        "time to first token of a Llama-shaped engine through KVGridConnector: miss, hit, prefill, raw copy",
+    ),
 }
 
 

@@ -1,0 +1,358 @@
+"""``kvgrid bench ttft``: time to first token through ``KVGridConnector`` against its limits, one run.
+
+For every prompt length and both load modes -- ``whole`` (vLLM's asynchronous load of the whole
+request before its tail is scheduled) and ``layerwise`` (the load inside the step, waited for by
+``wait_for_layer_load``) -- a :class:`~kvgrid.ttft.engine.TTFTEngine` serves, per iteration, a new
+prompt (a **miss**: prefill + store) and then the same prompt again after the whole KV cache was
+filled with NaN (a **hit**: lookup + load + prefill of the tail the agent does not hold; vLLM never
+loads the whole prompt, so the tail is at least one token and at most one chunk). The agent is a
+real ``kvgrid agent`` process (KV by CUDA IPC handle, or a shared-memory file on CPU).
+
+Limits measured in the same run, on the same model, weights and KV cache, without the connector,
+in the same rounds as the misses and hits (each round: per mode a miss and its hit, then the
+limits; the first round warms up, figures are medians of the rest), so all see the same load:
+
+* ``prefill``: the model over the whole prompt (what a miss costs without storing);
+* ``tail``: the model over the hit's tail on top of the cached prefix;
+* ``copy``: a raw copy of the hit's KV bytes (pinned host -> GPU on CUDA, host -> host on CPU), the
+  fastest of five per round.
+
+Ratios: ``store overhead`` = miss / prefill - 1 (issue 11 goal <= 3 %), ``speed-up`` = prefill /
+hit, ``ceiling`` = prefill / copy (issue 11's definition), ``limit`` = prefill / (copy + tail) (what
+a hit can reach at the copy limit, tail included), and ``of ceiling`` = speed-up / ceiling (goal
+>= 0.8 at 8k and 32k).
+
+Correctness, every run: the hit's first-token logits must equal, bit for bit, the logits of the
+tail computed without the connector over the prefix KV the model computed itself (same kernels,
+same shapes: any difference is a byte the load got wrong); the miss's logits must equal the
+full-prefill reference bit for bit. Hit against miss is reported as the largest absolute
+difference: the tail's projections and attention run with other shapes than the full prompt's
+(fewer query rows, an explicit mask instead of the causal flag), so on some kernels they round
+differently in bf16. A mismatch of the first two exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import torch
+
+from kvgrid.common.config import add_config_arguments, config_from_args
+from kvgrid.ttft.engine import AgentProcess, TTFTEngine, slots_of
+from kvgrid.ttft.model import LLAMA3_8B, ModelShape, PagedLlama
+
+__all__ = ["PRESETS", "TTFTBenchConfig", "add_arguments", "run"]
+
+ENV_PREFIX = "KVGRID_BENCH_TTFT_"
+
+PRESETS: dict[str, ModelShape] = {
+    "llama3-8b": LLAMA3_8B,
+    # CPU-sized: the same GQA ratio (4 query heads per KV head), a few layers.
+    "small": ModelShape(
+        layers=4, hidden=512, heads=8, kv_heads=2, head_size=64, intermediate=1024, vocab=2048
+    ),
+    "tiny": ModelShape(layers=2, hidden=256, heads=4, kv_heads=2, head_size=64, intermediate=512, vocab=1024),
+}
+Mode = Literal["whole", "layerwise"]
+MODES: tuple[Mode, ...] = ("whole", "layerwise")
+
+
+def _d(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class TTFTBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """``kvgrid bench ttft``'s options: defaults < ``--config`` YAML < ``KVGRID_BENCH_TTFT_*`` env <
+    flags."""
+
+    device: Annotated[
+        Literal["cpu", "cuda"], _d("where the model and its KV cache run; default cuda when a GPU is visible")
+    ] = "cuda" if torch.cuda.is_available() else "cpu"
+    model: Annotated[
+        Literal["auto", "llama3-8b", "small", "tiny"],
+        _d("model shape: llama3-8b (32 layers, hidden 4096, 32/8 heads of 128), small or tiny (CPU); "
+           "auto = llama3-8b on cuda, small on cpu"),
+    ] = "auto"  # fmt: skip
+    layers: Annotated[int, msgspec.Meta(ge=0, description="override the preset's layer count (0: keep)")] = 0
+    prompts: Annotated[
+        tuple[int, ...], _d("prompt lengths in tokens; empty = 2048,8192,32768 on cuda, 512,1024 on cpu")
+    ] = ()
+    modes: Annotated[
+        tuple[Mode, ...],
+        _d("load modes: whole (asynchronous, before the step) and/or layerwise (inside the step)"),
+    ] = MODES
+    block_size: Annotated[int, msgspec.Meta(ge=1, description="tokens per KV block")] = 16
+    chunk_size: Annotated[int, msgspec.Meta(ge=1, description="tokens per kvgrid chunk")] = 256
+    iters: Annotated[int, msgspec.Meta(ge=1, description="timed misses and hits per figure (median)")] = 3
+    seed: Annotated[int, _d("weights and prompts seed")] = 0
+    json: Annotated[bool, _d("print one JSON object instead of a table")] = False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, TTFTBenchConfig, env_prefix=ENV_PREFIX)
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def resolve(cfg: TTFTBenchConfig) -> tuple[ModelShape, tuple[int, ...]]:
+    """The model shape and prompt lengths ``cfg`` asks for (``auto`` and empty resolved by device)."""
+    name = cfg.model if cfg.model != "auto" else ("llama3-8b" if cfg.device == "cuda" else "small")
+    shape = PRESETS[name]
+    if cfg.layers:
+        shape = msgspec.structs.replace(shape, layers=cfg.layers)
+    prompts = cfg.prompts or ((2048, 8192, 32768) if cfg.device == "cuda" else (512, 1024))
+    for n in prompts:
+        if n <= cfg.chunk_size:
+            raise ValueError(
+                f"prompts: {n} tokens; expected more than chunk_size={cfg.chunk_size} (a hit needs one full "
+                f"chunk before the last token)"
+            )
+    if cfg.chunk_size % cfg.block_size:
+        raise ValueError(f"chunk_size={cfg.chunk_size} is not a multiple of block_size={cfg.block_size}")
+    if not cfg.modes:
+        raise ValueError("modes: empty; expected whole and/or layerwise")
+    return shape, prompts
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+class _Copy:
+    """A raw copy of ``nbytes``: pinned host -> GPU on CUDA, host -> host on CPU (buffers touched once)."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.device = device
+        pinned = device.type == "cuda"
+        self.src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+    def time_s(self, repeats: int = 5) -> float:
+        """The fastest of ``repeats`` copies: a limit is the best case. (On the shared CPU box a copy
+        right after an engine run took 4-13 ms against 0.04-0.1 ms a moment later, for any size;
+        the fastest copy is the machine's, not that transient's.)"""
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            self.dst.copy_(self.src, non_blocking=True)
+            _sync(self.device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+
+def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
+    """Run every prompt length and mode; return the figures (module docstring)."""
+    shape, prompts = resolve(cfg)
+    device = torch.device(cfg.device)
+    dtype = torch.bfloat16
+    model = PagedLlama(shape, device=device, dtype=dtype, seed=cfg.seed)
+    per_token = shape.kv_bytes_per_token(dtype)
+    l1 = 3 * max(prompts) * per_token + (64 << 20)
+    agent = AgentProcess(work, l1)
+    rows: list[dict[str, Any]] = []
+    failures: list[str] = []
+    try:
+        engines = {
+            mode: TTFTEngine(
+                model, agent.uds_path, work, max_prompt_tokens=max(prompts), block_size=cfg.block_size,
+                chunk_size=cfg.chunk_size, layerwise=mode == "layerwise", engine_id=f"ttft-{mode}",
+            )
+            for mode in cfg.modes
+        }  # fmt: skip
+        try:
+            for n in prompts:
+                rows.append(_one_length(cfg, n, model, engines, device, per_token, failures))
+        finally:
+            for eng in engines.values():
+                eng.close()
+    finally:
+        agent.stop()
+    return {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "model": msgspec.to_builtins(shape),
+        "block_size": cfg.block_size,
+        "chunk_size": cfg.chunk_size,
+        "iters": cfg.iters,
+        "rows": rows,
+        "failures": failures,
+    }
+
+
+def _one_length(
+    cfg: TTFTBenchConfig,
+    n: int,
+    model: PagedLlama,
+    engines: dict[Mode, TTFTEngine],
+    device: torch.device,
+    per_token: int,
+    failures: list[str],
+) -> dict[str, Any]:
+    """One prompt length: rounds of (per mode a miss and its hit, then the limits), so that every
+    figure sees the same machine load; the first round warms up; medians of the rest."""
+    vocab = model.shape.vocab
+    # vLLM loads the full chunks before the last prompt token, never the whole prompt.
+    hit_tokens = (n - 1) // cfg.chunk_size * cfg.chunk_size
+    times: dict[str, list[float]] = {k: [] for k in ("prefill", "tail", "copy")}
+    for mode in engines:
+        times[f"{mode}-miss"], times[f"{mode}-hit"] = [], []
+    diffs: dict[str, float] = dict.fromkeys(engines, 0.0)
+    copier = _Copy(hit_tokens * per_token, device)
+    blocks = list(range(-(-n // cfg.block_size)))
+    slots = slots_of(blocks, cfg.block_size, n, device)
+    seed = cfg.seed * 1_000_003 + n * 1009
+    for i in range(cfg.iters + 1):
+        for mode, eng in engines.items():
+            seed += 1
+            tokens = _prompt(n, vocab, seed)
+            miss = eng.run(f"miss-{mode}-{n}-{i}", tokens)
+            eng.poison()
+            _sync(device)
+            hit = eng.run(f"hit-{mode}-{n}-{i}", tokens)
+            if hit.loaded_tokens != hit_tokens:
+                failures.append(
+                    f"{mode} {n}: the hit loaded {hit.loaded_tokens} tokens; expected {hit_tokens}"
+                )
+            if not torch.isfinite(hit.logits).all():
+                failures.append(
+                    f"{mode} {n}: the hit's logits are not finite (a position neither loaded nor computed)"
+                )
+            diffs[mode] = max(diffs[mode], float((hit.logits - miss.logits).abs().max()))
+            if i:
+                times[f"{mode}-miss"].append(miss.ttft_s)
+                times[f"{mode}-hit"].append(hit.ttft_s)
+            if i == cfg.iters:  # references for the last prompt, computed without the connector
+                _check_references(eng, tokens, hit_tokens, miss.logits, hit.logits, failures, mode)
+        # Limits without the connector, on the first engine's cache (no request holds blocks now).
+        kv = next(iter(engines.values())).kv_list
+        ids = torch.tensor(_prompt(n, vocab, seed), dtype=torch.int64, device=device)
+        _sync(device)
+        t0 = time.perf_counter()
+        model.forward(ids, 0, kv, slots).argmax().item()
+        t1 = time.perf_counter()
+        model.forward(ids[hit_tokens:], hit_tokens, kv, slots).argmax().item()
+        t2 = time.perf_counter()
+        copy = copier.time_s()
+        if i:
+            times["prefill"].append(t1 - t0)
+            times["tail"].append(t2 - t1)
+            times["copy"].append(copy)
+    prefill, tail, copy = (_median(times[k]) for k in ("prefill", "tail", "copy"))
+    row: dict[str, Any] = {"prompt_tokens": n, "hit_tokens": hit_tokens}
+    row["limits"] = {
+        "prefill_ms": _sig(prefill * 1e3),
+        "tail_prefill_ms": _sig(tail * 1e3),
+        "copy_ms": _sig(copy * 1e3),
+        "copy_bytes": hit_tokens * per_token,
+        "copy_gbps": _sig(hit_tokens * per_token / copy / 1e9),
+        "ceiling": _sig(prefill / copy),
+        "limit": _sig(prefill / (copy + tail)),
+    }
+    for mode in engines:
+        miss_s, hit_s = _median(times[f"{mode}-miss"]), _median(times[f"{mode}-hit"])
+        speedup = prefill / hit_s
+        row[mode] = {
+            "miss_ms": _sig(miss_s * 1e3),
+            "hit_ms": _sig(hit_s * 1e3),
+            "hit_vs_miss_max_abs_logit_diff": _sig(diffs[mode]),
+            "store_overhead": _sig(miss_s / prefill - 1),
+            "speedup": _sig(speedup),
+            "of_ceiling": _sig(speedup / (prefill / copy)),
+            "of_limit": _sig(speedup / (prefill / (copy + tail))),
+        }
+    return row
+
+
+def _check_references(
+    eng: TTFTEngine,
+    tokens: list[int],
+    loaded: int,
+    miss_logits: torch.Tensor,
+    hit_logits: torch.Tensor,
+    failures: list[str],
+    mode: str,
+) -> None:
+    """The miss must equal a full prefill and the hit a tail prefill over self-computed KV, bit for bit."""
+    model = eng.model
+    dev = model.device
+    t = torch.tensor(tokens, dtype=torch.int64, device=dev)
+    bs = eng.block_size
+    slots = slots_of(list(range(-(-len(tokens) // bs))), bs, len(tokens), dev)
+    full = model.forward(t, 0, eng.kv_list, slots).cpu()
+    tail = model.forward(t[loaded:], loaded, eng.kv_list, slots).cpu()
+    if not torch.equal(full, miss_logits):
+        failures.append(f"{mode} {len(tokens)}: the miss's logits differ from a full prefill's")
+    if not torch.equal(tail, hit_logits):
+        failures.append(f"{mode} {len(tokens)}: the hit's logits differ from a tail prefill over the same KV")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(TTFTBenchConfig, args, env_prefix=ENV_PREFIX)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        print("kvgrid bench ttft: --device cuda but no CUDA device is visible", file=sys.stderr)
+        return 2
+    resolve(cfg)  # bad values fail before anything starts
+    shm = Path("/dev/shm")
+    work = Path(tempfile.mkdtemp(prefix="kvgrid-ttft-", dir=shm if shm.is_dir() else None))
+    try:
+        result = measure(cfg, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if cfg.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    for f in result["failures"]:
+        print(f"kvgrid bench ttft: FAILED: {f}", file=sys.stderr)
+    return 1 if result["failures"] else 0
+
+
+def print_table(result: dict[str, Any]) -> None:
+    m = result["model"]
+    print(
+        f"{result['device']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']}/{m['kv_heads']} heads "
+        f"of {m['head_size']}, bf16; block {result['block_size']}, chunk {result['chunk_size']}; "
+        f"median of {result['iters']}"
+    )
+    print(
+        f"{'prompt':>7} {'mode':>9} {'miss ms':>9} {'store +%':>9} {'hit ms':>9} {'loaded':>7} "
+        f"{'speed-up':>9} {'of ceil':>8} {'of limit':>9}"
+    )
+    for row in result["rows"]:
+        lim = row["limits"]
+        for mode in MODES:
+            r = row.get(mode)
+            if r is None:
+                continue
+            print(
+                f"{row['prompt_tokens']:>7} {mode:>9} {r['miss_ms']:>9.4g} {r['store_overhead'] * 100:>9.3g} "
+                f"{r['hit_ms']:>9.4g} {row['hit_tokens']:>7} {r['speedup']:>9.4g} {r['of_ceiling']:>8.3g} "
+                f"{r['of_limit']:>9.3g}"
+            )
+        print(
+            f"{'':>7} {'limits':>9} prefill {lim['prefill_ms']:.4g} ms, "
+            f"tail {lim['tail_prefill_ms']:.4g} ms, "
+            f"copy {lim['copy_ms']:.4g} ms ({lim['copy_gbps']:.4g} GB/s); ceiling {lim['ceiling']:.4g}x, "
+            f"limit with tail {lim['limit']:.4g}x"
+        )

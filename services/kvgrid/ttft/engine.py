@@ -1,0 +1,338 @@
+"""One engine of ``kvgrid bench ttft``: vLLM's scheduler and ``KVGridConnector``'s worker half around
+a :class:`~kvgrid.ttft.model.PagedLlama`, stepped in vLLM 0.32's model-runner order.
+
+No vLLM engine runs: this module plays the model runner with vLLM's real classes. What it builds:
+
+* a ``VllmConfig`` (``ModelConfig`` over a ``config.json`` of the model's shape -- no weights are
+  read -- plus ``CacheConfig``, ``SchedulerConfig`` and a ``KVTransferConfig`` naming
+  ``kvgrid.connector.vllm``);
+* a ``KVCacheConfig`` with one ``KVCacheTensor`` per layer in one layer-outermost buffer and the
+  per-layer views from ``create_kv_cache_views`` (``KVCacheLayout.LBNHC``), the buffer on the GPU
+  (the agent opens it by CUDA IPC handle) or in a shared-memory file (CPU);
+* vLLM's ``Scheduler``, which builds the connector's scheduler half itself through
+  ``KVConnectorFactory``; the worker half is built by the same factory with role WORKER;
+* per step a ``ForwardContext`` with empty metadata (the connector's ``start_load_kv`` does not read
+  it) and ``None`` as ``save_kv_layer``'s attention metadata (not read either), a
+  ``ModelRunnerOutput`` with the sampled token and a ``KVConnectorOutput``.
+
+Step order (``vllm/v1/worker/kv_connector_model_runner_mixin.py``): ``schedule`` ->
+``bind_connector_metadata`` -> ``start_load_kv`` before the forward when the step has synchronous
+(in-step, layer-wise) loads -> forward, per layer ``wait_for_layer_load`` ... ``save_kv_layer`` ->
+``start_load_kv`` after the forward otherwise -> ``wait_for_save`` -> ``get_transfer_results`` (vLLM
+0.32's form of ``get_finished``; the connector answers both from the same state, so only one is
+called) -> ``get_block_ids_with_load_errors`` -> ``clear_connector_metadata`` ->
+``update_from_output``.
+
+Invariant: one request runs at a time and :meth:`TTFTEngine.run` returns once it has its first token;
+the time it reports runs from ``add_request`` to that token (device synchronised), so a hit's time
+includes the lookup, the load (asynchronous: steps with nothing scheduled until the worker reports
+it) and the tail's prefill, and a miss's includes the store (``wait_for_save`` returns when the
+agent holds the chunks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from kvgrid.ttft.model import LayerHooks, ModelShape, PagedLlama, layer_name
+
+__all__ = ["AgentProcess", "RunResult", "TTFTEngine", "kv_buffer", "slots_of"]
+
+
+class AgentProcess:
+    """A ``kvgrid agent`` process on a Unix socket in ``directory`` (CPU KV files allowed there)."""
+
+    def __init__(self, directory: Path, l1_size: int) -> None:
+        self.uds_path = str(directory / "agent.sock")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
+        env["OTEL_SDK_DISABLED"] = "true"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvgrid.cli", "agent", "--uds-path", self.uds_path, "--tcp-port", "-1",
+             "--l1-size", str(l1_size), "--shm-allowed-dirs", str(directory), "--log-level", "warning"],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("{"):
+            self.stop()
+            raise RuntimeError(f"kvgrid agent did not start (exit {self.proc.poll()}, said {line!r})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+def slots_of(block_ids: list[int], block_size: int, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """The cache slot of every token position [0, num_tokens) of a request with these blocks."""
+    ids = torch.tensor(block_ids, dtype=torch.int64)
+    slots = (ids[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()
+    if slots.numel() < num_tokens:
+        raise ValueError(f"{len(block_ids)} blocks of {block_size} hold fewer than {num_tokens} tokens")
+    return slots[:num_tokens].to(device)
+
+
+def kv_buffer(
+    shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: str, directory: Path
+) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor, Path | None]:
+    """(KVCacheConfig, per-layer views by name, the raw buffer, its shared-memory file on CPU), laid
+    out as vLLM's runner does."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from kvgrid.agent.tensors import allocate_shared_tensor
+
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=shape.kv_heads, head_size=shape.head_size, dtype=dtype
+    )
+    names = [layer_name(i) for i in range(shape.layers)]
+    page = spec.page_size_bytes
+    tensors = [
+        KVCacheTensor(
+            size=page * num_blocks, layers=[n], layer_stride=page * num_blocks, block_stride=page,
+            offset=i * page * num_blocks,
+        )
+        for i, n in enumerate(names)
+    ]  # fmt: skip
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+        kv_cache_layout=KVCacheLayout.LBNHC.name,
+    )
+    total = page * num_blocks * len(names)
+    path: Path | None = None
+    if device == "cpu":
+        fd, name = tempfile.mkstemp(prefix="kv-", suffix=".bin", dir=directory)
+        os.close(fd)
+        path = Path(name)
+        raw = allocate_shared_tensor(path, (total,), torch.int8)
+    else:
+        raw = torch.zeros(total, dtype=torch.int8, device=device)
+    views = {}
+    for name, t in zip(names, tensors, strict=True):
+        (views[name],) = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout.LBNHC, t)
+    return config, views, raw, path
+
+
+@dataclass(frozen=True)
+class RunResult:
+    logits: torch.Tensor
+    """The first token's logits (float32, on the CPU)."""
+    ttft_s: float
+    loaded_tokens: int
+    """Prompt tokens the engine did not compute (they came from the agent)."""
+    steps: int
+    """Scheduler steps from arrival to the first token (an asynchronous load adds steps that schedule
+    nothing while it runs)."""
+
+
+class _ConnectorHooks:
+    """The connector's per-layer hooks where vLLM's attention layer calls them."""
+
+    def __init__(self, connector: Any) -> None:
+        self.connector = connector
+
+    def before_attention(self, layer: int) -> None:
+        self.connector.wait_for_layer_load(layer_name(layer))
+
+    def after_attention(self, layer: int, kv: torch.Tensor) -> None:
+        self.connector.save_kv_layer(layer_name(layer), kv, cast(Any, None))
+
+
+class TTFTEngine:
+    """vLLM's scheduler + the worker connector + the model, one request at a time (module docstring)."""
+
+    def __init__(
+        self,
+        model: PagedLlama,
+        agent_socket: str,
+        directory: Path,
+        *,
+        max_prompt_tokens: int,
+        block_size: int = 16,
+        chunk_size: int = 256,
+        layerwise: bool = False,
+        engine_id: str = "ttft",
+    ) -> None:
+        from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        if max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens={max_prompt_tokens}; expected >= 1")
+        self.model = model
+        self.block_size = block_size
+        s = model.shape
+        self._model_dir = model_dir = Path(tempfile.mkdtemp(prefix="kvgrid-ttft-model-", dir=directory))
+        (model_dir / "config.json").write_text(
+            json.dumps(
+                {
+                    "architectures": ["LlamaForCausalLM"],
+                    "model_type": "llama",
+                    "hidden_size": s.hidden,
+                    "intermediate_size": s.intermediate,
+                    "num_attention_heads": s.heads,
+                    "num_key_value_heads": s.kv_heads,
+                    "head_dim": s.head_size,
+                    "num_hidden_layers": s.layers,
+                    "vocab_size": s.vocab,
+                    "max_position_embeddings": max_prompt_tokens + block_size,
+                    "rope_theta": s.rope_theta,
+                    "torch_dtype": str(model.dtype).removeprefix("torch."),
+                    "rms_norm_eps": 1e-5,
+                }
+            )
+        )
+        max_len = max_prompt_tokens + block_size
+        # Room for one request of the longest prompt, plus one chunk of slack.
+        num_blocks = -(-max_len // block_size) + chunk_size // block_size + 1
+        cfg = VllmConfig(
+            model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_len),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+            scheduler_config=SchedulerConfig(
+                max_model_len=max_len,
+                is_encoder_decoder=False,
+                max_num_batched_tokens=max_len,  # a whole prompt in one step: no chunked prefill
+                max_num_seqs=4,
+                enable_chunked_prefill=True,
+            ),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KVGridConnector",
+                kv_connector_module_path="kvgrid.connector.vllm",
+                kv_role="kv_both",
+                engine_id=engine_id,
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={
+                    "agent_socket": agent_socket,
+                    "chunk_size": chunk_size,
+                    "layerwise": layerwise,
+                    "rpc_timeout_s": 600.0,
+                },
+            ),
+        )
+        cfg.cache_config.num_gpu_blocks = num_blocks
+        device = model.device.type
+        self.kv_config, self.caches, self._raw, self._raw_path = kv_buffer(
+            s, num_blocks, block_size, model.dtype, device, directory
+        )
+        self.kv_list = [self.caches[layer_name(i)] for i in range(s.layers)]
+        self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kv_config)
+        self.worker.register_kv_caches(self.caches)
+        self.scheduler = Scheduler(cfg, self.kv_config, StructuredOutputManager(cfg), block_size=block_size)
+        self._hooks: LayerHooks = _ConnectorHooks(self.worker)
+        self.after_load: Callable[[str, list[int]], None] | None = None
+        """Test hook: called with (request id, block ids) before the step that computes a request
+        whose prompt was partly loaded (the loaded KV is in the cache then)."""
+
+    def poison(self) -> None:
+        """Fill the whole KV cache with NaN: a position the engine neither computes nor loads shows."""
+        for view in self.kv_list:
+            view.fill_(float("nan"))
+
+    def run(self, request_id: str, prompt: list[int]) -> RunResult:
+        """Serve one request to its first token (module docstring)."""
+        from vllm import SamplingParams
+        from vllm.forward_context import ForwardContext
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.request import Request
+
+        sched, w, dev = self.scheduler, self.worker, self.model.device
+        tokens = torch.tensor(prompt, dtype=torch.int64, device=dev)
+        t0 = time.perf_counter()
+        sched.add_request(Request(request_id, prompt, SamplingParams(max_tokens=1), None))
+        blocks: list[int] = []
+        logits: torch.Tensor | None = None
+        loaded = steps = 0
+        # Until vLLM accepts the first token: a load that failed inside the step makes it discard
+        # the step's token and recompute from the failed blocks.
+        while request_id in sched.requests:
+            steps += 1
+            out = sched.schedule()
+            for new in out.scheduled_new_reqs:
+                if new.req_id == request_id:
+                    blocks = list(new.block_ids[0])
+            cached = out.scheduled_cached_reqs
+            computed = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+            for i, rid in enumerate(cached.req_ids):
+                computed[rid] = cached.num_computed_tokens[i]
+                more = cached.new_block_ids[i]
+                if rid == request_id and more:
+                    blocks = list(more[0]) if rid in cached.resumed_req_ids else blocks + list(more[0])
+            assert out.kv_connector_metadata is not None
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+            if out.has_sync_kv_loads:
+                w.start_load_kv(ctx)
+            sampled: list[list[int]] = []
+            req_ids = list(out.num_scheduled_tokens)
+            for rid in req_ids:
+                if rid != request_id:
+                    raise RuntimeError(
+                        f"scheduled {rid!r} while serving {request_id!r}: one request at a time"
+                    )
+                start, n = computed[rid], out.num_scheduled_tokens[rid]
+                loaded = start
+                if start and self.after_load is not None:
+                    w.wait_for_layer_load(layer_name(0))  # in-step loads land first
+                    self.after_load(rid, blocks)
+                slots = slots_of(blocks, self.block_size, start + n, dev)
+                lg = self.model.forward(tokens[start : start + n], start, self.kv_list, slots, self._hooks)
+                if start + n >= len(prompt):
+                    logits = lg
+                    sampled.append([int(lg.argmax())])  # .item() waits for the device
+                else:
+                    sampled.append([])
+            if not out.has_sync_kv_loads:
+                w.start_load_kv(ctx)
+            w.wait_for_save()
+            results = w.get_transfer_results(out.finished_req_ids)
+            invalid = w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+            sched.update_from_output(
+                out,
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=KVConnectorOutput(
+                        finished_sending=results.finished_sending or None,
+                        finished_recving=results.finished_recving or None,
+                        failed_recving=results.failed_recving or set(),
+                        invalid_block_ids=invalid,
+                    ),
+                ),
+            )
+            if not req_ids:
+                time.sleep(0)  # an asynchronous load in flight: let the loader thread run
+        ttft = time.perf_counter() - t0
+        if logits is None:
+            raise RuntimeError(f"request {request_id!r} finished without computing its last prompt token")
+        return RunResult(logits.cpu(), ttft, loaded, steps)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+        if self._raw_path is not None:
+            self._raw_path.unlink(missing_ok=True)
+        shutil.rmtree(self._model_dir, ignore_errors=True)

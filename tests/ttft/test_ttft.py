@@ -1,0 +1,119 @@
+"""``kvgrid bench ttft`` on the CPU: the harness drives vLLM's scheduler and KVGridConnector against a
+real agent process, and a hit's first-token logits are the miss's.
+
+Exactness: on the CPU the hit's logits equal the miss's bit for bit (the tail's rows go through the
+same bf16 kernels with the same reduction order per row), and on every device they equal a tail
+prefill over self-computed KV bit for bit (same kernels, same shapes: only the KV's origin
+differs). The control perturbs one loaded KV block and sees the logits move, so the comparison
+can fail.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgrid.cli import main
+from kvgrid.ttft.bench import PRESETS
+from kvgrid.ttft.engine import AgentProcess, TTFTEngine, slots_of
+from kvgrid.ttft.model import PagedLlama
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    proc = AgentProcess(tmp_path_factory.mktemp("ttft-agent"), 64 << 20)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, PRESETS["tiny"].vocab, (n,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_hit_logits_equal_the_miss_and_a_wrong_byte_shows(agent: AgentProcess, layerwise: bool) -> None:
+    directory = Path(agent.uds_path).parent
+    model = PagedLlama(PRESETS["tiny"])
+    eng = TTFTEngine(
+        model, agent.uds_path, directory, max_prompt_tokens=256, chunk_size=CHUNK, layerwise=layerwise,
+        engine_id=f"test-{layerwise}",
+    )  # fmt: skip
+    try:
+        tokens = _prompt(200, seed=int(layerwise))
+        miss = eng.run("miss", tokens)
+        assert miss.loaded_tokens == 0 and miss.steps == 1
+        eng.poison()  # every KV byte NaN: what the hit does not load or compute shows in its logits
+        hit = eng.run("hit", tokens)
+        # vLLM loads the 3 full chunks before the last token. A whole-request load runs between steps
+        # (the engine steps with nothing scheduled until the worker reports it); a layer-wise one inside.
+        assert hit.loaded_tokens == 3 * CHUNK
+        assert hit.steps == 1 if layerwise else hit.steps >= 2
+        assert torch.isfinite(hit.logits).all()
+        assert torch.equal(hit.logits, miss.logits)
+        t = torch.tensor(tokens)
+        slots = slots_of(list(range(13)), eng.block_size, 200, model.device)
+        assert torch.equal(model.forward(t, 0, eng.kv_list, slots), miss.logits)
+        assert torch.equal(model.forward(t[192:], 192, eng.kv_list, slots), hit.logits)
+
+        # Control: one loaded block of one layer nudged after the load; the logits must move.
+        def nudge(request_id: str, blocks: list[int]) -> None:
+            view = eng.kv_list[0]
+            view[blocks[1]] = view[blocks[1]] + 1.0
+
+        eng.poison()
+        eng.after_load = nudge
+        wrong = eng.run("hit-nudged", tokens)
+        assert wrong.loaded_tokens == 3 * CHUNK
+        assert not torch.equal(wrong.logits, miss.logits)
+    finally:
+        eng.close()
+
+
+def test_bench_reports_both_modes_and_the_limits(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "ttft", "--device", "cpu", "--model", "tiny", "--prompts", "200", "--chunk-size", "64",
+            "--iters", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["failures"] == []
+    (row,) = result["rows"]
+    assert (row["prompt_tokens"], row["hit_tokens"]) == (200, 192)
+    lim = row["limits"]
+    assert lim["copy_bytes"] == 192 * PRESETS["tiny"].kv_bytes_per_token(torch.bfloat16)
+    assert lim["ceiling"] == pytest.approx(lim["prefill_ms"] / lim["copy_ms"], rel=1e-3)
+    for mode in ("whole", "layerwise"):
+        r = row[mode]
+        assert r["hit_vs_miss_max_abs_logit_diff"] == 0.0
+        assert r["speedup"] == pytest.approx(lim["prefill_ms"] / r["hit_ms"], rel=1e-3)
+        assert r["store_overhead"] == pytest.approx(r["miss_ms"] / lim["prefill_ms"] - 1, rel=1e-3, abs=1e-3)
+        assert r["of_ceiling"] == pytest.approx(r["speedup"] / lim["ceiling"], rel=1e-3)
+
+
+def test_bad_values_are_refused_with_their_name() -> None:
+    with pytest.raises(SystemExit, match="2"):
+        main(["bench", "ttft", "--device", "cpu", "--prompts", "64", "--chunk-size", "64"])
+
+
+@pytest.mark.gpu
+def test_bench_runs_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    """The same bench with the KV cache on the GPU (handed to the agent by CUDA IPC): the hit
+    equals a tail prefill over the same KV bit for bit (checked by the bench: failures empty)."""
+    argv = ["bench", "ttft", "--device", "cuda", "--model", "tiny", "--prompts", "300", "--chunk-size", "64",
+            "--iters", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["failures"] == []
+    (row,) = result["rows"]
+    assert row["hit_tokens"] == 256
+    for mode in ("whole", "layerwise"):
+        assert row[mode]["hit_vs_miss_max_abs_logit_diff"] < 0.1  # bf16 rounding of other kernel shapes
