@@ -165,3 +165,16 @@ def test_missing_trace_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFi
 
     assert cli.main(["bench", "routing", "--trace", str(tmp_path / "nope.jsonl")]) == 2
     assert "nope.jsonl: no such file (expected the Mooncake conversation trace" in capsys.readouterr().err
+
+
+def test_trace_block_keys_are_spread_like_real_chunk_keys() -> None:
+    """The memory index hashes a key's leading bits; trace ids are small integers, so the replay
+    must turn them into digests (raw ids put every key in a few rows: ~1 ms per ingested key)."""
+    from kvgrid.controller.routing_bench import _key
+
+    ids = range(4096)
+    keys = [_key(i) for i in ids]
+    assert all(len(k) == 16 for k in keys) and _key(7) == _key(7)
+    assert len(set(keys)) == len(keys)
+    leading = {int.from_bytes(k[:8], "little") >> 52 for k in keys}  # 12 leading bits: 4096 buckets
+    assert len(leading) > 2000  # uniform: ~2,590 expected; raw big-endian ids give 1

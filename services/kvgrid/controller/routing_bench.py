@@ -379,7 +379,15 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, float]] = {}
     for policy in cfg.policies:
         t0 = time.monotonic()
-        progress = None if cfg.json else (lambda n, p=policy: print(f"  {p}: {n}/{len(trace)}", flush=True))
+        progress = (
+            None
+            if cfg.json
+            else (
+                lambda n, p=policy, t0=t0: print(
+                    f"  {p}: {n}/{len(trace)} requests, {time.monotonic() - t0:.0f} s", flush=True
+                )
+            )
+        )
         results[policy] = replay(policy, trace, cfg.pods, hw, progress)
         results[policy]["wall_s"] = time.monotonic() - t0
     ref = results.get("least_loaded")
@@ -390,13 +398,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{'policy':<13} {'hit':>5} {'gpu':>5} {'l1':>5} {'peer':>5}  {'TTFT mean':>9} {'p50':>7} {'p90':>7} "
-        f"{'p99':>7} ms  {'spread':>6}  {'route':>7}"
+        f"{'p99':>7} ms  {'spread':>6}  {'route':>7}  {'wall':>6}"
     )
     for name, r in results.items():
         print(
             f"{name:<13} {r['hit']:5.3f} {r['gpu_hit']:5.3f} {r['l1_hit']:5.3f} {r['peer_hit']:5.3f}  "
             f"{r['ttft_mean_ms']:9.0f} {r['ttft_p50_ms']:7.0f} {r['ttft_p90_ms']:7.0f} "
-            f"{r['ttft_p99_ms']:7.0f}     {r['load_max_over_mean']:6.2f}  {r['route_us']:5.0f}µs"
+            f"{r['ttft_p99_ms']:7.0f}     {r['load_max_over_mean']:6.2f}  {r['route_us']:5.0f}µs  "
+            f"{r['wall_s']:5.0f}s"
         )
     if "score" in results:
         s = results["score"]
