@@ -45,10 +45,11 @@ from kvgrid.common.hashing import CHUNK_KEY_BYTES, DEFAULT_TOKENS_PER_CHUNK, Key
 from kvgrid.common.identity import PodIdentity
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.index import BatchView, ChunkIndex, IndexTier, MaskView, check_keys, make_index
+from kvgrid.controller.index.base import WordsView
 from kvgrid.controller.index.instrumented import InstrumentedIndex
 from kvgrid.controller.ingest import AgentSnapshot, ChunkEvent, Ingestor, SnapshotFn, check_events
 from kvgrid.controller.limits import EntryCaps
-from kvgrid.controller.matching import BatchMatch, match_batch, match_one
+from kvgrid.controller.matching import BatchMatch, match_batch, match_words
 from kvgrid.controller.metrics import ControllerMetrics, StatsSource
 from kvgrid.controller.registry import (
     AgentLoad,
@@ -526,7 +527,7 @@ class Controller:
         if "" in p.candidates:
             raise InvalidArgument("packed_candidate_pod_uids: contains an empty UID")
 
-    def slot_table(self, view: BatchView | MaskView) -> SlotTable:
+    def slot_table(self, view: BatchView | MaskView | WordsView) -> SlotTable:
         """The :class:`SlotTable` for ``view``'s slots (cached while neither side changes)."""
         nslots = 64 * view.nwords
         version = self._holders_version  # read before _holders: a racing change only misses the cache
@@ -576,11 +577,13 @@ class Controller:
     def match_one(
         self, keys: Sequence[bytes] | np.ndarray, namespace_id: str, candidates: frozenset[str], max_pods: int
     ) -> MatchResult:
-        """One query without numpy until the result (a router's usual request): index masks as Python
-        ints (:meth:`ChunkIndex.lookup_one`) and :func:`match_one`; the same answer as a batch of one."""
-        view = self.index.lookup_one(keys)
+        """One query without numpy until the result (a router's usual request): the index's mask rows
+        (:meth:`ChunkIndex.lookup_words`) and :func:`match_words` (both compiled where the extension is
+        built); the same answer as a batch of one."""
+        view = self.index.lookup_words(keys)
         table = self.slot_table(view)
-        m = match_one(view.l1, view.gpu, self._eligible_int(table, namespace_id, candidates), max_pods)
+        eligible = self._eligible_int(table, namespace_id, candidates)
+        m = match_words(view.words, view.nwords, eligible, max_pods)
         return MatchResult(m, table, [len(keys)])
 
     def match_queries(self, qs: Sequence[Query]) -> MatchResult:

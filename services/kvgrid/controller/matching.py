@@ -21,13 +21,27 @@ counters); it is the reference both are tested against.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import groupby
 
 import msgspec
 import numpy as np
 
 from kvgrid.controller.index import PrefixView
 
-__all__ = ["BatchMatch", "PodPrefix", "PrefixMatch", "match_batch", "match_one", "match_prefix"]
+try:  # the compiled single-query matcher (index/_probe.c), where it was built
+    import kvgrid.controller.index._probe as _native
+except ImportError:  # no compiler at install time: match_words decodes and calls match_one
+    _native = None  # type: ignore[assignment]
+
+__all__ = [
+    "BatchMatch",
+    "PodPrefix",
+    "PrefixMatch",
+    "match_batch",
+    "match_one",
+    "match_prefix",
+    "match_words",
+]
 
 
 class PodPrefix(msgspec.Struct, frozen=True):
@@ -220,6 +234,18 @@ def match_batch(words: np.ndarray, eligible: np.ndarray, max_pods: Sequence[int]
     )
 
 
+_BYTE_SLOTS: list[list[list[int]]] = []
+
+
+def _byte_slots(byte_index: int) -> list[list[int]]:
+    """Per byte value, the slots its set bits stand for in byte ``byte_index`` of a bitmask (lists
+    grow on demand: 256 entries per 8 slots), so a group of pods expands at C speed."""
+    while len(_BYTE_SLOTS) <= byte_index:
+        base = 8 * len(_BYTE_SLOTS)
+        _BYTE_SLOTS.append([[base + b for b in range(8) if v >> b & 1] for v in range(256)])
+    return _BYTE_SLOTS[byte_index]
+
+
 def match_one(l1s: Sequence[int], gpus: Sequence[int], eligible: int, max_pods: int = 0) -> BatchMatch:
     """One query's match (as :func:`match_batch` of a batch of one) from per-chunk holder bitmasks.
 
@@ -227,25 +253,26 @@ def match_one(l1s: Sequence[int], gpus: Sequence[int], eligible: int, max_pods: 
     :attr:`PrefixView.l1` / ``.gpu``; they may stop at the first chunk nobody holds). ``eligible``:
     bitmask of the slots that may be listed. Pods are grouped by identical counts so far: a run of
     chunks with the same masks splits each group at most three ways (GPU, own L1, neither), and
-    groups with equal counts merge again, so a query costs runs x groups big-int operations.
+    groups with equal counts merge again, so a query costs runs x groups big-int operations. Runs
+    are found at C speed (``groupby``) and the answer is one numpy array built from a Python list
+    (numpy's per-call cost, not the arithmetic, was most of a single query's match).
     """
     n = len(l1s)
-    peer_fetchable = n
+    try:
+        peer_fetchable = l1s.index(0) if isinstance(l1s, list) else list(l1s).index(0)
+    except ValueError:
+        peer_fetchable = n
+    runs = [(l1, g, len(list(grp))) for (l1, g), grp in groupby(zip(l1s, gpus, strict=True))]
     owners = 0
-    for i in range(n):
-        if not l1s[i] and peer_fetchable == n:
-            peer_fetchable = i
-        owners |= l1s[i] | gpus[i]
+    for l1, g, _ in runs:
+        owners |= l1 | g
     owners &= eligible
     alive: dict[tuple[int, int], int] = {(0, 0): owners} if owners else {}  # (gpu, own L1) -> pods
     ended: dict[tuple[int, int, int], int] = {}  # (matched, gpu, own L1) -> pods that stopped there
     i = 0
-    while i < n and alive:
-        l1, g = l1s[i], gpus[i]
-        j = i + 1
-        while j < n and l1s[j] == l1 and gpus[j] == g:
-            j += 1
-        run = j - i
+    for l1, g, run in runs:
+        if not alive:
+            break
         nxt: dict[tuple[int, int], int] = {}
         parts: tuple[tuple[tuple[int, int], int], ...]
         for (gc, lc), pods in alive.items():
@@ -265,36 +292,67 @@ def match_one(l1s: Sequence[int], gpus: Sequence[int], eligible: int, max_pods: 
                 if m:
                     nxt[key] = nxt.get(key, 0) | m
         alive = nxt
-        i = j
+        i += run
     for (gc, lc), pods in alive.items():
         ended[(i, gc, lc)] = ended.get((i, gc, lc), 0) | pods
     # Longest first, then more GPU, then more own L1, then lower slot; pods with nothing of their own
-    # are not listed. Groups expand to slots with one numpy pass (ascending within a group).
-    groups = sorted(
-        ((key, pods) for key, pods in ended.items() if key[1] or key[2]),
-        key=lambda kv: (-kv[0][0], -kv[0][1], -kv[0][2]),
-    )
-    none = np.zeros(0, dtype=np.int64)
-    if not groups:
-        return BatchMatch(none, np.zeros(2, np.int64), none, none, none, none, np.array([peer_fetchable]))
-    nb = (max(p.bit_length() for _, p in groups) + 7) // 8
-    bits = np.unpackbits(
-        np.frombuffer(b"".join(p.to_bytes(nb, "little") for _, p in groups), dtype=np.uint8).reshape(-1, nb),
-        axis=1,
-        bitorder="little",
-    )
-    gi, slots = np.nonzero(bits)  # row-major: group order, then ascending slots
+    # are not listed.
+    slots: list[int] = []
+    gpu: list[int] = []
+    l1c: list[int] = []
+    peer: list[int] = []
+    for (end, gc, lc), pods in sorted(ended.items(), reverse=True):
+        if not (gc or lc):
+            continue
+        raw = pods.to_bytes((pods.bit_length() + 7) // 8, "little")
+        for byte_index, byte in enumerate(raw):
+            if byte:
+                slots += _byte_slots(byte_index)[byte]
+        k = len(slots) - len(gpu)
+        gpu += [gc] * k
+        l1c += [lc] * k
+        peer += [end - gc - lc] * k
     if max_pods and len(slots) > max_pods:
-        gi, slots = gi[:max_pods], slots[:max_pods]
-    counts = np.array([key for key, _ in groups], dtype=np.int64)[gi]  # [K, 3]: matched, GPU, own L1
-    used = np.zeros(8 * nb, dtype=bool)
-    used[slots] = True
-    return BatchMatch(
-        pods=np.flatnonzero(used),
-        offsets=np.array([0, len(slots)], dtype=np.int64),
-        pod_index=(np.cumsum(used) - 1)[slots],
-        gpu=counts[:, 1],
-        l1=counts[:, 2],
-        peer=counts[:, 0] - counts[:, 1] - counts[:, 2],
-        peer_fetchable=np.array([peer_fetchable], dtype=np.int64),
+        del slots[max_pods:], gpu[max_pods:], l1c[max_pods:], peer[max_pods:]
+    # one array, sliced: pods ascending, each listed slot's index into them, the counts, then
+    # offsets and peer_fetchable
+    k = len(slots)
+    pods_sorted = sorted(slots)
+    if pods_sorted == slots:  # one group, or groups in slot order: the index is the position
+        pod_index: list[int] | range = range(k)
+    else:
+        rank = {s: r for r, s in enumerate(pods_sorted)}
+        pod_index = [rank[s] for s in slots]
+    return _from_flat(
+        np.array([*pods_sorted, *pod_index, *gpu, *l1c, *peer, 0, k, peer_fetchable], dtype=np.int64)
     )
+
+
+def _from_flat(flat: np.ndarray) -> BatchMatch:
+    """A batch-of-one :class:`BatchMatch` from ``[pods, pod_index, gpu, l1, peer]`` (k each) then
+    ``[0, k, peer_fetchable]`` in one int64 array (views, no copies)."""
+    k = (len(flat) - 3) // 5
+    return BatchMatch(
+        pods=flat[:k],
+        offsets=flat[5 * k : 5 * k + 2],
+        pod_index=flat[k : 2 * k],
+        gpu=flat[2 * k : 3 * k],
+        l1=flat[3 * k : 4 * k],
+        peer=flat[4 * k : 5 * k],
+        peer_fetchable=flat[5 * k + 2 :],
+    )
+
+
+def match_words(
+    words: bytes, nwords: int, eligible: int, max_pods: int = 0, native: bool = True
+) -> BatchMatch:
+    """:func:`match_one` of raw mask rows (:class:`~kvgrid.controller.index.base.WordsView`'s
+    ``words``: per chunk ``nwords`` L1 then ``nwords`` GPU little-endian uint64). In C where the
+    extension is built (``native=False`` forces the Python path; the answers are equal, tested)."""
+    elig = (eligible & ((1 << 64 * nwords) - 1)).to_bytes(8 * nwords, "little")
+    if native and _native is not None:
+        return _from_flat(np.frombuffer(_native.match_words(words, nwords, elig, max_pods), dtype=np.int64))
+    nb = 8 * nwords
+    l1s = [int.from_bytes(words[i : i + nb], "little") for i in range(0, len(words), 2 * nb)]
+    gpus = [int.from_bytes(words[i + nb : i + 2 * nb], "little") for i in range(0, len(words), 2 * nb)]
+    return match_one(l1s, gpus, eligible, max_pods)

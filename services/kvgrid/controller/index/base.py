@@ -31,6 +31,7 @@ __all__ = [
     "IndexTier",
     "MaskView",
     "PrefixView",
+    "WordsView",
     "batch_view_from_prefix_views",
     "check_keys",
 ]
@@ -89,6 +90,20 @@ class MaskView(msgspec.Struct, frozen=True):
 
     l1: list[int]
     gpu: list[int]
+    holders: dict[int, str]
+    slots_version: int | None
+    nwords: int
+
+
+class WordsView(msgspec.Struct, frozen=True):
+    """One query's holder masks as raw machine words (:meth:`ChunkIndex.lookup_words`, the compiled
+    single-query path): ``words`` holds per chunk ``2 * nwords`` little-endian uint64 (L1 words, then
+    GPU words, speculative entries folded in), as one row of :attr:`BatchView.words`; the rows may
+    stop at the first chunk nobody holds (an all-zero row ends every prefix anyway). ``holders``,
+    ``slots_version`` and ``nwords`` as in :class:`MaskView`.
+    """
+
+    words: bytes
     holders: dict[int, str]
     slots_version: int | None
     nwords: int
@@ -160,6 +175,15 @@ class ChunkIndex(ABC):
         v = self.lookup(keys)
         nwords = max(1, -(-(max(v.slots, default=0) + 1) // 64))
         return MaskView(l1=v.l1, gpu=v.gpu, holders=v.slots, slots_version=None, nwords=nwords)
+
+    def lookup_words(self, keys: Sequence[bytes] | np.ndarray) -> WordsView:
+        """:meth:`lookup_one` as raw words (:class:`WordsView`), for the compiled matcher. The default
+        packs :meth:`lookup_one`'s ints; backends with word rows override it."""
+        v = self.lookup_one(keys)
+        nb = 8 * v.nwords
+        rows = zip(v.l1, v.gpu, strict=True)
+        words = b"".join(m.to_bytes(nb, "little") + g.to_bytes(nb, "little") for m, g in rows)
+        return WordsView(words=words, holders=v.holders, slots_version=v.slots_version, nwords=v.nwords)
 
     def lookup_batch(self, queries: Sequence[Sequence[bytes]]) -> BatchView:
         """Holder masks of the chunks of every query as machine words (see :class:`BatchView`).

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 from opentelemetry import metrics
 
-from kvgrid.controller.index.base import BatchView, ChunkIndex, IndexTier, MaskView, PrefixView
+from kvgrid.controller.index.base import BatchView, ChunkIndex, IndexTier, MaskView, PrefixView, WordsView
 from kvgrid.controller.metrics import observe
 
 __all__ = ["InstrumentedIndex"]
@@ -123,6 +123,16 @@ class InstrumentedIndex(ChunkIndex):
         t0 = time.perf_counter()
         try:
             return self.inner.lookup_one(keys)
+        except Exception as e:
+            self._failed("lookup_one", e)
+            raise
+        finally:
+            self._lookup.record(time.perf_counter() - t0, self._attrs["lookup_one"])
+
+    def lookup_words(self, keys: Sequence[bytes] | np.ndarray) -> WordsView:
+        t0 = time.perf_counter()  # recorded as op "lookup_one": the same single-query lookup
+        try:
+            return self.inner.lookup_words(keys)
         except Exception as e:
             self._failed("lookup_one", e)
             raise

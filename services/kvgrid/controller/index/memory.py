@@ -16,9 +16,25 @@ from itertools import chain, repeat
 import numpy as np
 
 from kvgrid.common.hashing import CHUNK_KEY_BYTES
-from kvgrid.controller.index.base import BatchView, ChunkIndex, IndexTier, MaskView, PrefixView, check_keys
+from kvgrid.controller.index.base import (
+    BatchView,
+    ChunkIndex,
+    IndexTier,
+    MaskView,
+    PrefixView,
+    WordsView,
+    check_keys,
+)
 
-__all__ = ["MemoryIndex"]
+try:  # the compiled probe/insert loops (_probe.c), built by `pip install` where a C compiler exists
+    import kvgrid.controller.index._probe as _native
+except ImportError:  # no compiler at install time, or a big-endian host: the Python loops below
+    _native = None  # type: ignore[assignment]
+
+__all__ = ["NATIVE", "MemoryIndex"]
+
+NATIVE = _native is not None
+"""The compiled loops are importable (``MemoryIndex(native=None)`` then uses them)."""
 
 
 class _Slots:
@@ -80,9 +96,13 @@ class MemoryIndex(ChunkIndex):
 
     backend = "memory"
 
-    def __init__(self, width: int = 64) -> None:
+    def __init__(self, width: int = 64, native: bool | None = None) -> None:
         if width < 1 or width & (width - 1):
             raise ValueError(f"width={width}: expected a power of two >= 1")
+        if native and _native is None:
+            raise ValueError("native=True: the compiled _probe extension is not built here")
+        # the single-query probe and the event insert in C (same answers as the Python loops)
+        self._c = _native if native is not False else None
         self._w = max(1, width // 64)  # mask words per tier
         self._slots = _Slots()
         self._counts: dict[tuple[int, IndexTier], int] = {}
@@ -281,6 +301,14 @@ class MemoryIndex(ChunkIndex):
             slot = self._slot(holder)
             col, bit = self._col(slot, tier)
             self._room(len(keys))
+            if self._c is not None:
+                new, used, added = self._c.insert(
+                    self._state, self._tab, self._stride, self._shift, 2 + col, bit, b"".join(keys)
+                )
+                self._n += new
+                self._used += used
+                self._count(slot, tier, added)
+                return
             # _insert_rows inlined: this loop is the ingest rate
             mask, shift = len(self._state) - 1, self._shift
             st, mt, stride = self._mst, self._mt, self._stride
@@ -446,8 +474,10 @@ class MemoryIndex(ChunkIndex):
         return PrefixView(l1=l1, gpu=gpu, slots=slots)
 
     def lookup_one(self, keys: Sequence[bytes] | np.ndarray) -> MaskView:
-        # One query: one probe chain per key in Python over memoryviews (numpy's per-call cost is
-        # most of a single query's lookup), stopping at the first chunk nobody holds.
+        # One query: one probe chain per key (numpy's per-call cost is most of a single query's
+        # lookup), stopping at the first chunk nobody holds; in C when built, else in Python.
+        if self._c is not None:
+            return self._lookup_one_c(keys)
         n = len(keys)
         if isinstance(keys, np.ndarray):
             words = iter(keys.reshape(-1).tolist())
@@ -493,6 +523,68 @@ class MemoryIndex(ChunkIndex):
                 self._holders_copy = (version, dict(self._slots.by_slot))
             holders = self._holders_copy[1]
         return MaskView(l1=l1, gpu=gpu, holders=holders, slots_version=version, nwords=w)
+
+    def _lookup_one_c(self, keys: Sequence[bytes] | np.ndarray) -> MaskView:
+        if isinstance(keys, np.ndarray):
+            raw = np.ascontiguousarray(keys, dtype="<u8").tobytes()
+        else:
+            check_keys(keys)
+            raw = b"".join(keys)
+        assert self._c is not None
+        with self._lock:
+            w, spec = self._w, self._spec
+            # with speculative entries every key's masks come back, folded here, then cut
+            l1, gpu = self._c.probe(self._state, self._tab, self._stride, self._shift, w, raw, not spec)
+            if spec:
+                now = time.monotonic()
+                for i in range(len(l1)):
+                    d = spec.get(raw[16 * i : 16 * i + 16])
+                    if d:
+                        for slot, t in d.items():
+                            if t > now:
+                                gpu[i] |= 1 << slot
+                    if not l1[i] and not gpu[i]:
+                        del l1[i:], gpu[i:]
+                        break
+            version = self._slots.version
+            if self._holders_copy[0] != version:
+                self._holders_copy = (version, dict(self._slots.by_slot))
+            holders = self._holders_copy[1]
+        return MaskView(l1=l1, gpu=gpu, holders=holders, slots_version=version, nwords=w)
+
+    def lookup_words(self, keys: Sequence[bytes] | np.ndarray) -> WordsView:
+        if self._c is None:
+            return super().lookup_words(keys)
+        if isinstance(keys, np.ndarray):
+            raw = np.ascontiguousarray(keys, dtype="<u8").tobytes()
+        else:
+            check_keys(keys)
+            raw = b"".join(keys)
+        with self._lock:
+            w, spec = self._w, self._spec
+            # with speculative entries every key's row comes back (a zero row may gain a holder)
+            words = self._c.probe_words(self._state, self._tab, self._stride, self._shift, w, raw, not spec)
+            if spec:
+                words = self._fold_words(raw, words, w)
+            version = self._slots.version
+            if self._holders_copy[0] != version:
+                self._holders_copy = (version, dict(self._slots.by_slot))
+            holders = self._holders_copy[1]
+        return WordsView(words=words, holders=holders, slots_version=version, nwords=w)
+
+    def _fold_words(self, raw: bytes, words: bytes, w: int) -> bytes:
+        """OR live speculative holders into the GPU words of ``words`` (one row per key of ``raw``);
+        caller holds the lock."""
+        out = bytearray(words)
+        mv = memoryview(out).cast("Q")
+        now = time.monotonic()
+        for i in range(len(raw) // CHUNK_KEY_BYTES):
+            d = self._spec.get(raw[CHUNK_KEY_BYTES * i : CHUNK_KEY_BYTES * (i + 1)])
+            if d:
+                for s, t in d.items():
+                    if t > now:
+                        mv[2 * w * i + w + (s >> 6)] |= 1 << (s & 63)
+        return bytes(out)
 
     def lookup_batch(self, queries: Sequence[Sequence[bytes]]) -> BatchView:
         # Keys go chunk-major ([chunk, query]) before probing, so the gathered rows are the

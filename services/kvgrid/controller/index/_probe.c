@@ -1,0 +1,384 @@
+/* Compiled hot loops of MemoryIndex (kvgrid/controller/index/memory.py): probing one query's keys
+ * and inserting one event's keys in the open-addressing table, over the same numpy buffers the
+ * Python code uses (the table layout is documented there; this file only walks it).
+ *
+ * Invariants: the caller holds the index lock (and the GIL: nothing here releases it), passes the
+ * table's current buffers and shape, and made room before an insert (a free row always exists, so
+ * every probe chain ends). Keys are 16-byte little-endian (lo, hi) pairs. Little-endian hosts only:
+ * the module refuses to import elsewhere and memory.py falls back to its Python loops, which give
+ * the same answers (tests/controller/test_memindex.py runs both).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ST_EMPTY 0
+#define ST_FULL 1
+
+static inline uint64_t load_u64(const unsigned char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* masks(...) -> one Python int from w native little-endian words */
+static PyObject *mask_int(const uint64_t *words, Py_ssize_t w) {
+    if (w == 1) return PyLong_FromUnsignedLongLong(words[0]);
+    return _PyLong_FromByteArray((const unsigned char *)words, (size_t)(8 * w), 1, 0);
+}
+
+typedef struct {
+    Py_buffer st, tab, keys;
+} bufs_t;
+
+static void release(bufs_t *b) {
+    if (b->st.obj) PyBuffer_Release(&b->st);
+    if (b->tab.obj) PyBuffer_Release(&b->tab);
+    if (b->keys.obj) PyBuffer_Release(&b->keys);
+}
+
+static int check_shape(bufs_t *b, Py_ssize_t stride, int shift) {
+    Py_ssize_t cap = b->st.len;
+    if (cap <= 0 || (cap & (cap - 1)) || stride < 3 || b->tab.len != cap * stride * 8 || shift < 1 ||
+        shift > 63 || ((uint64_t)1 << (64 - shift)) != (uint64_t)cap || b->keys.len % 16) {
+        PyErr_SetString(PyExc_ValueError, "_probe: buffers do not match the table shape");
+        return -1;
+    }
+    return 0;
+}
+
+/* probe(state, tab, stride, shift, w, keys, stop) -> (l1 list, gpu list)
+ * Per key the L1 and GPU holder masks (Python ints); with stop, the lists end before the first key
+ * that is absent or has empty masks (a prefix cannot continue past it). */
+static PyObject *probe(PyObject *Py_UNUSED(self), PyObject *args) {
+    bufs_t b = {0};
+    Py_ssize_t stride, w;
+    int shift, stop;
+    if (!PyArg_ParseTuple(args, "y*y*nily*p", &b.st, &b.tab, &stride, &shift, &w, &b.keys, &stop))
+        return NULL;
+    PyObject *l1 = NULL, *gpu = NULL, *out = NULL;
+    if (check_shape(&b, stride, shift) < 0) goto done;
+    if (w < 1 || 2 + 2 * w > stride) {
+        PyErr_SetString(PyExc_ValueError, "_probe: mask words do not fit the row");
+        goto done;
+    }
+    const uint8_t *st = b.st.buf;
+    const uint64_t *tab = b.tab.buf;
+    const unsigned char *k = b.keys.buf;
+    const uint64_t mask = (uint64_t)b.st.len - 1;
+    const Py_ssize_t n = b.keys.len / 16;
+    static const uint64_t zeros[2] = {0, 0};
+    l1 = PyList_New(0);
+    gpu = PyList_New(0);
+    if (!l1 || !gpu) goto done;
+    /* every key's home row is requested before any is read: the cache misses overlap */
+    for (Py_ssize_t q = 0; q < n; q++) {
+        uint64_t i = (load_u64(k + 16 * q) ^ (load_u64(k + 16 * q + 8) >> 1)) >> shift;
+        __builtin_prefetch(st + i);
+        __builtin_prefetch(tab + i * stride);
+    }
+    for (Py_ssize_t q = 0; q < n; q++) {
+        uint64_t lo = load_u64(k + 16 * q), hi = load_u64(k + 16 * q + 8);
+        uint64_t i = (lo ^ (hi >> 1)) >> shift;
+        const uint64_t *row = NULL;
+        for (;;) {
+            uint8_t s = st[i];
+            if (s == ST_FULL) {
+                const uint64_t *r = tab + i * stride;
+                if (r[0] == lo && r[1] == hi) {
+                    row = r;
+                    break;
+                }
+            } else if (s == ST_EMPTY) {
+                break;
+            }
+            i = (i + 1) & mask;
+        }
+        int empty = 1;
+        if (row) {
+            for (Py_ssize_t x = 0; x < 2 * w; x++) {
+                if (row[2 + x]) {
+                    empty = 0;
+                    break;
+                }
+            }
+        }
+        if (empty && stop) break;
+        PyObject *m, *g;
+        if (row) {
+            m = mask_int(row + 2, w);
+            g = mask_int(row + 2 + w, w);
+        } else {
+            m = mask_int(zeros, 1);
+            g = mask_int(zeros, 1);
+        }
+        if (!m || !g || PyList_Append(l1, m) < 0 || PyList_Append(gpu, g) < 0) {
+            Py_XDECREF(m);
+            Py_XDECREF(g);
+            goto done;
+        }
+        Py_DECREF(m);
+        Py_DECREF(g);
+    }
+    out = PyTuple_Pack(2, l1, gpu);
+done:
+    Py_XDECREF(l1);
+    Py_XDECREF(gpu);
+    release(&b);
+    return out;
+}
+
+/* insert(state, tab, stride, shift, off, bit, keys) -> (new rows, rows taken from empty, bits set)
+ * Sets ``bit`` in word ``off`` of every key's row, inserting absent keys (the first tombstone on a
+ * chain is reused, as MemoryIndex.add does). */
+static PyObject *insert(PyObject *Py_UNUSED(self), PyObject *args) {
+    bufs_t b = {0};
+    Py_ssize_t stride, off;
+    int shift;
+    unsigned long long bit;
+    PyObject *out = NULL;
+    if (!PyArg_ParseTuple(args, "w*w*ninKy*", &b.st, &b.tab, &stride, &shift, &off, &bit, &b.keys))
+        return NULL;
+    if (check_shape(&b, stride, shift) < 0) goto done;
+    if (off < 2 || off >= stride) {
+        PyErr_SetString(PyExc_ValueError, "_probe: word offset outside the row");
+        goto done;
+    }
+    uint8_t *st = b.st.buf;
+    uint64_t *tab = b.tab.buf;
+    const unsigned char *k = b.keys.buf;
+    const uint64_t mask = (uint64_t)b.st.len - 1;
+    const Py_ssize_t n = b.keys.len / 16;
+    Py_ssize_t added = 0, fresh = 0, used = 0;
+    for (Py_ssize_t q = 0; q < n; q++) { /* overlap the home rows' cache misses */
+        uint64_t i = (load_u64(k + 16 * q) ^ (load_u64(k + 16 * q + 8) >> 1)) >> shift;
+        __builtin_prefetch(st + i, 1);
+        __builtin_prefetch(tab + i * stride, 1);
+    }
+    for (Py_ssize_t q = 0; q < n; q++) {
+        uint64_t lo = load_u64(k + 16 * q), hi = load_u64(k + 16 * q + 8);
+        uint64_t i = (lo ^ (hi >> 1)) >> shift;
+        int64_t tomb = -1;
+        uint8_t s;
+        for (;;) {
+            s = st[i];
+            if (s == ST_FULL) {
+                if (tab[i * stride] == lo && tab[i * stride + 1] == hi) break;
+            } else if (s == ST_EMPTY) {
+                break;
+            } else if (tomb < 0) {
+                tomb = (int64_t)i;
+            }
+            i = (i + 1) & mask;
+        }
+        uint64_t *r;
+        if (s != ST_FULL) {
+            if (tomb >= 0)
+                i = (uint64_t)tomb;
+            else
+                used++;
+            st[i] = ST_FULL;
+            r = tab + i * stride;
+            memset(r + 2, 0, 8 * (size_t)(stride - 2)); /* a reused tombstone keeps zero masks */
+            r[0] = lo;
+            r[1] = hi;
+            fresh++;
+        } else {
+            r = tab + i * stride;
+        }
+        if (!(r[off] & bit)) {
+            r[off] |= bit;
+            added++;
+        }
+    }
+    out = Py_BuildValue("nnn", fresh, used, added);
+done:
+    release(&b);
+    return out;
+}
+
+
+/* probe_words(state, tab, stride, shift, w, keys, stop) -> bytes
+ * As probe, but the masks as raw rows: per key 2w native uint64 words (L1 words, then GPU words),
+ * zeros where absent; with stop, the rows end before the first key with no holder. */
+static PyObject *probe_words(PyObject *Py_UNUSED(self), PyObject *args) {
+    bufs_t b = {0};
+    Py_ssize_t stride, w;
+    int shift, stop;
+    if (!PyArg_ParseTuple(args, "y*y*nily*p", &b.st, &b.tab, &stride, &shift, &w, &b.keys, &stop))
+        return NULL;
+    PyObject *out = NULL;
+    if (check_shape(&b, stride, shift) < 0) goto done;
+    if (w < 1 || 2 + 2 * w > stride) {
+        PyErr_SetString(PyExc_ValueError, "_probe: mask words do not fit the row");
+        goto done;
+    }
+    const uint8_t *st = b.st.buf;
+    const uint64_t *tab = b.tab.buf;
+    const unsigned char *k = b.keys.buf;
+    const uint64_t mask = (uint64_t)b.st.len - 1;
+    const Py_ssize_t n = b.keys.len / 16;
+    for (Py_ssize_t q = 0; q < n; q++) { /* overlap the home rows' cache misses */
+        uint64_t i = (load_u64(k + 16 * q) ^ (load_u64(k + 16 * q + 8) >> 1)) >> shift;
+        __builtin_prefetch(st + i);
+        __builtin_prefetch(tab + i * stride);
+    }
+    out = PyBytes_FromStringAndSize(NULL, n * 16 * w);
+    if (!out) goto done;
+    uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
+    Py_ssize_t rows = 0;
+    for (Py_ssize_t q = 0; q < n; q++) {
+        uint64_t lo = load_u64(k + 16 * q), hi = load_u64(k + 16 * q + 8);
+        uint64_t i = (lo ^ (hi >> 1)) >> shift;
+        const uint64_t *row = NULL;
+        for (;;) {
+            uint8_t s = st[i];
+            if (s == ST_FULL) {
+                const uint64_t *r = tab + i * stride;
+                if (r[0] == lo && r[1] == hi) {
+                    row = r;
+                    break;
+                }
+            } else if (s == ST_EMPTY) {
+                break;
+            }
+            i = (i + 1) & mask;
+        }
+        uint64_t *d = dst + rows * 2 * w, any = 0;
+        for (Py_ssize_t x = 0; x < 2 * w; x++) any |= d[x] = row ? row[2 + x] : 0;
+        if (!any && stop) break;
+        rows++;
+    }
+    if (rows < n) _PyBytes_Resize(&out, rows * 16 * w);
+done:
+    release(&b);
+    return out;
+}
+
+typedef struct {
+    int64_t slot, matched, gpu, l1;
+} entry_t;
+
+static int by_rank(const void *a, const void *b) {
+    const entry_t *x = a, *y = b;
+    if (x->matched != y->matched) return x->matched > y->matched ? -1 : 1;
+    if (x->gpu != y->gpu) return x->gpu > y->gpu ? -1 : 1;
+    if (x->l1 != y->l1) return x->l1 > y->l1 ? -1 : 1;
+    return x->slot < y->slot ? -1 : (x->slot > y->slot);
+}
+
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? -1 : (x > y);
+}
+
+#define HAS(words, s) (((words)[(s) >> 6] >> ((s) & 63)) & 1)
+
+/* match_words(words, w, eligible, max_pods) -> bytes of int64
+ * One query's match from probe_words' rows (see kvgrid.controller.matching.match_one for the
+ * rules): per listed pod, longest first, then more GPU, more own L1, lower slot. The result is
+ * [pods ascending (k), pod_index (k), gpu (k), l1 (k), peer (k), 0, k, peer_fetchable]. Rows are
+ * grouped into runs of identical masks first, so the work is runs x pods. */
+static PyObject *match_words(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer wb = {0}, eb = {0};
+    Py_ssize_t w, max_pods;
+    PyObject *out = NULL;
+    entry_t *ent = NULL;
+    Py_ssize_t *run_start = NULL;
+    int64_t *pods = NULL;
+    if (!PyArg_ParseTuple(args, "y*ny*n", &wb, &w, &eb, &max_pods)) return NULL;
+    if (w < 1 || wb.len % (16 * w) || eb.len != 8 * w) {
+        PyErr_SetString(PyExc_ValueError, "_probe.match_words: buffers do not match the word count");
+        goto done;
+    }
+    const uint64_t *rows = wb.buf, *elig = eb.buf;
+    const Py_ssize_t n = wb.len / (16 * w), ns = 64 * w, rw = 2 * w;
+    Py_ssize_t pf = n, nruns = 0;
+    run_start = PyMem_Malloc((n + 1) * sizeof(Py_ssize_t));
+    ent = PyMem_Malloc((ns ? ns : 1) * sizeof(entry_t));
+    pods = PyMem_Malloc((ns ? ns : 1) * sizeof(int64_t));
+    if (!run_start || !ent || !pods) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint64_t *r = rows + i * rw;
+        if (pf == n) {
+            uint64_t l1any = 0;
+            for (Py_ssize_t x = 0; x < w; x++) l1any |= r[x];
+            if (!l1any) pf = i;
+        }
+        if (i == 0 || memcmp(r, r - rw, 8 * rw)) run_start[nruns++] = i;
+    }
+    run_start[nruns] = n;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        if (!HAS(elig, s)) continue;
+        int64_t matched = 0, gc = 0, lc = 0;
+        for (Py_ssize_t r = 0; r < nruns; r++) {
+            const uint64_t *row = rows + run_start[r] * rw;
+            int64_t len = run_start[r + 1] - run_start[r];
+            if (HAS(row + w, s)) {
+                gc += len;
+            } else if (HAS(row, s)) {
+                lc += len;
+            } else {
+                uint64_t l1any = 0;
+                for (Py_ssize_t x = 0; x < w; x++) l1any |= row[x];
+                if (!l1any) break; /* nobody can fetch it: the prefix ends */
+            }
+            matched += len;
+        }
+        if (gc || lc) ent[k++] = (entry_t){s, matched, gc, lc};
+    }
+    qsort(ent, k, sizeof(entry_t), by_rank);
+    if (max_pods > 0 && k > max_pods) k = max_pods;
+    out = PyBytes_FromStringAndSize(NULL, (5 * k + 3) * 8);
+    if (!out) goto done;
+    int64_t *o = (int64_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t j = 0; j < k; j++) pods[j] = ent[j].slot;
+    qsort(pods, k, sizeof(int64_t), cmp_i64);
+    for (Py_ssize_t j = 0; j < k; j++) {
+        o[j] = pods[j];
+        /* pods are distinct and sorted: the index of a slot by binary search */
+        Py_ssize_t lo = 0, hi = k - 1;
+        while (lo < hi) {
+            Py_ssize_t mid = (lo + hi) / 2;
+            if (pods[mid] < ent[j].slot) lo = mid + 1; else hi = mid;
+        }
+        o[k + j] = lo;
+        o[2 * k + j] = ent[j].gpu;
+        o[3 * k + j] = ent[j].l1;
+        o[4 * k + j] = ent[j].matched - ent[j].gpu - ent[j].l1;
+    }
+    o[5 * k] = 0;
+    o[5 * k + 1] = k;
+    o[5 * k + 2] = pf;
+done:
+    PyMem_Free(run_start);
+    PyMem_Free(ent);
+    PyMem_Free(pods);
+    PyBuffer_Release(&wb);
+    PyBuffer_Release(&eb);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"probe", probe, METH_VARARGS, "Holder masks of one query's keys (see the module comment)."},
+    {"insert", insert, METH_VARARGS, "Set one holder bit on one event's keys, inserting absent ones."},
+    {"probe_words", probe_words, METH_VARARGS, "One query's mask rows as bytes (see above)."},
+    {"match_words", match_words, METH_VARARGS, "One query's match from its mask rows (see above)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_probe", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__probe(void) {
+#if !PY_LITTLE_ENDIAN
+    PyErr_SetString(PyExc_ImportError, "_probe: little-endian hosts only");
+    return NULL;
+#else
+    return PyModule_Create(&module);
+#endif
+}
