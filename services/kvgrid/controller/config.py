@@ -35,6 +35,13 @@ class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
     ] = "memory"
     redis_url: Annotated[str, msgspec.Meta(description="Redis/Valkey URL for index_backend=redis")] = ""
     redis_prefix: Annotated[str, msgspec.Meta(description="key prefix of the shared index in Redis")] = "kvg:"
+    redis_cluster: Annotated[
+        bool,
+        msgspec.Meta(
+            description="redis_url names a node of a Valkey/Redis Cluster: chunk keys are hashed across "
+            "its shards (index_backend=redis only)"
+        ),
+    ] = False
     lease_ttl_ms: Annotated[int, msgspec.Meta(ge=100, description="agent lease; heartbeats renew it")] = (
         10_000
     )
@@ -161,6 +168,11 @@ class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
             raise ValueError(f"index_backend={self.index_backend!r}: expected 'memory' or 'redis'")
         if self.index_backend == "redis" and not self.redis_url:
             raise ValueError("redis_url='': expected a redis:// URL when index_backend='redis'")
+        if self.redis_cluster and self.index_backend != "redis":
+            raise ValueError(
+                f"redis_cluster=true with index_backend={self.index_backend!r}: "
+                "expected index_backend='redis'"
+            )
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"listen={self.listen!r}: expected host:port, e.g. 0.0.0.0:50061")

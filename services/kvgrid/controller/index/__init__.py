@@ -2,7 +2,8 @@
 
 - ``base.py``: :class:`ChunkIndex` (the interface), :class:`IndexTier`, the lookup views.
 - ``memory.py``: :class:`MemoryIndex` (embedded, default). ``redis.py``: ``RedisIndex``
-  (Valkey/Redis shared by controller replicas; imported only when configured).
+  (one Valkey/Redis shared by controller replicas); ``redis_cluster.py``: ``RedisClusterIndex``
+  (the same on a Valkey/Redis Cluster, ``redis_cluster: true``); both imported only when configured.
 - ``instrumented.py``: :class:`InstrumentedIndex` adds the index metrics to any backend.
 
 :func:`make_index` builds the configured backend from :data:`BACKENDS` (``index_backend`` name ->
@@ -48,6 +49,10 @@ def _memory(cfg: ControllerConfig) -> ChunkIndex:
 
 
 def _redis(cfg: ControllerConfig) -> ChunkIndex:
+    if cfg.redis_cluster:
+        from kvgrid.controller.index.redis_cluster import RedisClusterIndex
+
+        return RedisClusterIndex(cfg.redis_url, prefix=cfg.redis_prefix)
     from kvgrid.controller.index.redis import RedisIndex  # the redis client only when configured
 
     return RedisIndex(cfg.redis_url, prefix=cfg.redis_prefix)

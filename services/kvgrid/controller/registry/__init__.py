@@ -50,7 +50,7 @@ def _memory(cfg: ControllerConfig) -> AgentRegistry:
 def _redis(cfg: ControllerConfig) -> AgentRegistry:
     from kvgrid.controller.registry.redis import RedisRegistry  # the redis client only when configured
 
-    return RedisRegistry(cfg.redis_url, cfg.lease_ttl_ms, prefix=cfg.redis_prefix)
+    return RedisRegistry(cfg.redis_url, cfg.lease_ttl_ms, prefix=cfg.redis_prefix, cluster=cfg.redis_cluster)
 
 
 BACKENDS: dict[str, Callable[[ControllerConfig], AgentRegistry]] = {"memory": _memory, "redis": _redis}

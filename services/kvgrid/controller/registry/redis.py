@@ -1,16 +1,20 @@
 """Redis/Valkey backend of :class:`~kvgrid.controller.registry.base.AgentRegistry`: one registry
-for every controller replica (``index_backend=redis``).
+for every controller replica (``index_backend=redis``, single server or ``redis_cluster``).
 
-Layout (every name starts with the configured prefix ``P``, the index's, default ``kvg:``)::
+Layout (every name starts with ``R`` = ``<prefix>{<prefix>a}:``, default ``kvg:{kvg:a}:``: the
+configured prefix, then one hash tag, so on a Valkey/Redis Cluster every record lives in one slot
+and each script below touches that slot only; every script declares ``R ver`` to be routed there)::
 
-    P a:epoch  HASH uid -> epoch, 19 digits zero-padded (string order = number order, all 63 bits)
-    P a:pod    HASH uid -> PodIdentity (JSON)       P a:ns    HASH uid -> namespace ids (JSON list)
-    P a:l1     HASH uid -> L1 capacity (bytes)      P a:since HASH uid -> registration time (server ms)
-    P a:lease  HASH uid -> lease deadline (server ms, from the server's TIME)
-    P a:load   HASH uid -> AgentLoad (JSON; absent until the first heartbeat with a load)
-    P a:owner  HASH uid -> mTLS identity that registered the live pod
-    P a:seq    HASH uid -> "<epoch19>:<sequence>": last event applied by the replica serving its stream
-    P a:ver    counter, bumped by every change of the records but leases, loads and sequences
+    R epoch  HASH uid -> epoch, 19 digits zero-padded (string order = number order, all 63 bits)
+    R pod    HASH uid -> PodIdentity (JSON)       R ns    HASH uid -> namespace ids (JSON list)
+    R l1     HASH uid -> L1 capacity (bytes)      R since HASH uid -> registration time (server ms)
+    R lease  HASH uid -> lease deadline (server ms, from the server's TIME)
+    R load   HASH uid -> AgentLoad (JSON; absent until the first heartbeat with a load)
+    R owner  HASH uid -> mTLS identity that registered the live pod
+    R seq    HASH uid -> "<epoch19>:<sequence>": last event applied by the replica serving its stream
+    R ver    counter, bumped by every change of the records but leases, loads and sequences
+    R gen    STRING: random token written by the first snapshot that finds it missing (the records'
+             data was lost: every replica re-reads them in full)
 
 Invariants:
 
@@ -35,16 +39,19 @@ While the server cannot be reached every method raises
 from __future__ import annotations
 
 import functools
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 import redis
+from redis.cluster import RedisCluster
 
 from kvgrid.common.errors import PermissionDenied, Unavailable
 from kvgrid.common.identity import PodIdentity
+from kvgrid.controller.index.redis_cluster import cluster_unavailable_errors
 from kvgrid.controller.registry.base import (
     AgentLoad,
     AgentRecord,
@@ -56,7 +63,13 @@ from kvgrid.controller.registry.base import (
     check_namespace_ids,
 )
 
-__all__ = ["RedisRegistry"]
+__all__ = ["RedisRegistry", "registry_keys"]
+
+
+def registry_keys(prefix: str) -> str:
+    """The start of every registry record's name: ``<prefix>{<prefix>a}:`` (see the layout)."""
+    return f"{prefix}{{{prefix}a}}:"
+
 
 _NOW = """
 local P = ARGV[1]
@@ -64,7 +77,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function forget(uid)
   for _, f in ipairs({'epoch', 'pod', 'ns', 'l1', 'since', 'lease', 'load', 'owner', 'seq'}) do
-    redis.call('HDEL', P .. 'a:' .. f, uid)
+    redis.call('HDEL', P .. f, uid)
   end
 end
 """
@@ -74,33 +87,33 @@ _REGISTER = (
     _NOW
     + """
 local uid, ep, ttl, owner, ns, l1 = ARGV[2], ARGV[3], tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8]
-local cur_owner = redis.call('HGET', P .. 'a:owner', uid)
+local cur_owner = redis.call('HGET', P .. 'owner', uid)
 if owner ~= '' and cur_owner and cur_owner ~= owner then return {'denied', cur_owner} end
-local old = redis.call('HGET', P .. 'a:epoch', uid)
+local old = redis.call('HGET', P .. 'epoch', uid)
 if old and ep < old then return {'stale', old} end
-local pod_changed = redis.call('HGET', P .. 'a:pod', uid) ~= ARGV[4]
-redis.call('HSET', P .. 'a:pod', uid, ARGV[4])
-redis.call('HSET', P .. 'a:lease', uid, now + ttl)
-if owner ~= '' and not cur_owner then redis.call('HSET', P .. 'a:owner', uid, owner) end
+local pod_changed = redis.call('HGET', P .. 'pod', uid) ~= ARGV[4]
+redis.call('HSET', P .. 'pod', uid, ARGV[4])
+redis.call('HSET', P .. 'lease', uid, now + ttl)
+if owner ~= '' and not cur_owner then redis.call('HSET', P .. 'owner', uid, owner) end
 if old and ep == old then
   local changed = pod_changed
-  if ns ~= '' and redis.call('HGET', P .. 'a:ns', uid) ~= ns then
-    redis.call('HSET', P .. 'a:ns', uid, ns)
+  if ns ~= '' and redis.call('HGET', P .. 'ns', uid) ~= ns then
+    redis.call('HSET', P .. 'ns', uid, ns)
     changed = true
   end
-  if l1 ~= '0' and redis.call('HGET', P .. 'a:l1', uid) ~= l1 then
-    redis.call('HSET', P .. 'a:l1', uid, l1)
+  if l1 ~= '0' and redis.call('HGET', P .. 'l1', uid) ~= l1 then
+    redis.call('HSET', P .. 'l1', uid, l1)
     changed = true
   end
-  if changed then redis.call('INCR', P .. 'a:ver') end
+  if changed then redis.call('INCR', P .. 'ver') end
   return {'same', ''}
 end
-redis.call('INCR', P .. 'a:ver')
-redis.call('HSET', P .. 'a:epoch', uid, ep)
-redis.call('HSET', P .. 'a:ns', uid, ns == '' and '[]' or ns)
-redis.call('HSET', P .. 'a:l1', uid, l1)
-redis.call('HSET', P .. 'a:since', uid, now)
-redis.call('HDEL', P .. 'a:load', uid)
+redis.call('INCR', P .. 'ver')
+redis.call('HSET', P .. 'epoch', uid, ep)
+redis.call('HSET', P .. 'ns', uid, ns == '' and '[]' or ns)
+redis.call('HSET', P .. 'l1', uid, l1)
+redis.call('HSET', P .. 'since', uid, now)
+redis.call('HDEL', P .. 'load', uid)
 return {'new', old or ''}
 """
 )
@@ -110,11 +123,11 @@ _HEARTBEAT = (
     _NOW
     + """
 local uid, ep = ARGV[2], ARGV[3]
-local old = redis.call('HGET', P .. 'a:epoch', uid)
+local old = redis.call('HGET', P .. 'epoch', uid)
 if not old or ep > old then return {'unknown', old or ''} end
 if ep < old then return {'stale', old} end
-redis.call('HSET', P .. 'a:lease', uid, now + tonumber(ARGV[4]))
-if ARGV[5] ~= '' then redis.call('HSET', P .. 'a:load', uid, ARGV[5]) end
+redis.call('HSET', P .. 'lease', uid, now + tonumber(ARGV[4]))
+if ARGV[5] ~= '' then redis.call('HSET', P .. 'load', uid, ARGV[5]) end
 return {'ok', old}
 """
 )
@@ -122,9 +135,9 @@ return {'ok', old}
 # ARGV: P, uid, epoch19, ns_json: set the namespaces of that incarnation (no-op for another epoch)
 _NAMESPACES = """
 local P, uid = ARGV[1], ARGV[2]
-if redis.call('HGET', P .. 'a:epoch', uid) ~= ARGV[3] then return 0 end
-redis.call('HSET', P .. 'a:ns', uid, ARGV[4])
-redis.call('INCR', P .. 'a:ver')
+if redis.call('HGET', P .. 'epoch', uid) ~= ARGV[3] then return 0 end
+redis.call('HSET', P .. 'ns', uid, ARGV[4])
+redis.call('INCR', P .. 'ver')
 return 1
 """
 
@@ -132,8 +145,8 @@ return 1
 _SEQUENCES = """
 local P = ARGV[1]
 for i = 2, #ARGV, 3 do
-  if redis.call('HGET', P .. 'a:epoch', ARGV[i]) == ARGV[i + 1] then
-    redis.call('HSET', P .. 'a:seq', ARGV[i], ARGV[i + 1] .. ':' .. ARGV[i + 2])
+  if redis.call('HGET', P .. 'epoch', ARGV[i]) == ARGV[i + 1] then
+    redis.call('HSET', P .. 'seq', ARGV[i], ARGV[i + 1] .. ':' .. ARGV[i + 2])
   end
 end
 return 0
@@ -142,7 +155,7 @@ return 0
 # ARGV: P, uid, identity
 _SET_OWNER = """
 local P, uid = ARGV[1], ARGV[2]
-if redis.call('HEXISTS', P .. 'a:epoch', uid) == 1 then redis.call('HSETNX', P .. 'a:owner', uid, ARGV[3]) end
+if redis.call('HEXISTS', P .. 'epoch', uid) == 1 then redis.call('HSETNX', P .. 'owner', uid, ARGV[3]) end
 return 0
 """
 
@@ -151,17 +164,17 @@ _EXPIRE = (
     _NOW
     + """
 local gone = {}
-local leases = redis.call('HGETALL', P .. 'a:lease')
+local leases = redis.call('HGETALL', P .. 'lease')
 for i = 1, #leases, 2 do
   if tonumber(leases[i + 1]) <= now then
     local uid = leases[i]
     table.insert(gone, uid)
-    table.insert(gone, redis.call('HGET', P .. 'a:epoch', uid) or '')
-    table.insert(gone, redis.call('HGET', P .. 'a:pod', uid) or '')
+    table.insert(gone, redis.call('HGET', P .. 'epoch', uid) or '')
+    table.insert(gone, redis.call('HGET', P .. 'pod', uid) or '')
     forget(uid)
   end
 end
-if #gone > 0 then redis.call('INCR', P .. 'a:ver') end
+if #gone > 0 then redis.call('INCR', P .. 'ver') end
 return gone
 """
 )
@@ -171,28 +184,34 @@ _REMOVE = (
     _NOW
     + """
 local uid = ARGV[2]
-local ep = redis.call('HGET', P .. 'a:epoch', uid)
+local ep = redis.call('HGET', P .. 'epoch', uid)
 if not ep then return {} end
-local pod = redis.call('HGET', P .. 'a:pod', uid) or ''
+local pod = redis.call('HGET', P .. 'pod', uid) or ''
 forget(uid)
-redis.call('INCR', P .. 'a:ver')
+redis.call('INCR', P .. 'ver')
 return {ep, pod}
 """
 )
 
-# ARGV: P, the (gen:ver) this replica last read in full -> msgpack [now_ms, gen:ver, lease, load, seq,
-# and when gen:ver differs: epoch, pod, ns, l1, since] (hashes as flat field/value lists). One
-# string to parse instead of thousands of RESP items: redis-py's parser is pure Python.
+# ARGV: P, the (gen:ver) this replica last read in full, a new generation token -> msgpack
+# [now_ms, gen:ver, lease, load, seq, and when gen:ver differs: epoch, pod, ns, l1, since]
+# (hashes as flat field/value lists). One string to parse instead of thousands of RESP items:
+# redis-py's parser is pure Python.
 _SNAPSHOT = """
 local P = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ver = (redis.call('GET', P .. 'gen') or '') .. ':' .. (redis.call('GET', P .. 'a:ver') or '0')
-local out = {now, ver, redis.call('HGETALL', P .. 'a:lease'), redis.call('HGETALL', P .. 'a:load'),
-  redis.call('HGETALL', P .. 'a:seq')}
+local gen = redis.call('GET', P .. 'gen')
+if not gen then  -- new, or the data was lost: a new generation (ARGV[3], random from the client)
+  gen = ARGV[3]
+  redis.call('SET', P .. 'gen', gen)
+end
+local ver = gen .. ':' .. (redis.call('GET', P .. 'ver') or '0')
+local out = {now, ver, redis.call('HGETALL', P .. 'lease'), redis.call('HGETALL', P .. 'load'),
+  redis.call('HGETALL', P .. 'seq')}
 if ver ~= ARGV[2] then
   for _, f in ipairs({'epoch', 'pod', 'ns', 'l1', 'since'}) do
-    table.insert(out, redis.call('HGETALL', P .. 'a:' .. f))
+    table.insert(out, redis.call('HGETALL', P .. f))
   end
 end
 return cmsgpack.pack(out)
@@ -208,7 +227,7 @@ def _reachable(fn: _F) -> _F:
     def wrapper(self: RedisRegistry, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)
-        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError) as e:
+        except cluster_unavailable_errors as e:
             raise Unavailable(
                 f"agent registry unavailable: Redis/Valkey at {self.url} cannot be reached ({e}); retry later"
             ) from None
@@ -253,16 +272,24 @@ class RedisRegistry(AgentRegistry):
         lease_ttl_ms: int,
         *,
         prefix: str = "kvg:",
-        client: redis.Redis | None = None,
+        client: redis.Redis | RedisCluster | None = None,
+        cluster: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not prefix:
             raise ValueError("prefix='': expected a non-empty key prefix such as 'kvg:'")
         self.url, self.prefix = url, prefix
+        self.keys = registry_keys(prefix)
+        """Every record name starts with this (one hash tag: one cluster slot for all of them)."""
         self.lease_s = lease_ttl_ms / 1000.0
         self._ttl_ms = lease_ttl_ms
         self._clock = clock
-        self._r = client if client is not None else redis.Redis.from_url(url, socket_connect_timeout=2.0)
+        # Any: types-redis lacks RedisCluster's script methods, which redis-py has.
+        if client is None:
+            client = (RedisCluster if cluster else redis.Redis).from_url(url, socket_connect_timeout=2.0)
+        self._r = cast(Any, client)
+        self._route = [self.keys + "ver"]
+        """The one declared key of every script: routes it to the registry's slot in a cluster."""
         self._register = self._r.register_script(_REGISTER)
         self._heartbeat = self._r.register_script(_HEARTBEAT)
         self._namespaces = self._r.register_script(_NAMESPACES)
@@ -298,10 +325,10 @@ class RedisRegistry(AgentRegistry):
         return self._synced
 
     def _key(self, field: str) -> str:
-        return f"{self.prefix}a:{field}"
+        return self.keys + field
 
     def _run(self, script: Any, *args: Any) -> Any:
-        return script(keys=[], args=[self.prefix, *args])
+        return script(keys=self._route, args=[self.keys, *args])
 
     # --- ownership ------------------------------------------------------------------------------
     @_reachable
@@ -517,7 +544,7 @@ class RedisRegistry(AgentRegistry):
     def _refresh_locked(self) -> None:
         with self._lock:
             read_at = self._writes
-        raw = self._snapshot(keys=[], args=[self.prefix, self._static_ver])
+        raw = self._snapshot(keys=self._route, args=[self.keys, self._static_ver, secrets.token_hex(8)])
         out = msgspec.msgpack.decode(raw)
         server_now_ms, ver = int(out[0]), _s(out[1])
         leases, loads, seqs = _pairs(out[2]), _pairs(out[3]), _pairs(out[4])

@@ -1,0 +1,451 @@
+"""Valkey/Redis Cluster backend of :class:`~kvgrid.controller.index.ChunkIndex` (``redis_cluster``):
+the chunk keys hashed across the cluster's shards, controller replicas sharing it.
+
+Layout (every name starts with the configured prefix ``P``; ``{..}`` is the cluster hash tag)::
+
+    P c:{b}<key16>        HASH hid -> tier bits (1 = L1, 2 = GPU)    b = bucket_of(key), 0..1023
+    P n:{b}               counter: chunk hashes of bucket b (lost with them: stays exact)
+    P s:<key16>           HASH hid -> expiry (unix ms), PEXPIRE'd    speculative, spread over shards
+    P h:{hid}:<tier>      SET of key16: a holder's keys per tier     P sp:{hid}  its speculative keys
+    P{P i}:slots  HASH holder -> slot    P{P i}:owner  HASH slot -> holder    P{P i}:slotmap  bitmap
+    P{P i}:gen    STRING: the generation token of the slot-table shard
+
+``hid`` is 12 hex digits of BLAKE2b over the holder text (``<pod_uid>/<epoch>``, never reused), so
+a chunk hash names its holders without the slot table: losing the shard that holds the table
+(slots are reassigned afterwards) cannot attribute one holder's chunks to another. The lookup maps
+``hid -> slot`` from the owner table it reads in the same round trip.
+
+Invariants:
+
+- Batch writes are grouped per cluster slot: one ``EVALSHA`` per bucket with every chunk hash of
+  the batch in that bucket (atomic read-modify-write of the tier bits and that slot's chunk counter),
+  sent as one pipeline per shard. A write is not atomic across shards: a concurrent lookup may see
+  part of a batch (as it may see the batch before or after).
+- The writes of one holder come from one replica at a time (the one serving its stream; a
+  per-holder lock serialises this replica's threads), so the holder's key sets and the tier bits
+  it owns in chunk hashes change in step.
+- Loss: a primary that restarts empty, a failover (asynchronous replication may lose the last
+  writes) or a flush of the slot-table shard changes :meth:`RedisClusterIndex.data_generation`
+  (primaries' node ids and run ids + the table shard's token); the controller then resyncs every
+  agent. A resync's :meth:`replace` rewrites the bits of every key it is given (not only the diff
+  against the holder's set, which may have survived while chunk hashes were lost). Resharding
+  (MIGRATE) moves keys with their slot and changes no generation; the client follows MOVED/ASK.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import secrets
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar, cast
+
+import redis
+from redis.cluster import RedisCluster
+
+from kvgrid.common.errors import Unavailable
+from kvgrid.controller.index.base import ChunkIndex, IndexTier, PrefixView, check_keys
+
+__all__ = ["CHUNK_BUCKETS", "RedisClusterIndex", "bucket_of", "cluster_unavailable_errors", "holder_hid"]
+
+CHUNK_BUCKETS = 1024
+"""Chunk hashes carry one of this many hash tags (from the key's first two bytes): enough to
+spread them over ~100 shards, few enough that a batch shares cluster slots and that the
+per-bucket chunk counters are one short pipeline to read."""
+
+cluster_unavailable_errors: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.BusyLoadingError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.MasterDownError,
+)
+"""What redis-py raises while (part of) a cluster cannot serve: callers get UNAVAILABLE."""
+
+# KEYS: the slot's chunk counter, then chunk hashes of that cluster slot. ARGV: hid, op, bitv.
+# op 'set' ORs bitv into hid's field, 'clear' clears it (deleting the field, and the hash when empty).
+_BITS = """
+local hid, op, bitv = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local delta = 0
+for i = 2, #KEYS do
+  local c = KEYS[i]
+  local v = tonumber(redis.call('HGET', c, hid) or '0')
+  if op == 'set' then
+    if bit.band(v, bitv) == 0 then
+      if redis.call('EXISTS', c) == 0 then delta = delta + 1 end
+      redis.call('HSET', c, hid, bit.bor(v, bitv))
+    end
+  elseif bit.band(v, bitv) ~= 0 then
+    v = bit.band(v, bit.bnot(bitv))
+    if v == 0 then
+      redis.call('HDEL', c, hid)
+      if redis.call('EXISTS', c) == 0 then delta = delta - 1 end
+    else
+      redis.call('HSET', c, hid, v)
+    end
+  end
+end
+if delta ~= 0 then redis.call('INCRBY', KEYS[1], delta) end
+return delta
+"""
+
+# KEYS: the holder's set of one tier. ARGV: key... -> the keys that were not members (now added).
+_SADD_NEW = """
+local new = {}
+for i = 1, #ARGV do
+  if redis.call('SADD', KEYS[1], ARGV[i]) == 1 then table.insert(new, ARGV[i]) end
+end
+return new
+"""
+
+# KEYS: the holder's set of one tier. ARGV: key... -> the keys that were members (now removed).
+_SREM_OLD = """
+local old = {}
+for i = 1, #ARGV do
+  if redis.call('SREM', KEYS[1], ARGV[i]) == 1 then table.insert(old, ARGV[i]) end
+end
+return old
+"""
+
+# KEYS: the holder's set of one tier. ARGV: the new key set -> the members not in it (now removed).
+_REPLACE_SET = """
+local new = {}
+for i = 1, #ARGV do new[ARGV[i]] = true end
+local gone = {}
+for _, k in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if not new[k] then
+    redis.call('SREM', KEYS[1], k)
+    table.insert(gone, k)
+  end
+end
+for i = 1, #ARGV do redis.call('SADD', KEYS[1], ARGV[i]) end
+return gone
+"""
+
+# KEYS: slots hash, owner hash, slotmap. ARGV: holder -> its slot (allocating the lowest free one).
+_SLOT_OF = """
+local s = redis.call('HGET', KEYS[1], ARGV[1])
+if s then return s end
+local n = redis.call('BITPOS', KEYS[3], 0)
+redis.call('SETBIT', KEYS[3], n, 1)
+s = tostring(n)
+redis.call('HSET', KEYS[1], ARGV[1], s)
+redis.call('HSET', KEYS[2], s, ARGV[1])
+return s
+"""
+
+# KEYS: slots, owner, slotmap. ARGV: holder: free its slot.
+_FREE_SLOT = """
+local s = redis.call('HGET', KEYS[1], ARGV[1])
+if not s then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], s)
+redis.call('SETBIT', KEYS[3], tonumber(s), 0)
+return 1
+"""
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def holder_hid(holder: str) -> str:
+    """The holder's field name in chunk hashes: 12 hex digits of BLAKE2b (see the module docstring)."""
+    return hashlib.blake2b(holder.encode(), digest_size=6).hexdigest()
+
+
+def bucket_of(key: bytes) -> int:
+    """The hash-tag bucket of a chunk key (its first two bytes: chunk keys are uniform hashes)."""
+    return (key[0] << 8 | key[1]) % CHUNK_BUCKETS
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _reachable(fn: _F) -> _F:
+    """Raise :class:`Unavailable` (naming the cluster) when a shard cannot be reached."""
+
+    @functools.wraps(fn)
+    def wrapper(self: RedisClusterIndex, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except cluster_unavailable_errors as e:
+            raise Unavailable(
+                f"index backend unavailable: Valkey/Redis Cluster at {self.url} cannot serve ({e}); "
+                "retry later"
+            ) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class RedisClusterIndex(ChunkIndex):
+    """Chunk index sharded over a Valkey/Redis Cluster (see the module docstring)."""
+
+    backend = "redis-cluster"
+
+    @property
+    def shared(self) -> bool:
+        return True
+
+    def __init__(self, url: str, *, prefix: str = "kvg:", client: RedisCluster | None = None) -> None:
+        if not prefix:
+            raise ValueError("prefix='': expected a non-empty key prefix such as 'kvg:'")
+        self.url = url
+        self.prefix = prefix
+        # Any: types-redis lacks RedisCluster's script methods, which redis-py has.
+        if client is None:
+            client = RedisCluster.from_url(url, socket_connect_timeout=2.0)
+        self._r = cast(Any, client)
+        self._pb = prefix.encode()
+        table = self._pb + b"{" + self._pb + b"i}:"
+        self._table = [table + b"slots", table + b"owner", table + b"slotmap"]
+        self._gen_key = table + b"gen"
+        self._bits = self._r.register_script(_BITS)
+        self._sadd_new = self._r.register_script(_SADD_NEW)
+        self._srem_old = self._r.register_script(_SREM_OLD)
+        self._replace_set = self._r.register_script(_REPLACE_SET)
+        self._slot_of = self._r.register_script(_SLOT_OF)
+        self._free_slot = self._r.register_script(_FREE_SLOT)
+        self._holder_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._locks_lock = threading.Lock()
+        self._loaded: set[str] = set()
+        """SHA1s of scripts known loaded on every primary (pipelined EVALSHA cannot load them)."""
+        self.data_generation()
+
+    # --- key names ------------------------------------------------------------------------------
+    def _chunk(self, key: bytes) -> bytes:
+        return self._pb + b"c:{%d}" % bucket_of(key) + key
+
+    def _spec(self, key: bytes) -> bytes:
+        return self._pb + b"s:" + key
+
+    def _set(self, hid: str, tier: IndexTier) -> bytes:
+        return self._pb + b"h:{" + hid.encode() + b"}:%d" % int(tier)
+
+    def _spec_set(self, hid: str) -> bytes:
+        return self._pb + b"sp:{" + hid.encode() + b"}"
+
+    def _counter(self, bucket: int) -> bytes:
+        return self._pb + b"n:{%d}" % bucket
+
+    def _lock(self, holder: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._holder_locks[holder]
+
+    # --- writes ---------------------------------------------------------------------------------
+    def _ensure_slot(self, holder: str) -> None:
+        self._slot_of(keys=self._table, args=[holder])
+
+    def _write_bits(self, hid: str, ops: Sequence[tuple[str, int, Iterable[bytes]]]) -> None:
+        """Apply ``(op, bitv, keys)`` to the chunk hashes: one EVALSHA per (op, cluster slot),
+        pipelined per shard."""
+        calls: list[list[bytes | str | int]] = []
+        for op, bitv, keys in ops:
+            groups: dict[int, list[bytes]] = defaultdict(list)
+            for k in keys:
+                groups[bucket_of(k)].append(self._chunk(k))
+            for bucket, chunk_keys in groups.items():
+                calls.append([len(chunk_keys) + 1, self._counter(bucket), *chunk_keys, hid, op, bitv])
+        if calls:
+            self._evalsha_pipelined(self._bits, calls)
+
+    def _evalsha_pipelined(self, script: Any, calls: list[list[bytes | str | int]]) -> list[Any]:
+        if script.sha not in self._loaded:
+            self._r.script_load(script.script)  # on every primary (redis-py's cluster default)
+            self._loaded.add(script.sha)
+        for attempt in range(2):
+            pipe = self._r.pipeline(transaction=False)
+            for call in calls:
+                pipe.execute_command("EVALSHA", script.sha, *call)
+            try:
+                return list(pipe.execute())
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                self._r.script_load(script.script)  # a primary restarted or failed over: load again
+        raise AssertionError("unreachable")
+
+    @_reachable
+    def add(self, holder: str, tier: IndexTier, keys: Sequence[bytes]) -> None:
+        check_keys(keys)
+        if not keys:
+            return
+        hid = holder_hid(holder)
+        with self._lock(holder):
+            self._ensure_slot(holder)
+            new = self._sadd_new(keys=[self._set(hid, tier)], args=list(keys))
+            self._write_bits(hid, [("set", 1 << int(tier), new)])
+
+    @_reachable
+    def remove(self, holder: str, tier: IndexTier, keys: Sequence[bytes]) -> None:
+        check_keys(keys)
+        if not keys:
+            return
+        hid = holder_hid(holder)
+        with self._lock(holder):
+            old = self._srem_old(keys=[self._set(hid, tier)], args=list(keys))
+            self._write_bits(hid, [("clear", 1 << int(tier), old)])
+
+    @_reachable
+    def replace(self, holder: str, tier: IndexTier, keys: Iterable[bytes]) -> None:
+        new = list(set(keys))
+        check_keys(new)
+        hid = holder_hid(holder)
+        bitv = 1 << int(tier)
+        with self._lock(holder):
+            self._ensure_slot(holder)
+            gone = self._replace_set(keys=[self._set(hid, tier)], args=new)
+            # Every key's bits, not only the diff: after a shard's loss the holder's set may have
+            # survived while chunk hashes of it did not (setting a set bit changes nothing).
+            self._write_bits(hid, [("clear", bitv, gone), ("set", bitv, new)])
+
+    @_reachable
+    def drop_holder(self, holder: str) -> int:
+        hid = holder_hid(holder)
+        with self._lock(holder):
+            pipe = self._r.pipeline(transaction=False)
+            for tier in IndexTier:
+                pipe.smembers(self._set(hid, tier))
+            pipe.smembers(self._spec_set(hid))
+            *tiers, spec = pipe.execute()
+            self._write_bits(hid, [("clear", 1 << int(t), tiers[int(t)]) for t in IndexTier])
+            pipe = self._r.pipeline(transaction=False)
+            for k in spec:
+                pipe.hdel(self._spec(k), hid)
+            for tier in IndexTier:
+                pipe.delete(self._set(hid, tier))
+            pipe.delete(self._spec_set(hid))
+            pipe.execute()
+            self._free_slot(keys=self._table, args=[holder])
+        with self._locks_lock:
+            self._holder_locks.pop(holder, None)
+        return sum(len(t) for t in tiers)
+
+    @_reachable
+    def add_speculative(self, holder: str, keys: Sequence[bytes], ttl_ms: int) -> None:
+        check_keys(keys)
+        if not keys:
+            return
+        hid = holder_hid(holder)
+        expiry, ttl = int(time.time() * 1000) + ttl_ms, max(1, ttl_ms)
+        self._ensure_slot(holder)
+        pipe = self._r.pipeline(transaction=False)
+        for k in keys:
+            s = self._spec(k)
+            pipe.hset(s, hid, expiry)
+            pipe.pexpire(s, ttl)
+        sp = self._spec_set(hid)
+        pipe.sadd(sp, *keys)
+        pipe.pexpire(sp, ttl)
+        pipe.execute()
+
+    # --- reads ----------------------------------------------------------------------------------
+    @_reachable
+    def lookup(self, keys: Sequence[bytes]) -> PrefixView:
+        pipe = self._r.pipeline(transaction=False)
+        for k in keys:
+            pipe.hgetall(self._chunk(k))
+            pipe.hgetall(self._spec(k))
+        pipe.hgetall(self._table[1])
+        out = pipe.execute()
+        owners: dict[bytes, bytes] = out[-1]
+        slot_of: dict[bytes, int] = {}
+        slots: dict[int, str] = {}
+        for slot_b, holder_b in owners.items():
+            holder = holder_b.decode()
+            slot_of[holder_hid(holder).encode()] = int(slot_b)
+        now_ms = time.time() * 1000
+        l1: list[int] = []
+        gpu: list[int] = []
+        union = 0
+        for i in range(len(keys)):
+            a = g = 0
+            for hid_b, bits_b in out[2 * i].items():
+                slot = slot_of.get(hid_b)
+                if slot is None:  # its holder was dropped between commands (or is being dropped)
+                    continue
+                bits = int(bits_b)
+                if bits & 1:
+                    a |= 1 << slot
+                if bits & 2:
+                    g |= 1 << slot
+            for hid_b, exp_b in out[2 * i + 1].items():
+                slot = slot_of.get(hid_b)
+                if slot is not None and float(exp_b) > now_ms:
+                    g |= 1 << slot
+            if not a and not g:
+                break
+            l1.append(a)
+            gpu.append(g)
+            union |= a | g
+        for slot_b, holder_b in owners.items():
+            slot = int(slot_b)
+            if union >> slot & 1:
+                slots[slot] = holder_b.decode()
+        return PrefixView(l1=l1, gpu=gpu, slots=slots)
+
+    @_reachable
+    def holder_keys(self, holder: str, tier: IndexTier) -> set[bytes]:
+        return set(self._r.smembers(self._set(holder_hid(holder), tier)))
+
+    @_reachable
+    def holder_entries(self, holder: str) -> int:
+        return sum(self.holder_tier_entries(holder, tier) for tier in IndexTier)
+
+    @_reachable
+    def holder_tier_entries(self, holder: str, tier: IndexTier) -> int:
+        return int(self._r.scard(self._set(holder_hid(holder), tier)))
+
+    @_reachable
+    def data_generation(self) -> str:
+        gen = self._r.get(self._gen_key)
+        if gen is None:  # a new cluster, or the table's shard lost its data
+            self._r.set(self._gen_key, secrets.token_hex(8), nx=True)  # another replica may be first
+            gen = self._r.get(self._gen_key)
+        return f"{bytes(gen or b'').decode()}/{self._primaries_token()}"
+
+    def _primaries_token(self) -> str:
+        """The primaries (address and run id, sorted): changes when a primary restarts (maybe empty)
+        or a replica takes over (maybe without the last writes), not when slots move."""
+        self._r.nodes_manager.initialize()  # the current topology, not the last one redirected to
+        runs = sorted(
+            f"{node.name}:{self._r.get_redis_connection(node).info('server')['run_id']}"
+            for node in self._r.get_primaries()
+        )
+        return hashlib.blake2b("|".join(runs).encode(), digest_size=8).hexdigest()
+
+    @_reachable
+    def holders(self) -> list[str]:
+        return [h.decode() for h in self._r.hkeys(self._table[0])]
+
+    @_reachable
+    def num_entries(self) -> int:
+        holders = self.holders()
+        pipe = self._r.pipeline(transaction=False)
+        for h in holders:
+            for tier in IndexTier:
+                pipe.scard(self._set(holder_hid(h), tier))
+        return int(sum(pipe.execute())) if holders else 0
+
+    @_reachable
+    def num_chunks(self) -> int:
+        pipe = self._r.pipeline(transaction=False)
+        for b in range(CHUNK_BUCKETS):
+            pipe.get(self._counter(b))
+        return sum(int(v) for v in pipe.execute() if v is not None)
+
+    @_reachable
+    def flush(self) -> None:
+        """Delete every key under the prefix on every primary (tests, benchmarks)."""
+        for node in self._r.get_primaries():
+            conn = self._r.get_redis_connection(node)
+            pipe = conn.pipeline(transaction=False)
+            for k in conn.scan_iter(match=self._pb + b"*", count=10_000):
+                pipe.delete(k)  # one key per DEL: keys of different slots cannot share one
+            pipe.execute()
+
+    def close(self) -> None:
+        self._r.close()
