@@ -15,6 +15,8 @@ recomputed by the engine, so it never makes a pod look worse than a miss. GPU ch
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import msgspec
 
 from kvgrid.controller.config import ControllerConfig
@@ -63,21 +65,37 @@ class Estimate(msgspec.Struct, frozen=True):
     queue_ms: float
 
 
-def estimate(c: Candidate, p: ScoreParams, query_tokens: int, tokens_per_chunk: int) -> Estimate:
+def _costs(
+    gpu: int,
+    l1: int,
+    peer: int,
+    running: int,
+    waiting: int,
+    p: ScoreParams,
+    query_tokens: int,
+    tokens_per_chunk: int,
+) -> tuple[float, float, float, float, float]:
+    """(ttft, l1 transfer, peer transfer, prefill, queue) in ms; GPU chunks cost nothing."""
     chunk_bytes = p.bytes_per_token * tokens_per_chunk
     recompute_ms = tokens_per_chunk / p.prefill_tokens_per_s * 1000.0
     l1_chunk_ms = min(chunk_bytes / (p.l1_gbps * 1e9) * 1000.0, recompute_ms)
     peer_chunk_ms = min(chunk_bytes / (p.peer_gbps * 1e9) * 1000.0, recompute_ms)
-    l1_ms = (c.l1 + c.peer) * l1_chunk_ms
-    peer_ms = c.peer * peer_chunk_ms + (p.peer_latency_ms if c.peer else 0.0)
-    matched_tokens = (c.gpu + c.l1 + c.peer) * tokens_per_chunk
+    l1_ms = (l1 + peer) * l1_chunk_ms
+    peer_ms = peer * peer_chunk_ms + (p.peer_latency_ms if peer else 0.0)
+    matched_tokens = (gpu + l1 + peer) * tokens_per_chunk
     prefill_ms = max(0, query_tokens - matched_tokens) / p.prefill_tokens_per_s * 1000.0
-    queue_ms = (
-        c.load.running_requests * p.queue_ms_per_running + c.load.waiting_requests * p.queue_ms_per_waiting
+    queue_ms = running * p.queue_ms_per_running + waiting * p.queue_ms_per_waiting
+    return l1_ms + peer_ms + prefill_ms + queue_ms, l1_ms, peer_ms, prefill_ms, queue_ms
+
+
+def estimate(c: Candidate, p: ScoreParams, query_tokens: int, tokens_per_chunk: int) -> Estimate:
+    load = c.load
+    ttft, l1_ms, peer_ms, prefill_ms, queue_ms = _costs(
+        c.gpu, c.l1, c.peer, load.running_requests, load.waiting_requests, p, query_tokens, tokens_per_chunk
     )
     return Estimate(
         candidate=c,
-        ttft_ms=l1_ms + peer_ms + prefill_ms + queue_ms,
+        ttft_ms=ttft,
         l1_transfer_ms=l1_ms,
         peer_transfer_ms=peer_ms,
         prefill_ms=prefill_ms,
@@ -91,15 +109,20 @@ def rank(
     """Estimates, best (lowest TTFT) first; ties prefer more GPU chunks, then the least loaded pod
     (fewest running + waiting requests, then least GPU KV in use), then the pod UID. The load
     tie-break spreads new prefixes over idle pods: with the UID alone every request that no pod
-    holds would go to the same pod while the others sit empty (``kvgrid bench routing``)."""
-    ests = [estimate(c, p, query_tokens, tokens_per_chunk) for c in candidates]
-    ests.sort(
-        key=lambda e: (
-            e.ttft_ms,
-            -e.candidate.gpu,
-            e.candidate.load.running_requests + e.candidate.load.waiting_requests,
-            e.candidate.load.gpu_kv_usage,
-            e.candidate.pod_uid,
-        )
-    )
-    return ests
+    holds would go to the same pod while the others sit empty (``kvgrid bench routing``).
+
+    Candidates with equal chunk counts and queue lengths share one cost computation: Score ranks
+    every registered pod, and with hundreds of pods most of them hold nothing of the query
+    (docs/capacity.md measured this at 1,024 pods)."""
+    costs: dict[tuple[int, int, int, int, int], tuple[float, float, float, float, float]] = {}
+    keyed = []
+    for c in candidates:
+        load = c.load
+        running, waiting = load.running_requests, load.waiting_requests
+        k = (c.gpu, c.l1, c.peer, running, waiting)
+        e = costs.get(k)
+        if e is None:
+            e = costs[k] = _costs(*k, p, query_tokens, tokens_per_chunk)
+        keyed.append(((e[0], -c.gpu, running + waiting, load.gpu_kv_usage, c.pod_uid), c, e))
+    keyed.sort(key=itemgetter(0))
+    return [Estimate(c, *e) for _, c, e in keyed]
