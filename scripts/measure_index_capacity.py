@@ -22,7 +22,9 @@ so the layout measured is the one deployed. It reports:
 3. lookups of ``--query-chunks``-chunk prefixes of indexed chunks (full hits, the worst case: the
    walk reads every chunk) for ``--seconds``: ``valkey``: ``RedisIndex.lookup`` (one pipelined
    round trip), ``memory``: ``MemoryIndex.lookup_one`` (the single-query path of MatchPrefix and
-   Score); CPU per lookup on each side, and for Valkey the commands per lookup.
+   Score); CPU per lookup on each side, and for Valkey the commands per lookup;
+4. with ``--score`` (memory back-end): CPU per ``Controller.score`` (top 1) with ``--pods`` agents
+   registered in a real controller core, each query held by one pod (the answer is checked).
 
 Invariants: every run starts from an empty index (a new Valkey process, no persistence), so every
 byte counted is the index's; the per-key and per-lookup figures are CPU time, which other load on
@@ -204,6 +206,52 @@ def measure_valkey(keys: list[bytes], args: argparse.Namespace) -> dict[str, Any
     }
 
 
+def measure_score(keys: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
+    """CPU per ``Controller.score`` (top 1) with ``--pods`` registered agents: Score ranks every
+    registered pod, so its cost grows with the pod count, not only with the query."""
+    from kvgrid.common.hashing import KeyNamespace
+    from kvgrid.common.identity import PodIdentity
+    from kvgrid.controller.config import ControllerConfig
+    from kvgrid.controller.core import Controller, PrefixQuery, ScoreQuery
+    from kvgrid.controller.ingest import AgentSnapshot
+
+    ns_id = KeyNamespace(model="capacity", tokens_per_chunk=256).namespace_id()
+
+    def empty_snapshot(rec: Any, timeout_s: float) -> AgentSnapshot:
+        return AgentSnapshot(rec.pod.pod_uid, rec.pod.epoch, [], 0, [ns_id])
+
+    ctl = Controller(ControllerConfig(listen="127.0.0.1:0"), snapshots=empty_snapshot)
+    try:
+        uids = [f"pod-{p}" for p in range(args.pods)]
+        for uid in uids:
+            ctl.register(PodIdentity(pod_uid=uid, epoch=1), [ns_id], 0)
+        qn = args.query_chunks
+        queries = [keys[i * qn : (i + 1) * qn] for i in range(min(1000, len(keys) // qn))]
+        for i, q in enumerate(queries):  # query i is held (L1) by pod i
+            rec = ctl.registry.get(uids[i % len(uids)])
+            assert rec is not None
+            ctl.index.add(rec.holder, IndexTier.L1, q)
+        probe = ScoreQuery(PrefixQuery(chunk_keys=queries[0], namespace_id=ns_id))
+        deadline = time.monotonic() + 10
+        while len(ctl.score(probe).ranked) < len(uids):  # every pod synced (empty snapshot pulled)
+            if time.monotonic() > deadline:
+                raise RuntimeError("the registered pods never became answerable")
+            time.sleep(0.05)
+        cpu0, w0, n = _cpu_s(), time.perf_counter(), 0
+        while time.perf_counter() < w0 + args.seconds:
+            i = n % len(queries)
+            best = ctl.score(ScoreQuery(PrefixQuery(chunk_keys=queries[i], namespace_id=ns_id), top_k=1))
+            if best.ranked[0].candidate.pod_uid != uids[i % len(uids)]:
+                raise RuntimeError(
+                    f"Score sent query {i} to {best.ranked[0].candidate.pod_uid}, not its holder"
+                )
+            n += 1
+        wall, cpu = time.perf_counter() - w0, _cpu_s() - cpu0
+        return {"pods": len(uids), "scores": n, "scores_per_s": n / wall, "cpu_us_per_score": cpu / n * 1e6}
+    finally:
+        ctl.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--backend", choices=("memory", "valkey"), required=True, help="index back-end")
@@ -214,6 +262,11 @@ def main() -> int:
     ap.add_argument("--keys-per-write", type=int, default=64, help="keys per index write")
     ap.add_argument("--query-chunks", type=int, default=53, help="chunks per lookup")
     ap.add_argument("--seconds", type=float, default=5.0, help="duration of the lookup phase")
+    ap.add_argument(
+        "--score",
+        action="store_true",
+        help="memory back-end: also Controller.score with --pods registered agents",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     for name in ("chunks", "pods", "holders", "keys_per_write", "query_chunks"):
@@ -239,6 +292,10 @@ def main() -> int:
         bytes_per_pair=out["bytes"] / pairs,
         load_average=(load0, os.getloadavg()[0]),
     )
+    if args.score:
+        if args.backend != "memory":
+            ap.error("--score: only with --backend memory")
+        out["score"] = measure_score(keys, args)
     if "tracemalloc_bytes" in out:
         out["tracemalloc_per_entry"] = out["tracemalloc_bytes"] / out["entries"]
     if args.json:
@@ -272,6 +329,12 @@ def main() -> int:
         f"lookup ({args.query_chunks} chunks, full hit): {lk['lookups_per_s']:,.0f}/s; client CPU "
         f"{lk['client_cpu_us_per_lookup']:.1f} µs/lookup{server}"
     )
+    if "score" in out:
+        sc = out["score"]
+        print(
+            f"Score (top 1, {sc['pods']} registered pods): {sc['scores_per_s']:,.0f}/s; "
+            f"CPU {sc['cpu_us_per_score']:.0f} µs/score"
+        )
     print(f"load average {out['load_average'][0]:.2f} at start, {out['load_average'][1]:.2f} at end")
     return 0
 
