@@ -170,6 +170,24 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
         _d("Peers one Lookup tries, best first, when a peer fails before sending anything"),
         msgspec.Meta(gt=0),
     ] = 2
+    peer_data_plane: Annotated[
+        Literal["socket", "grpc"],
+        _d(
+            "How peer fetch moves chunk bytes: socket (a TCP data port, bytes straight into L1, one-time "
+            "tickets issued over the mTLS FetchChunks call, TLS when TLS is configured) or grpc (inside "
+            "the FetchChunks stream); each side falls back to grpc when the other has it off"
+        ),
+    ] = "socket"
+    peer_data_port: Annotated[
+        int,
+        _d("TCP port of the peer data plane (on --tcp-host); 0 picks a free port (sent with each ticket)"),
+        msgspec.Meta(ge=0, le=65535),
+    ] = 0
+    peer_data_streams: Annotated[
+        int,
+        _d("TCP connections one peer fetch opens to the peer's data port (chunks round-robin over them)"),
+        msgspec.Meta(ge=1, le=16),
+    ] = 4
     peer_directory_ttl_ms: Annotated[
         int,
         _d("How long the controller's agent list (pod -> peer address) is reused before asking again (ms)"),

@@ -15,6 +15,11 @@ chunks (the same reserve -> fill -> commit path a store takes, so a chunk become
 every byte arrived and matched the checksum sent with it, and its admit event goes to the
 controller as usual). Everything runs under one deadline; any failure leaves the local cache as it
 was, plus the chunks that arrived complete and intact.
+
+Data plane (``peer_data_plane=socket``, :mod:`kvgrid.agent.p2p`): the fetcher asks for
+``data_streams``; a sender with a data plane answers with one ticket message and moves the bytes on
+its data port (the gRPC stream stays open until they are out, holding the chunks' references); a
+sender without one streams them as above, so either side may have it off.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from opentelemetry import metrics, trace
 from kvgrid.agent.cache import ChunkCache, MissCause
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import Chunk
+from kvgrid.agent.p2p import DataPlaneServer, client_context, fetch_streams, ticket_streams
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.checksum import ChecksumMismatch, chunk_checksum, verify_checksum
 from kvgrid.common.errors import FailedPrecondition, InvalidArgument, check_namespace_id, client_input
@@ -166,6 +172,8 @@ class ChunkSender:
         max_chunks: int,
         min_part_bytes: int = MIN_PART_BYTES,
         metrics: PeerMetrics | None = None,
+        data_plane: DataPlaneServer | None = None,
+        ticket_ttl_s: float = 2.0,
     ) -> None:
         if not req.layout_id:
             raise InvalidArgument(
@@ -193,6 +201,9 @@ class ChunkSender:
         self._lock = threading.Lock()
         self._pending: list[Chunk] = chunks  # referenced, not yet fully sent
         self.num_chunks = len(chunks)
+        self.data_plane = data_plane if req.data_streams else None
+        self.data_streams = int(req.data_streams)
+        self.ticket_ttl_s = ticket_ttl_s
 
     def close(self) -> None:
         with self._lock:
@@ -204,7 +215,27 @@ class ChunkSender:
         with self._lock:
             return self._pending[0] if self._pending else None
 
+    def _iter_ticket(self, plane: DataPlaneServer) -> Iterator[agent_pb2.FetchChunksResponse]:
+        """Data plane: hand the references to a ticket, send it, keep the stream open until the
+        chunks went out on the data port (or the TTL passed); closing the stream retires it."""
+        with self._lock:
+            chunks, self._pending = self._pending, []
+        ticket = plane.issue(self.cache, chunks, ticket_streams(self.data_streams, len(chunks)))
+        try:
+            yield agent_pb2.FetchChunksResponse(
+                num_chunks=ticket.num_chunks,
+                chunk_bytes=chunks[0].nbytes,
+                data_ticket=ticket.secret,
+                data_port=plane.port,
+            )
+            ticket.finished.wait(self.ticket_ttl_s)
+        finally:
+            plane.retire(ticket)
+
     def __iter__(self) -> Iterator[agent_pb2.FetchChunksResponse]:
+        if self.data_plane is not None and self.num_chunks:
+            yield from self._iter_ticket(self.data_plane)
+            return
         try:
             for index in range(self.num_chunks):
                 chunk = self._peek()
@@ -355,6 +386,8 @@ class PeerFetcher:
         self.part_bytes = max(
             1, min(config.peer_fetch_part_size, config.max_message_bytes - _MESSAGE_OVERHEAD)
         )
+        self.data_streams = config.peer_data_streams if config.peer_data_plane == "socket" else 0
+        self._tls_files = config.tls
 
     def _stub(self, address: str) -> agent_pb2_grpc.AgentServiceStub:
         # traced: the peer's FetchChunks span joins the Lookup's trace
@@ -493,6 +526,7 @@ class PeerFetcher:
             namespace_id=namespace_id,
             max_part_bytes=self.part_bytes,
             requester_pod_uid=self.self_uid,
+            data_streams=self.data_streams,
         )
         t0 = time.perf_counter()
         call = self._stub(cand.address).FetchChunks(req, timeout=max(0.001, deadline - time.monotonic()))
@@ -516,6 +550,11 @@ class PeerFetcher:
                     fresh = {i: c for i, c, new in res.entries if new}
                     targets = {i: c.buffer.numpy() for i, c in fresh.items()}
                     if limit == 0:
+                        break
+                    if msg.data_ticket:
+                        filled = self._receive_data_plane(
+                            cand, msg, limit, bytes_per_chunk, targets, fresh, deadline
+                        )
                         break
                 if msg.chunk_index != filled or msg.offset != written:
                     raise PeerError(
@@ -547,6 +586,9 @@ class PeerFetcher:
                     filled, written = filled + 1, 0
                     if filled == limit:
                         break
+        except _PartialFetch as e:
+            filled = e.filled  # the intact leading chunks are committed below
+            raise e.error from None
         except grpc.RpcError as e:
             code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
             reason = {
@@ -577,6 +619,60 @@ class PeerFetcher:
                 )
         if res is not None and res.reason and filled == limit:
             log.info("peer fetch from %s stopped after %d chunks: %s", cand.pod_uid, filled, res.reason)
+
+    def _receive_data_plane(
+        self,
+        cand: PeerCandidate,
+        msg: agent_pb2.FetchChunksResponse,
+        limit: int,
+        bytes_per_chunk: int,
+        targets: dict[int, np.ndarray],
+        fresh: dict[int, Chunk],
+        deadline: float,
+    ) -> int:
+        """Receive the first ``limit`` chunks of a ticket on the peer's data port into ``targets``
+        and return how many leading chunks arrived intact (their checksums recorded); a failure
+        raises :class:`_PartialFetch` carrying that count."""
+        if not msg.data_port or msg.chunk_bytes != bytes_per_chunk:
+            raise PeerError(
+                "protocol",
+                f"data plane ticket with port {msg.data_port} and chunk_bytes {msg.chunk_bytes}; "
+                f"expected a port and {bytes_per_chunk}",
+            )
+        got = fetch_streams(
+            _host(cand.address),
+            msg.data_port,
+            msg.data_ticket,
+            streams=ticket_streams(self.data_streams, msg.num_chunks),
+            num_chunks=limit,
+            chunk_bytes=bytes_per_chunk,
+            targets=targets,
+            deadline=deadline,
+            tls=client_context(self._tls_files) if self._tls_files is not None else None,
+            verify=verify_checksum,
+        )
+        filled = got.leading()
+        for i in range(filled):
+            if i in fresh:
+                fresh[i].checksum = got.checksums[i]
+        if got.failure is not None:
+            raise _PartialFetch(filled, PeerError(got.failure.reason, str(got.failure)))
+        return filled
+
+
+class _PartialFetch(Exception):
+    """A data-plane fetch that failed after ``filled`` leading chunks arrived intact."""
+
+    def __init__(self, filled: int, error: PeerError) -> None:
+        super().__init__(str(error))
+        self.filled = filled
+        self.error = error
+
+
+def _host(address: str) -> str:
+    """The host of a ``host:port`` agent address (IPv6 in brackets or not)."""
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def _rpc_text(e: grpc.RpcError) -> str:

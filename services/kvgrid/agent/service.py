@@ -34,6 +34,7 @@ from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.core import AgentCore
 from kvgrid.agent.events import EventLog, EventPublisher
+from kvgrid.agent.p2p import DataPlaneServer
 from kvgrid.agent.peers import ChunkSender
 from kvgrid.agent.tensors import SharedFileCache, dtype_name, open_layer_tensor
 from kvgrid.agent.transfer import parse_layout_hints
@@ -59,9 +60,10 @@ TCP_POLICY = Policy({"FetchChunks": frozenset({"agent"}), "Snapshot": frozenset(
 class AgentServicer:
     """Protobuf in, protobuf out; every call goes to :class:`AgentCore`."""
 
-    def __init__(self, core: AgentCore, events: EventLog) -> None:
+    def __init__(self, core: AgentCore, events: EventLog, data_plane: DataPlaneServer | None = None) -> None:
         self.core = core
         self.events = events
+        self.data_plane = data_plane
 
     def RegisterKVCaches(self, req: agent_pb2.RegisterKVCachesRequest) -> agent_pb2.RegisterKVCachesResponse:
         if not req.HasField("namespace"):
@@ -198,6 +200,9 @@ class AgentServicer:
             part_bytes=min(cfg.peer_fetch_part_size, cfg.max_message_bytes - 1024),
             max_chunks=cfg.peer_fetch_max_chunks,
             metrics=self.core.peer_metrics,
+            data_plane=self.data_plane,
+            # The fetcher gives up at its own peer_fetch_timeout_ms; ours bounds a vanished one.
+            ticket_ttl_s=cfg.peer_fetch_timeout_ms / 1000,
         )
 
 
@@ -232,6 +237,7 @@ class AgentServer:
         self.uds_path: str | None = None
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        self.data_plane: DataPlaneServer | None = None
 
     def start(self) -> AgentServer:
         cfg = self.config
@@ -268,7 +274,16 @@ class AgentServer:
             servers.append(uds)
         pod = self._pod_arg or PodIdentity.from_env(agent_address=_advertise(cfg, self.tcp_port))
         self.core = AgentCore(cfg, pod, listener=self.events, meter=self._meter, tracer=self._tracer)
-        servicer = AgentServicer(self.core, self.events)
+        if self.tcp_port is not None and cfg.peer_data_plane == "socket":
+            peer_metrics = self.core.peer_metrics
+
+            def sent(nbytes: int) -> None:
+                peer_metrics.served_chunks.add(1)
+                peer_metrics.served_bytes.add(nbytes)
+                peer_metrics.stats.add(served=1)
+
+            self.data_plane = DataPlaneServer(cfg.tcp_host, cfg.peer_data_port, tls=tls, on_sent=sent).start()
+        servicer = AgentServicer(self.core, self.events, self.data_plane)
         for rpc in servers:
             if id(rpc) in tcp_servers:
                 rpc.add_service(
@@ -311,6 +326,7 @@ class AgentServer:
                 for x in (
                     self.uds_path and f"unix:{self.uds_path}",
                     self.tcp_port and f"tcp:{self.tcp_port} ({'mTLS' if tls else 'plaintext'})",
+                    self.data_plane and f"peer data plane tcp:{self.data_plane.port}",
                 )
                 if x
             ),
@@ -335,6 +351,8 @@ class AgentServer:
         stopping = [rpc.server.stop(grace) for rpc in self.servers]
         for done in stopping:
             done.wait()
+        if self.data_plane is not None:
+            self.data_plane.stop()
         if self.uds_path:
             Path(self.uds_path).unlink(missing_ok=True)
         if self.core is not None:

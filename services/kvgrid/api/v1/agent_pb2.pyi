@@ -719,6 +719,7 @@ class FetchChunksRequest(_message.Message):
     NAMESPACE_ID_FIELD_NUMBER: _builtins.int
     MAX_PART_BYTES_FIELD_NUMBER: _builtins.int
     REQUESTER_POD_UID_FIELD_NUMBER: _builtins.int
+    DATA_STREAMS_FIELD_NUMBER: _builtins.int
     layout_id: _builtins.str
     """The caller's chunk byte layout (RegisterKVCachesResponse.layout_id). Chunks are only sent in
     this layout: a first chunk held in another one is FAILED_PRECONDITION naming both ids.
@@ -729,6 +730,11 @@ class FetchChunksRequest(_message.Message):
     """Largest data part per message (0 = the serving agent's default); capped by its message limit."""
     requester_pod_uid: _builtins.str
     """Pod UID of the fetching agent (logs)."""
+    data_streams: _builtins.int
+    """> 0: move the bytes on the serving agent's socket data plane over this many TCP connections
+    (docs/agent.md, "Peer data plane"); the stream then carries one message with a one-time
+    data_ticket instead of data. A server with the data plane off streams the data as usual.
+    """
     @_builtins.property
     def chunk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -739,10 +745,11 @@ class FetchChunksRequest(_message.Message):
         namespace_id: _builtins.str = ...,
         max_part_bytes: _builtins.int = ...,
         requester_pod_uid: _builtins.str = ...,
+        data_streams: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_keys", b"chunk_keys", "layout_id", b"layout_id", "max_part_bytes", b"max_part_bytes", "namespace_id", b"namespace_id", "requester_pod_uid", b"requester_pod_uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_keys", b"chunk_keys", "data_streams", b"data_streams", "layout_id", b"layout_id", "max_part_bytes", b"max_part_bytes", "namespace_id", b"namespace_id", "requester_pod_uid", b"requester_pod_uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -760,6 +767,8 @@ class FetchChunksResponse(_message.Message):
     DATA_FIELD_NUMBER: _builtins.int
     NUM_CHUNKS_FIELD_NUMBER: _builtins.int
     CHECKSUM_FIELD_NUMBER: _builtins.int
+    DATA_TICKET_FIELD_NUMBER: _builtins.int
+    DATA_PORT_FIELD_NUMBER: _builtins.int
     chunk_index: _builtins.int
     """Index into FetchChunksRequest.chunk_keys."""
     chunk_bytes: _builtins.int
@@ -776,6 +785,13 @@ class FetchChunksResponse(_message.Message):
     is discarded (counted as peer fetch failure reason "checksum"). Empty from agents older than
     this field: deliberately refused, so during a rolling upgrade fetches from them miss.
     """
+    data_ticket: _builtins.bytes
+    """Data plane (FetchChunksRequest.data_streams > 0), first message only, which then has no data:
+    a 32-byte one-time secret that admits data_streams connections to data_port on the serving
+    agent's host, valid while this stream is open. Each chunk's checksum then comes on the data
+    plane right before its bytes.
+    """
+    data_port: _builtins.int
     def __init__(
         self,
         *,
@@ -785,10 +801,12 @@ class FetchChunksResponse(_message.Message):
         data: _builtins.bytes = ...,
         num_chunks: _builtins.int = ...,
         checksum: _builtins.bytes = ...,
+        data_ticket: _builtins.bytes = ...,
+        data_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "chunk_bytes", b"chunk_bytes", "chunk_index", b"chunk_index", "data", b"data", "num_chunks", b"num_chunks", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "chunk_bytes", b"chunk_bytes", "chunk_index", b"chunk_index", "data", b"data", "data_port", b"data_port", "data_ticket", b"data_ticket", "num_chunks", b"num_chunks", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,446 @@
+"""Peer data plane: chunk bytes on plain TCP sockets (TLS when the agent has TLS), with gRPC
+``FetchChunks`` as the control plane.
+
+Chosen by measurement against Mooncake Transfer Engine, NIXL (UCX) and UCXX, whose TCP transports
+moved the same bytes between two processes here at 0.1-0.3x a raw socket copy and serve registered
+memory to any connection without authentication (docs/agent.md, "Peer data plane").
+
+Protocol (one peer fetch):
+
+1. The fetcher calls ``FetchChunks`` with ``data_streams = S`` on the mTLS gRPC channel; the
+   server authorizes it as before (agent identity, namespace, layout), references the leading held
+   chunks, and registers a :class:`Ticket`: 32 random bytes, admitting S connections, alive while
+   that gRPC stream is open (it ends when every chunk went out, every stream hung up, or the
+   serving deadline passed). The stream's one message carries the ticket, the data port, the chunk
+   count and size, and no data.
+2. The fetcher opens S connections to the peer's data port and sends ``HELLO`` (magic, ticket,
+   stream index). Stream ``k`` carries chunks ``k, k+S, k+2S, ...``, each as its 16-byte XXH3-128
+   checksum followed by the chunk's bytes, sent from the server's L1 buffer (``sendall`` of a view)
+   and received straight into the fetcher's reserved L1 chunk (``recv_into``): no copy in Python.
+3. The fetcher verifies each chunk's checksum before it may be committed; it commits the leading
+   chunks that arrived complete and intact.
+
+Security invariants (an attacker on the pod network): the data port serves nothing without a live
+ticket, and tickets are only issued over the authorized control plane; a ticket is 256 random bits,
+single use per stream index, bound to the chunks it was issued for, and dies with its gRPC stream.
+A connection that does not present a valid HELLO within :data:`HELLO_TIMEOUT_S` is closed without
+a byte sent. With TLS configured the data socket is mutual TLS with the same certificate files as
+gRPC (the server requires a client certificate from the CA, the client checks the agent role name),
+so the bytes are as confidential as on the control plane; without TLS both planes are plaintext.
+Connections are capped (:data:`MAX_CONNECTIONS`); one over the cap is closed at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvgrid.agent.cache import ChunkCache
+from kvgrid.agent.l1 import Chunk
+from kvgrid.common.checksum import CHECKSUM_BYTES, chunk_checksum
+from kvgrid.common.tls import AGENT_SERVER_NAME, TlsFiles
+
+__all__ = [
+    "HELLO",
+    "HELLO_TIMEOUT_S",
+    "MAX_CONNECTIONS",
+    "MAX_STREAMS",
+    "TICKET_BYTES",
+    "DataPlaneServer",
+    "Received",
+    "StreamFailure",
+    "Ticket",
+    "client_context",
+    "connect",
+    "fetch_streams",
+    "recv_exact_into",
+    "server_context",
+    "stream_indices",
+    "ticket_streams",
+]
+
+log = logging.getLogger(__name__)
+
+TICKET_BYTES = 32
+MAGIC = b"KVGD"
+HELLO = struct.Struct(f"<4s{TICKET_BYTES}sI")
+"""What a fetcher sends first on each data connection: magic, ticket, stream index."""
+HELLO_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 256
+_SOCKET_BUFFER = 4 << 20  # larger kernel buffers: fewer wake-ups per 32 MiB chunk
+
+
+def stream_indices(stream: int, streams: int, num_chunks: int) -> range:
+    """Chunks stream ``stream`` of ``streams`` carries: round-robin, so the leading chunks (the
+    ones a Lookup can use) arrive first on every stream."""
+    return range(stream, num_chunks, streams)
+
+
+def server_context(files: TlsFiles) -> ssl.SSLContext:
+    """Mutual TLS for the data port: this agent's certificate, a client certificate from the CA
+    required. Built per connection, so rotated files apply to new connections."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(files.cert_file, files.key_file)
+    ctx.load_verify_locations(files.ca_file)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_context(files: TlsFiles) -> ssl.SSLContext:
+    """The fetcher's side: present this agent's certificate, verify the peer's chain and role name."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(files.cert_file, files.key_file)
+    ctx.load_verify_locations(files.ca_file)
+    return ctx
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
+
+
+def connect(host: str, port: int, timeout_s: float, tls: ssl.SSLContext | None) -> socket.socket:
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        _tune(sock)
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=AGENT_SERVER_NAME)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ``ConnectionError`` when the peer hangs up first."""
+    got, size = 0, len(view)
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise ConnectionError(f"peer closed the data connection after {got} of {size} bytes")
+        got += n
+
+
+class Ticket:
+    """The chunks one ``FetchChunks`` call may send on the data plane, referenced until sent.
+
+    Each stream index may be claimed once. A chunk being sent stays referenced until
+    :meth:`sent` (even when the ticket is closed meanwhile), so eviction never reuses a buffer
+    while a socket reads from it. :attr:`finished` is set once nothing more will be sent.
+    """
+
+    def __init__(self, cache: ChunkCache, chunks: Sequence[Chunk], streams: int) -> None:
+        self.secret = secrets.token_bytes(TICKET_BYTES)
+        self.cache = cache
+        self.streams = streams
+        self.num_chunks = len(chunks)
+        self._lock = threading.Lock()
+        self._held: dict[int, Chunk] = dict(enumerate(chunks))
+        self._sending: set[int] = set()
+        self._claimed: set[int] = set()
+        self._ended = 0  # claimed streams that hung up
+        self._closed = False
+        self.finished = threading.Event()
+        if not chunks:
+            self.finished.set()
+
+    def claim(self, stream: int) -> bool:
+        with self._lock:
+            if self._closed or not 0 <= stream < self.streams or stream in self._claimed:
+                return False
+            self._claimed.add(stream)
+            return True
+
+    def take(self, index: int) -> Chunk | None:
+        """The chunk to send next on a stream, marked in flight; None once the ticket closed."""
+        with self._lock:
+            chunk = None if self._closed else self._held.get(index)
+            if chunk is not None:
+                self._sending.add(index)
+            return chunk
+
+    def sent(self, index: int) -> None:
+        with self._lock:
+            self._sending.discard(index)
+            chunk = self._held.pop(index, None)
+            self._update()
+        if chunk is not None:
+            self.cache.release([chunk])
+
+    def stream_ended(self) -> None:
+        with self._lock:
+            self._ended += 1
+            if self._ended >= self.streams:
+                self._closed = True  # every stream hung up: nobody can ask for the rest
+            left = self._drop_idle()
+            self._update()
+        self.cache.release(left)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            left = self._drop_idle()
+            self._update()
+        self.cache.release(left)
+
+    def _drop_idle(self) -> list[Chunk]:
+        if not self._closed:
+            return []
+        idle = [i for i in self._held if i not in self._sending]
+        return [self._held.pop(i) for i in idle]
+
+    def _update(self) -> None:
+        if not self._held or (self._closed and not self._sending):
+            self.finished.set()
+
+
+class DataPlaneServer:
+    """The data port: accepts connections, admits those with a live ticket, sends their chunks.
+
+    One thread accepts; each admitted connection gets a thread (at most :data:`MAX_CONNECTIONS`).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        tls: TlsFiles | None,
+        on_sent: Callable[[int], None] | None = None,
+    ) -> None:
+        self.tls = tls
+        self.on_sent = on_sent
+        self._lock = threading.Lock()
+        self._tickets: dict[bytes, Ticket] = {}
+        self._connections = 0
+        self.refused = 0
+        """Connections closed without data: bad HELLO, unknown ticket, stream claimed, over the cap."""
+        self._sock = socket.create_server((host, port), backlog=128)
+        self.port: int = self._sock.getsockname()[1]
+        self._stopping = False
+        self._thread = threading.Thread(target=self._accept_loop, name="kvgrid-dataplane", daemon=True)
+
+    def start(self) -> DataPlaneServer:
+        self._thread.start()
+        return self
+
+    def issue(self, cache: ChunkCache, chunks: Sequence[Chunk], streams: int) -> Ticket:
+        ticket = Ticket(cache, chunks, streams)
+        with self._lock:
+            self._tickets[ticket.secret] = ticket
+        return ticket
+
+    def retire(self, ticket: Ticket) -> None:
+        """Forget ``ticket`` (its gRPC stream ended) and release what it still holds."""
+        with self._lock:
+            self._tickets.pop(ticket.secret, None)
+        ticket.close()
+
+    def stop(self) -> None:
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with self._lock:
+            tickets, self._tickets = list(self._tickets.values()), {}
+        for t in tickets:
+            t.close()
+
+    def _accept_loop(self) -> None:
+        while not self._stopping:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return  # stopped
+            with self._lock:
+                over = self._connections >= MAX_CONNECTIONS
+                if not over:
+                    self._connections += 1
+            if over:
+                self.refused += 1
+                log.warning("data plane: %s refused: %d connections open", peer, MAX_CONNECTIONS)
+                conn.close()
+                continue
+            threading.Thread(
+                target=self._serve, args=(conn, peer), name="kvgrid-dataplane-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket, peer: object) -> None:
+        ticket: Ticket | None = None
+        try:
+            conn.settimeout(HELLO_TIMEOUT_S)
+            _tune(conn)
+            if self.tls is not None:
+                conn = server_context(self.tls).wrap_socket(conn, server_side=True)
+            hello = bytearray(HELLO.size)
+            recv_exact_into(conn, memoryview(hello))
+            magic, secret, stream = HELLO.unpack(hello)
+            with self._lock:
+                ticket = self._tickets.get(secret) if magic == MAGIC else None
+            if ticket is None or not ticket.claim(stream):
+                ticket = None
+                self.refused += 1
+                log.warning("data plane: %s refused: no live ticket for stream %d", peer, stream)
+                return
+            conn.settimeout(None)  # the fetcher's deadline governs from here; close() unblocks
+            self._send(conn, ticket, stream)
+        except (OSError, ssl.SSLError, ConnectionError) as e:
+            log.info("data plane: connection from %s ended: %s", peer, e)
+        finally:
+            if ticket is not None:
+                ticket.stream_ended()
+            conn.close()
+            with self._lock:
+                self._connections -= 1
+
+    def _send(self, conn: socket.socket, ticket: Ticket, stream: int) -> None:
+        for index in stream_indices(stream, ticket.streams, ticket.num_chunks):
+            chunk = ticket.take(index)
+            if chunk is None:
+                return  # ticket closed (gRPC stream gone): the fetcher sees the hang-up
+            try:
+                data: np.ndarray = chunk.buffer.numpy()[: chunk.nbytes]
+                if not chunk.checksum:
+                    # Computed when first needed (as on the gRPC path), here pipelined per chunk.
+                    chunk.checksum = chunk_checksum(data)
+                assert len(chunk.checksum) == CHECKSUM_BYTES
+                conn.sendall(chunk.checksum)
+                conn.sendall(data.data)
+            finally:
+                ticket.sent(index)
+            if self.on_sent is not None:
+                self.on_sent(chunk.nbytes)
+
+
+class StreamFailure(Exception):
+    """A data-plane stream failed; ``reason`` is the peer-fetch failure label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Received:
+    """What the data plane delivered: verified chunk indices with their checksums, and the first
+    failure (None when every stream finished)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.checksums: dict[int, bytes] = {}
+        self.failure: StreamFailure | None = None
+
+    def leading(self) -> int:
+        """How many leading chunks arrived intact (the ones a Lookup may commit)."""
+        n = 0
+        while n in self.checksums:
+            n += 1
+        return n
+
+
+def fetch_streams(
+    host: str,
+    port: int,
+    ticket: bytes,
+    *,
+    streams: int,
+    num_chunks: int,
+    chunk_bytes: int,
+    targets: dict[int, np.ndarray],
+    deadline: float,
+    tls: ssl.SSLContext | None,
+    verify: Callable[[np.ndarray | bytearray, bytes], None],
+) -> Received:
+    """Receive ``num_chunks`` chunks over ``streams`` connections, each chunk straight into
+    ``targets[i]`` (a chunk without a target, already held here, is read and dropped), verified
+    with ``verify(bytes, checksum)`` (raises on mismatch) as soon as it is complete. Stops every
+    stream at the first failure or at ``deadline`` (``time.monotonic()``)."""
+    got = Received()
+    stop = threading.Event()
+    socks: list[socket.socket] = []
+
+    def fail(e: StreamFailure) -> None:
+        with got.lock:
+            if got.failure is None:
+                got.failure = e
+        stop.set()
+        with got.lock:
+            for s in socks:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)  # wakes streams blocked in recv
+
+    def run(stream: int) -> None:
+        try:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StreamFailure("deadline", "deadline passed before the data connection")
+            sock = connect(host, port, left, tls)
+        except StreamFailure as e:
+            fail(e)
+            return
+        except (OSError, ssl.SSLError) as e:
+            fail(StreamFailure("unavailable", f"data plane {host}:{port}: {e}"))
+            return
+        with got.lock:
+            socks.append(sock)
+        scratch: bytearray | None = None
+        checksum = bytearray(CHECKSUM_BYTES)
+        try:
+            sock.sendall(HELLO.pack(MAGIC, ticket, stream))
+            for index in stream_indices(stream, streams, num_chunks):
+                if stop.is_set():
+                    return
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                recv_exact_into(sock, memoryview(checksum))
+                dst = targets.get(index)
+                if dst is None:
+                    scratch = scratch if scratch is not None else bytearray(chunk_bytes)
+                    recv_exact_into(sock, memoryview(scratch))
+                else:
+                    recv_exact_into(sock, memoryview(dst).cast("B"))
+                try:
+                    verify(dst if dst is not None else scratch, bytes(checksum))  # type: ignore[arg-type]
+                except ValueError as e:
+                    raise StreamFailure("checksum", f"chunk {index} discarded: {e}") from None
+                with got.lock:
+                    got.checksums[index] = bytes(checksum)
+        except StreamFailure as e:
+            fail(e)
+        except TimeoutError:
+            fail(StreamFailure("deadline", f"data plane {host}:{port}: deadline passed mid-chunk"))
+        except (OSError, ssl.SSLError, ConnectionError) as e:
+            if not stop.is_set():
+                fail(StreamFailure("unavailable", f"data plane {host}:{port}, stream {stream}: {e}"))
+        finally:
+            sock.close()
+
+    threads = [
+        threading.Thread(target=run, args=(k,), name="kvgrid-dataplane-fetch", daemon=True)
+        for k in range(1, streams)
+    ]
+    for t in threads:
+        t.start()
+    run(0)
+    for t in threads:
+        t.join()
+    return got
+
+
+MAX_STREAMS = 16
+
+
+def ticket_streams(requested: int, num_chunks: int) -> int:
+    """Connections a ticket admits: what the fetcher asked for, at most one per chunk and
+    :data:`MAX_STREAMS` (both sides compute it, so it needs no field of its own)."""
+    return max(1, min(requested, num_chunks, MAX_STREAMS))
