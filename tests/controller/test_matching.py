@@ -10,8 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgrid.controller.index import ChunkIndex, IndexTier, MemoryIndex, batch_view_from_prefix_views
+from kvgrid.controller.index.memory import NATIVE
 from kvgrid.controller.index.redis import RedisIndex
-from kvgrid.controller.matching import BatchMatch, PodPrefix, match_batch, match_one, match_prefix
+from kvgrid.controller.matching import (
+    BatchMatch,
+    PodPrefix,
+    match_batch,
+    match_one,
+    match_prefix,
+    match_words,
+)
 from tests.controller.support import rand_keys, unique_prefix
 
 L1, GPU = IndexTier.L1, IndexTier.GPU
@@ -35,10 +43,11 @@ def _named(m: BatchMatch, holders: dict[int, str], b: int) -> tuple:
 @given(
     width=st.sampled_from([1, 4, 64]),
     holders=st.sampled_from([1, 3, 9, 70]),
+    native=st.sampled_from([False, True] if NATIVE else [False]),
     data=st.data(),
 )
-def test_batch_matches_reference_memory(width: int, holders: int, data: st.DataObject) -> None:
-    index = MemoryIndex(width=width)
+def test_batch_matches_reference_memory(width: int, holders: int, native: bool, data: st.DataObject) -> None:
+    index = MemoryIndex(width=width, native=native)
     for h in range(holders):
         for tier in (L1, GPU):
             keys = data.draw(st.lists(st.sampled_from(UNIVERSE), max_size=8), label=f"h{h} {tier.name}")
@@ -66,6 +75,12 @@ def test_batch_matches_reference_memory(width: int, holders: int, data: st.DataO
         assert index.lookup_one(words) == one
         mask = sum(1 << int(s) for s in np.flatnonzero(eligible[b]))
         assert _named(match_one(one.l1, one.gpu, mask, max_pods[b]), one.holders, 0) == want
+        # the compiled path (raw rows, C matcher) and its Python fallback
+        wv = index.lookup_words(q)
+        assert index.lookup_words(words) == wv
+        for c in (True, False):
+            got = match_words(wv.words, wv.nwords, mask, max_pods[b], native=c)
+            assert _named(got, wv.holders, 0) == want
         assert m.pods.tolist() == sorted(set(m.pods.tolist()))
 
 
@@ -107,6 +122,9 @@ def test_lookup_batch_every_backend(index: ChunkIndex) -> None:
         assert _named(match_one(one.l1, one.gpu, (1 << 64 * one.nwords) - 1), one.holders, 0) == _named(
             m, view.holders, b
         )
+        wv = index.lookup_words(q)
+        got = match_words(wv.words, wv.nwords, (1 << 64 * wv.nwords) - 1)
+        assert _named(got, wv.holders, 0) == _named(m, view.holders, b)
 
 
 def test_match_batch_rules() -> None:
