@@ -35,6 +35,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "hashing": ("kvgrid.common.hashing_bench", "chunk keys for a long prompt: µs and MB/s of token bytes"),
     "lookup": ("kvgrid.controller.bench", "MatchPrefix ops/s, p50/p99 over gRPC, ingest rate, bytes/entry"),
+    "p2p": (
+        "kvgrid.agent.p2p_bench",
+        "peer chunk fetch GB/s between agent processes (data plane) vs a raw socket copy of the same bytes",
+    ),
     "routing": (
         "kvgrid.controller.routing_bench",
         "replay a production trace: Score vs round-robin, least-loaded, prefix routing (hits, TTFT, spread)",

@@ -1,0 +1,291 @@
+"""``kvgrid bench p2p``: GB/s of peer chunk fetches between real agent processes against a raw
+socket copy of the same bytes between two processes, measured in the same run.
+
+The bench process plays the engines: it allocates a KV cache (Llama-shaped: ``--layers`` layers of 8
+KV heads x 128, 16-token blocks, bf16, 256-token chunks, so a chunk is ``--layers`` MiB) in shared
+memory (``--device cpu``) or on the GPU (``--device cuda``, CUDA IPC, pinned L1), starts
+``--peers`` serving agents and one fetching agent (``kvgrid agent``, loopback TCP, no controller),
+and registers the cache with each. Every round stores ``--chunks`` fresh chunks on each serving
+agent, then times concurrent ``Lookup`` calls on the fetching agent, one per serving agent, each
+naming its peer (``peer_address``): the agent's own peer-fetch path (FetchChunks control call, then
+the data plane chosen by ``--data-plane``, checksum verification, commit into L1). A round counts
+only if every chunk arrived.
+
+The limit, timed in the same rounds (alternating with the fetches): a helper process sends the same
+number of bytes from one buffer over as many TCP connections as the fetch uses (``--peers`` x
+``--streams`` on the socket plane, ``--peers`` on gRPC), and this process receives them with
+``recv_into`` into one preallocated buffer. Ratio = fetch GB/s / raw GB/s (median of ``--iters``
+rounds each); goal >= 0.9. ``--tls-dir`` runs the agents with mutual TLS (a directory holding
+``tls.crt``, ``tls.key`` and ``ca.crt`` of an agent certificate), the raw copy stays plaintext, so
+the ratio then includes TLS's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import numpy as np
+
+from kvgrid.common.config import add_config_arguments, config_from_args
+
+__all__ = ["P2PBenchConfig", "add_arguments", "run"]
+
+ENV_PREFIX = "KVGRID_BENCH_P2P_"
+
+
+def _d(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class P2PBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """``kvgrid bench p2p``'s options: defaults < ``--config`` YAML < ``KVGRID_BENCH_P2P_*`` env < flags."""
+
+    device: Annotated[
+        Literal["cpu", "cuda"],
+        _d("where the engines' KV cache lives: cpu (shared memory) or cuda (CUDA IPC; pinned L1)"),
+    ] = "cpu"
+    layers: Annotated[int, _d("KV layers; a chunk is this many MiB"), msgspec.Meta(ge=1)] = 32
+    chunks: Annotated[int, _d("chunks each fetch moves from one peer"), msgspec.Meta(ge=1)] = 16
+    peers: Annotated[int, _d("serving agents, fetched from at the same time"), msgspec.Meta(ge=1)] = 1
+    streams: Annotated[
+        int, _d("data-plane TCP connections per fetch (peer_data_streams)"), msgspec.Meta(ge=1, le=16)
+    ] = 4
+    data_plane: Annotated[Literal["socket", "grpc"], _d("peer_data_plane of every agent")] = "socket"
+    tls_dir: Annotated[
+        str, _d("directory with tls.crt, tls.key, ca.crt of an agent certificate: run the agents with mTLS")
+    ] = ""
+    iters: Annotated[int, _d("timed rounds per figure (median)"), msgspec.Meta(ge=1)] = 5
+    json: Annotated[bool, _d("print one JSON object instead of a table")] = False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, P2PBenchConfig, env_prefix=ENV_PREFIX)
+
+
+# ---- the raw socket copy ----------------------------------------------------------------------
+
+
+def _raw_sender(port_out: multiprocessing.Queue, nbytes: int, connections: int, rounds: int) -> None:
+    """Helper process: per round, accept ``connections`` connections and send each its share of
+    ``nbytes`` from one buffer (a view: no copy in Python)."""
+    buf = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    share = nbytes // connections
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port_out.put(srv.getsockname()[1])
+        for _ in range(rounds):
+            conns = [srv.accept()[0] for _ in range(connections)]
+
+            def send(k: int, conn: socket.socket) -> None:
+                with conn:
+                    conn.recv(1)  # go
+                    conn.sendall(buf.data[k * share : (k + 1) * share])
+
+            threads = [threading.Thread(target=send, args=(k, c)) for k, c in enumerate(conns)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+
+def _raw_round(port: int, dst: np.ndarray, connections: int) -> float:
+    """Seconds to receive ``dst.nbytes`` over ``connections`` connections into ``dst``."""
+    share = dst.nbytes // connections
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(connections)]
+
+    def recv(k: int, sock: socket.socket) -> None:
+        view = memoryview(dst).cast("B")[k * share : (k + 1) * share]
+        with sock:
+            sock.sendall(b"g")
+            got = 0
+            while got < share:
+                n = sock.recv_into(view[got:], share - got)
+                if n == 0:
+                    raise ConnectionError("raw sender hung up")
+                got += n
+
+    threads = [threading.Thread(target=recv, args=(k, s)) for k, s in enumerate(socks)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+# ---- the agents -------------------------------------------------------------------------------
+
+
+def _start_agent(
+    name: str, tmp: Path, cfg: P2PBenchConfig, l1_bytes: int, env: dict[str, str]
+) -> tuple[subprocess.Popen[str], str, int]:
+    uds = tmp / f"agent-{name}.sock"
+    cmd = [
+        sys.executable, "-m", "kvgrid.cli", "agent", "--uds-path", str(uds), "--tcp-host", "127.0.0.1",
+        "--tcp-port", "0", "--l1-size", str(l1_bytes), "--shm-allowed-dirs", str(tmp),
+        "--peer-fetch", "off", "--peer-fetch-max-chunks", str(cfg.chunks),
+        "--peer-fetch-timeout-ms", "600000",
+        "--peer-data-plane", cfg.data_plane, "--peer-data-streams", str(cfg.streams),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    if cfg.tls_dir:
+        d = Path(cfg.tls_dir)
+        cmd += ["--tls-cert-file", str(d / "tls.crt"), "--tls-key-file", str(d / "tls.key")]
+        cmd += ["--tls-ca-file", str(d / "ca.crt")]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, env={**env, "POD_UID": f"bench-{name}", "POD_IP": "127.0.0.1"}
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("{"):
+        raise RuntimeError(f"agent {name} did not start")
+    info = json.loads(line)
+    return proc, str(uds), int(info["tcp_port"])
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvgrid.agent.client import AgentClient
+    from kvgrid.agent.tensors import allocate_shared_tensor
+    from kvgrid.common.hashing import KeyNamespace, chunk_keys
+
+    cfg = config_from_args(P2PBenchConfig, args, env_prefix=ENV_PREFIX)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        print("kvgrid bench p2p: --device cuda but no CUDA device is visible", file=sys.stderr)
+        return 2
+    tokens_per_chunk, block = 256, 16
+    bpc = tokens_per_chunk // block
+    shape = (bpc * cfg.chunks, 2, block, 8, 128)
+    tmp = Path(tempfile.mkdtemp(prefix="kvgrid-p2p-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    tensors: list[torch.Tensor] = []
+    paths: list[str] | None = [] if cfg.device == "cpu" else None
+    for layer in range(cfg.layers):
+        if paths is not None:
+            path = tmp / f"layer{layer}.kv"
+            t = allocate_shared_tensor(path, shape, torch.bfloat16)
+            paths.append(str(path))
+            t.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, shape, dtype=torch.int16))
+        else:
+            t = torch.randn(shape, device="cuda").to(torch.bfloat16)
+        tensors.append(t)
+    chunk_bytes = cfg.layers * tokens_per_chunk * 2 * 8 * 128 * 2
+    per_peer = chunk_bytes * cfg.chunks
+    total = per_peer * cfg.peers
+    connections = cfg.peers * (cfg.streams if cfg.data_plane == "socket" else 1)
+    hints = {"backend": "FLASHINFER"}
+    ns = KeyNamespace(model="bench-p2p", tokens_per_chunk=tokens_per_chunk)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
+    env["OTEL_SDK_DISABLED"] = "true"
+
+    rounds = cfg.iters + 1  # the first of each is a warm-up
+    ctx = multiprocessing.get_context("spawn")
+    port_q: multiprocessing.Queue = ctx.Queue()
+    sender = ctx.Process(target=_raw_sender, args=(port_q, total, connections, rounds), daemon=True)
+    sender.start()
+    raw_port = int(port_q.get(timeout=60))
+    raw_dst = np.empty(total, dtype=np.uint8)
+
+    procs: list[subprocess.Popen[str]] = []
+    clients: list[AgentClient] = []
+    fetch_s: list[float] = []
+    raw_s: list[float] = []
+    try:
+        addresses = []
+        for p in range(cfg.peers):
+            proc, uds, port = _start_agent(f"peer{p}", tmp, cfg, per_peer + (64 << 20), env)
+            procs.append(proc)
+            clients.append(AgentClient(uds, timeout_s=600))
+            addresses.append(f"127.0.0.1:{port}")
+        # The fetcher holds two rounds' worth; older rounds are evicted (LRU).
+        proc, uds, _ = _start_agent("fetcher", tmp, cfg, 2 * total + (64 << 20), env)
+        procs.append(proc)
+        fetcher = AgentClient(uds, timeout_s=600)
+        clients.append(fetcher)
+        for c in clients:
+            c.wait_ready()
+            c.register_kv_caches(
+                "bench", tensors, namespace=ns, shm_paths=paths, layout_hints=[hints] * len(tensors)
+            )
+        ids = [list(range(bpc * cfg.chunks))]
+        for r in range(rounds):
+            keys = []
+            for p in range(cfg.peers):
+                tokens = [(r * 7919 + p * 104_729 + j) % 32_000 for j in range(cfg.chunks * tokens_per_chunk)]
+                keys.append(chunk_keys(tokens, ns))
+                if clients[p].store("bench", keys[p], ids).num_stored_chunks != cfg.chunks:
+                    print(f"kvgrid bench p2p: store on peer {p} fell short", file=sys.stderr)
+                    return 1
+            got = [0] * cfg.peers
+
+            def fetch(p: int, keys: list[list[bytes]] = keys, got: list[int] = got) -> None:
+                got[p] = fetcher.lookup("bench", "", keys[p], peer_address=addresses[p]).num_peer_chunks
+
+            threads = [threading.Thread(target=fetch, args=(p,)) for p in range(cfg.peers)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            dt = time.perf_counter() - t0
+            if got != [cfg.chunks] * cfg.peers:
+                print(f"kvgrid bench p2p: fetch fell short: {got} of {cfg.chunks} per peer", file=sys.stderr)
+                return 1
+            raw = _raw_round(raw_port, raw_dst, connections)
+            if r:
+                fetch_s.append(dt)
+                raw_s.append(raw)
+    finally:
+        for c in clients:
+            c.close()
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(30)
+        sender.join(10)
+        if sender.is_alive():
+            sender.terminate()
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+
+    fetch_gbps = total / statistics.median(fetch_s) / 1e9
+    raw_gbps = total / statistics.median(raw_s) / 1e9
+    result = {
+        "device": cfg.device,
+        "data_plane": cfg.data_plane,
+        "tls": bool(cfg.tls_dir),
+        "peers": cfg.peers,
+        "streams": cfg.streams if cfg.data_plane == "socket" else 1,
+        "chunks": cfg.chunks,
+        "chunk_bytes": chunk_bytes,
+        "fetch_gbps": round(fetch_gbps, 3),
+        "raw_socket_gbps": round(raw_gbps, 3),
+        "ratio": round(fetch_gbps / raw_gbps, 3),
+        "fetch_ms": round(statistics.median(fetch_s) * 1e3, 2),
+    }
+    if cfg.json:
+        print(json.dumps(result))
+        return 0
+    plane = f"{cfg.data_plane}{' (mTLS)' if cfg.tls_dir else ''}"
+    print(
+        f"peer fetch on loopback: {cfg.peers} peer(s) x {cfg.chunks} chunks x {chunk_bytes / 2**20:.0f} MiB, "
+        f"data plane {plane}, {result['streams']} stream(s) per peer"
+    )
+    print(f"  Lookup fetching from the peer(s):        {fetch_gbps:.2f} GB/s ({result['fetch_ms']} ms)")
+    print(
+        f"  raw socket copy, {connections} connection(s) (limit): {raw_gbps:.2f} GB/s   "
+        f"ratio {result['ratio']:.3f}"
+    )
+    return 0
