@@ -9,15 +9,20 @@ resync restores; a slot resharded while serving loses nothing.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis.crc import key_slot
 
 from kvgrid.controller.index import ChunkIndex
-from kvgrid.controller.index.redis_cluster import RedisClusterIndex
+from kvgrid.controller.index.redis_cluster import RedisClusterIndex, bucket_of
+from kvgrid.controller.registry.redis import registry_keys
 from tests.controller import test_index as conformance
-from tests.controller.support import unique_prefix
+from tests.controller import test_replicas as replica_suite
+from tests.controller.support import FakeAgent, rand_keys, unique_prefix, wait_until
+from tests.controller.test_replicas import Replicas, _agents, _match
 from tests.controller.valkey_cluster import ValkeyCluster
 
 
@@ -47,3 +52,130 @@ test_wrong_key_length_changes_nothing = conformance.test_wrong_key_length_change
 test_many_holders = conformance.test_many_holders
 test_match_tiers_and_peers = conformance.test_match_tiers_and_peers
 test_random_ops_match_reference_model = conformance.test_random_ops_match_reference_model
+
+
+# --- three controller replicas on the cluster ---------------------------------------------------
+@pytest.fixture
+def replicas(cluster: ValkeyCluster) -> Iterator[Replicas]:
+    r = Replicas(cluster.url, unique_prefix(), redis_cluster=True, backend_check_interval_ms=200)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def agents(replicas: Replicas) -> Iterator[list[FakeAgent]]:
+    """pod-0 on replica 0, pod-1 on replica 1, pod-2 on replica 2."""
+    out = [FakeAgent(s.address, f"pod-{i}", epoch=10 + i) for i, s in enumerate(replicas.servers)]
+    yield out
+    for a in out:
+        a.close()
+
+
+# The three-replica suite (tests/controller/test_replicas.py), every replica on the cluster.
+test_every_replica_gives_the_same_answers = replica_suite.test_every_replica_gives_the_same_answers
+test_a_lapsed_lease_drops_the_agent_everywhere = replica_suite.test_a_lapsed_lease_drops_the_agent_everywhere
+
+
+def _keys_on(cluster: ValkeyCluster, port: int, pattern: bytes) -> list[bytes]:
+    return list(cluster.client(port).scan_iter(match=pattern, count=1000))
+
+
+def _all_matched(replicas: Replicas, agents: list[FakeAgent]) -> bool:
+    """Every replica answers every key of every agent with that agent (key by key: a lost chunk
+    hash in the middle of a prefix would otherwise hide behind the first one)."""
+    for a in agents:
+        for k in a.truth():
+            for stub in replicas.stubs:
+                if a.pod.pod_uid not in {uid for uid, _ in _match(stub, [k])}:
+                    return False
+    return True
+
+
+def test_chunk_keys_spread_over_every_shard_and_the_registry_sits_in_one_slot(
+    cluster: ValkeyCluster, replicas: Replicas, agents: list[FakeAgent]
+) -> None:
+    for a in agents:
+        a.admit(rand_keys(40))
+    wait_until(lambda: _all_matched(replicas, agents), what="every key matched on every replica")
+    p = replicas.prefix.encode()
+    per_shard = {port: len(_keys_on(cluster, port, p + b"c:*")) for port in cluster.ports}
+    assert all(n > 0 for n in per_shard.values()), per_shard
+    assert sum(per_shard.values()) == 120  # one hash per distinct chunk, each on one shard
+    reg = registry_keys(replicas.prefix).encode()
+    where = {port: _keys_on(cluster, port, reg + b"*") for port in cluster.ports}
+    holders = [port for port, keys in where.items() if keys]
+    assert len(holders) == 1, where  # every record on one shard ...
+    names = where[holders[0]]
+    assert {n[len(reg) :] for n in names} >= {b"epoch", b"pod", b"lease", b"ver", b"gen"}
+    assert len({key_slot(n) for n in names}) == 1  # ... in one slot
+
+
+@pytest.mark.parametrize("which", ["registry shard", "another shard"])
+def test_a_primary_restarted_empty_is_restored_by_the_agents_resync(
+    cluster: ValkeyCluster, replicas: Replicas, agents: list[FakeAgent], which: str
+) -> None:
+    for a in agents:
+        a.admit(rand_keys(30))
+    wait_until(lambda: _all_matched(replicas, agents), what="every key matched on every replica")
+    reg_port = cluster.slot_owner(key_slot(registry_keys(replicas.prefix).encode() + b"ver"))
+    port = reg_port if which == "registry shard" else next(p for p in cluster.ports if p != reg_port)
+    pattern = replicas.prefix.encode() + b"c:*"
+    lost = len(_keys_on(cluster, port, pattern))
+    assert lost > 0
+    cluster.restart_empty(port)
+    assert _keys_on(cluster, port, pattern) == []  # the shard's chunk hashes are gone ...
+    took = wait_until(lambda: _all_matched(replicas, agents), timeout=15, what="the index restored")
+    assert len(_keys_on(cluster, port, pattern)) == lost  # ... and written again by the resyncs
+    wait_until(
+        lambda: all(s.controller.backend_losses >= 1 for s in replicas.servers),
+        timeout=5,
+        what="every replica counted the loss",
+    )
+    rows = [_agents(s) for s in replicas.stubs]
+    assert rows[0] == rows[1] == rows[2] and len(rows[0]) == 3
+    assert took < 10
+
+
+def test_resharding_while_serving_loses_nothing(
+    cluster: ValkeyCluster, replicas: Replicas, agents: list[FakeAgent]
+) -> None:
+    first = [rand_keys(20) for _ in agents]
+    for a, keys in zip(agents, first, strict=True):
+        a.admit(keys)
+    wait_until(lambda: _all_matched(replicas, agents), what="every key matched on every replica")
+    p = replicas.prefix.encode()
+    # The cluster slots of ten chunk buckets that hold keys, moved to the next primary while the
+    # agents keep admitting and the replicas keep answering.
+    buckets = sorted({bucket_of(k) for keys in first for k in keys})[:10]
+    slots = {key_slot(p + b"c:{%d}" % b) for b in buckets}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def traffic() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                agents[i % 3].admit(rand_keys(3))
+                for stub in replicas.stubs:
+                    _match(stub, first[i % 3][:5])
+            except BaseException as e:
+                errors.append(e)
+                return
+            i += 1
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    moved = 0
+    try:
+        for slot in slots:
+            src = cluster.slot_owner(slot)
+            dst = cluster.ports[(cluster.ports.index(src) + 1) % len(cluster.ports)]
+            moved += cluster.move_slot(slot, dst)
+            assert cluster.slot_owner(slot) == dst
+    finally:
+        stop.set()
+        t.join(10)
+    assert not errors, errors
+    assert moved >= len(buckets)  # at least the chunk hashes of those buckets moved
+    wait_until(lambda: _all_matched(replicas, agents), timeout=10, what="every key matched after the reshard")
+    assert [s.controller.backend_losses for s in replicas.servers] == [0, 0, 0]  # no loss, no resync

@@ -1,19 +1,20 @@
 """Valkey/Redis Cluster backend of :class:`~kvgrid.controller.index.ChunkIndex` (``redis_cluster``):
 the chunk keys hashed across the cluster's shards, controller replicas sharing it.
 
-Layout (every name starts with the configured prefix ``P``; ``{..}`` is the cluster hash tag)::
+Layout (every name starts with the configured prefix ``P``; ``{..}`` is the cluster hash tag;
+``R`` = :func:`~kvgrid.controller.redis_common.registry_keys`, the agent registry's slot)::
 
-    P c:{b}<key16>        HASH hid -> tier bits (1 = L1, 2 = GPU)    b = bucket_of(key), 0..1023
-    P n:{b}               counter: chunk hashes of bucket b (lost with them: stays exact)
-    P s:<key16>           HASH hid -> expiry (unix ms), PEXPIRE'd    speculative, spread over shards
-    P h:{hid}:<tier>      SET of key16: a holder's keys per tier     P sp:{hid}  its speculative keys
-    P{P i}:slots  HASH holder -> slot    P{P i}:owner  HASH slot -> holder    P{P i}:slotmap  bitmap
-    P{P i}:gen    STRING: the generation token of the slot-table shard
+    P c:{b}<key16>     HASH hid -> tier bits (1 = L1, 2 = GPU)    b = bucket_of(key), 0..1023
+    P n:{b}            counter: chunk hashes of bucket b (lost with them: stays exact)
+    P s:<key16>        HASH hid -> expiry (unix ms), PEXPIRE'd    speculative, spread over shards
+    P h:{hid}:<tier>   SET of key16: a holder's keys per tier     P sp:{hid}  its speculative keys
+    R islots  HASH holder -> "<slot>:<hid>"    R iowner  HASH slot -> hid + holder    R imap  bitmap
+    R igen    STRING: the generation token of the holder table's shard
 
-``hid`` is 12 hex digits of BLAKE2b over the holder text (``<pod_uid>/<epoch>``, never reused), so
-a chunk hash names its holders without the slot table: losing the shard that holds the table
-(slots are reassigned afterwards) cannot attribute one holder's chunks to another. The lookup maps
-``hid -> slot`` from the owner table it reads in the same round trip.
+A holder's *hid* (16 hex digits) is drawn at random when it gets its slot, so a chunk hash names its
+holders without the slot table and a holder dropped and added again (or a table lost and rebuilt)
+never inherits the old incarnation's fields: a lookup keeps only the hids the owner table, read in
+the same round trip, maps to a slot; fields of dropped hids are ignored (and wiped by the drop).
 
 Invariants:
 
@@ -23,9 +24,11 @@ Invariants:
   part of a batch (as it may see the batch before or after).
 - The writes of one holder come from one replica at a time (the one serving its stream; a
   per-holder lock serialises this replica's threads), so the holder's key sets and the tier bits
-  it owns in chunk hashes change in step.
+  it owns in chunk hashes change in step. A drop takes the holder out of the table first, in one
+  script that also checks the registry (same slot): a replica whose stale view drops a holder the
+  registry holds again (re-registered after the registry's shard lost its data) changes nothing.
 - Loss: a primary that restarts empty, a failover (asynchronous replication may lose the last
-  writes) or a flush of the slot-table shard changes :meth:`RedisClusterIndex.data_generation`
+  writes) or a flush of the holder table's shard changes :meth:`RedisClusterIndex.data_generation`
   (primaries' node ids and run ids + the table shard's token); the controller then resyncs every
   agent. A resync's :meth:`replace` rewrites the bits of every key it is given (not only the diff
   against the holder's set, which may have survived while chunk hashes were lost). Resharding
@@ -48,25 +51,14 @@ from redis.cluster import RedisCluster
 
 from kvgrid.common.errors import Unavailable
 from kvgrid.controller.index.base import ChunkIndex, IndexTier, PrefixView, check_keys
+from kvgrid.controller.redis_common import epoch19, registry_keys, unavailable_errors
 
-__all__ = ["CHUNK_BUCKETS", "RedisClusterIndex", "bucket_of", "cluster_unavailable_errors", "holder_hid"]
+__all__ = ["CHUNK_BUCKETS", "RedisClusterIndex", "bucket_of"]
 
 CHUNK_BUCKETS = 1024
 """Chunk hashes carry one of this many hash tags (from the key's first two bytes): enough to
 spread them over ~100 shards, few enough that a batch shares cluster slots and that the
 per-bucket chunk counters are one short pipeline to read."""
-
-cluster_unavailable_errors: tuple[type[Exception], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    redis.exceptions.BusyLoadingError,
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.ClusterError,
-    redis.exceptions.SlotNotCoveredError,
-    redis.exceptions.TryAgainError,
-    redis.exceptions.MasterDownError,
-)
-"""What redis-py raises while (part of) a cluster cannot serve: callers get UNAVAILABLE."""
 
 # KEYS: the slot's chunk counter, then chunk hashes of that cluster slot. ARGV: hid, op, bitv.
 # op 'set' ORs bitv into hid's field, 'clear' clears it (deleting the field, and the hash when empty).
@@ -128,33 +120,34 @@ for i = 1, #ARGV do redis.call('SADD', KEYS[1], ARGV[i]) end
 return gone
 """
 
-# KEYS: slots hash, owner hash, slotmap. ARGV: holder -> its slot (allocating the lowest free one).
-_SLOT_OF = """
-local s = redis.call('HGET', KEYS[1], ARGV[1])
-if s then return s end
+# KEYS: R islots, R iowner, R imap. ARGV: holder, a fresh hid, create (1|0) -> "<slot>:<hid>" or nil.
+_HID_OF = """
+local e = redis.call('HGET', KEYS[1], ARGV[1])
+if e or ARGV[3] == '0' then return e end
 local n = redis.call('BITPOS', KEYS[3], 0)
 redis.call('SETBIT', KEYS[3], n, 1)
-s = tostring(n)
-redis.call('HSET', KEYS[1], ARGV[1], s)
-redis.call('HSET', KEYS[2], s, ARGV[1])
-return s
+e = tostring(n) .. ':' .. ARGV[2]
+redis.call('HSET', KEYS[1], ARGV[1], e)
+redis.call('HSET', KEYS[2], tostring(n), ARGV[2] .. ARGV[1])
+return e
 """
 
-# KEYS: slots, owner, slotmap. ARGV: holder: free its slot.
-_FREE_SLOT = """
-local s = redis.call('HGET', KEYS[1], ARGV[1])
-if not s then return 0 end
+# KEYS: R islots, R iowner, R imap, R epoch. ARGV: holder, pod uid, epoch19 ('' unknown)
+# -> {'alive'} when the registry holds that incarnation again (nothing dropped), else {'gone', hid}.
+_DROP_ENTRY = """
+if ARGV[3] ~= '' and redis.call('HGET', KEYS[4], ARGV[2]) == ARGV[3] then return {'alive'} end
+local e = redis.call('HGET', KEYS[1], ARGV[1])
+if not e then return {'gone', ''} end
+local slot, hid = string.match(e, '^(%d+):(.*)$')
 redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], s)
-redis.call('SETBIT', KEYS[3], tonumber(s), 0)
-return 1
+redis.call('HDEL', KEYS[2], slot)
+redis.call('SETBIT', KEYS[3], tonumber(slot), 0)
+return {'gone', hid}
 """
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def holder_hid(holder: str) -> str:
-    """The holder's field name in chunk hashes: 12 hex digits of BLAKE2b (see the module docstring)."""
-    return hashlib.blake2b(holder.encode(), digest_size=6).hexdigest()
+HID_LEN = 16
+"""A hid is 16 hex digits, random per slot assignment (see the module docstring)."""
 
 
 def bucket_of(key: bytes) -> int:
@@ -172,7 +165,7 @@ def _reachable(fn: _F) -> _F:
     def wrapper(self: RedisClusterIndex, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)
-        except cluster_unavailable_errors as e:
+        except unavailable_errors as e:
             raise Unavailable(
                 f"index backend unavailable: Valkey/Redis Cluster at {self.url} cannot serve ({e}); "
                 "retry later"
@@ -200,15 +193,16 @@ class RedisClusterIndex(ChunkIndex):
             client = RedisCluster.from_url(url, socket_connect_timeout=2.0)
         self._r = cast(Any, client)
         self._pb = prefix.encode()
-        table = self._pb + b"{" + self._pb + b"i}:"
-        self._table = [table + b"slots", table + b"owner", table + b"slotmap"]
-        self._gen_key = table + b"gen"
+        r = registry_keys(prefix).encode()  # the holder table shares the registry's slot
+        self._table = [r + b"islots", r + b"iowner", r + b"imap"]
+        self._epochs = r + b"epoch"
+        self._gen_key = r + b"igen"
         self._bits = self._r.register_script(_BITS)
         self._sadd_new = self._r.register_script(_SADD_NEW)
         self._srem_old = self._r.register_script(_SREM_OLD)
         self._replace_set = self._r.register_script(_REPLACE_SET)
-        self._slot_of = self._r.register_script(_SLOT_OF)
-        self._free_slot = self._r.register_script(_FREE_SLOT)
+        self._hid_of = self._r.register_script(_HID_OF)
+        self._drop_entry = self._r.register_script(_DROP_ENTRY)
         self._holder_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
         self._locks_lock = threading.Lock()
         self._loaded: set[str] = set()
@@ -236,8 +230,10 @@ class RedisClusterIndex(ChunkIndex):
             return self._holder_locks[holder]
 
     # --- writes ---------------------------------------------------------------------------------
-    def _ensure_slot(self, holder: str) -> None:
-        self._slot_of(keys=self._table, args=[holder])
+    def _hid(self, holder: str, *, create: bool) -> str | None:
+        """The holder's current hid (a new slot and hid when ``create`` and it has none)."""
+        e = self._hid_of(keys=self._table, args=[holder, secrets.token_hex(8), int(create)])
+        return None if e is None else bytes(e).decode().partition(":")[2]
 
     def _write_bits(self, hid: str, ops: Sequence[tuple[str, int, Iterable[bytes]]]) -> None:
         """Apply ``(op, bitv, keys)`` to the chunk hashes: one EVALSHA per (op, cluster slot),
@@ -273,9 +269,9 @@ class RedisClusterIndex(ChunkIndex):
         check_keys(keys)
         if not keys:
             return
-        hid = holder_hid(holder)
         with self._lock(holder):
-            self._ensure_slot(holder)
+            hid = self._hid(holder, create=True)
+            assert hid is not None
             new = self._sadd_new(keys=[self._set(hid, tier)], args=list(keys))
             self._write_bits(hid, [("set", 1 << int(tier), new)])
 
@@ -284,8 +280,10 @@ class RedisClusterIndex(ChunkIndex):
         check_keys(keys)
         if not keys:
             return
-        hid = holder_hid(holder)
         with self._lock(holder):
+            hid = self._hid(holder, create=False)
+            if hid is None:
+                return
             old = self._srem_old(keys=[self._set(hid, tier)], args=list(keys))
             self._write_bits(hid, [("clear", 1 << int(tier), old)])
 
@@ -293,10 +291,10 @@ class RedisClusterIndex(ChunkIndex):
     def replace(self, holder: str, tier: IndexTier, keys: Iterable[bytes]) -> None:
         new = list(set(keys))
         check_keys(new)
-        hid = holder_hid(holder)
         bitv = 1 << int(tier)
         with self._lock(holder):
-            self._ensure_slot(holder)
+            hid = self._hid(holder, create=True)
+            assert hid is not None
             gone = self._replace_set(keys=[self._set(hid, tier)], args=new)
             # Every key's bits, not only the diff: after a shard's loss the holder's set may have
             # survived while chunk hashes of it did not (setting a set bit changes nothing).
@@ -304,8 +302,18 @@ class RedisClusterIndex(ChunkIndex):
 
     @_reachable
     def drop_holder(self, holder: str) -> int:
-        hid = holder_hid(holder)
+        uid, _, epoch = holder.rpartition("/")
         with self._lock(holder):
+            # First and atomically: out of the table, unless the registry holds this incarnation
+            # again (a replica's stale view must not wipe a re-registered holder's resync). The
+            # wipe below touches only the old hid: a new registration writes under a new one.
+            status, *rest = self._drop_entry(
+                keys=[*self._table, self._epochs],
+                args=[holder, uid, epoch19(int(epoch)) if uid and epoch.isdigit() else ""],
+            )
+            hid = bytes(rest[0]).decode() if rest else ""
+            if bytes(status) == b"alive" or not hid:
+                return 0
             pipe = self._r.pipeline(transaction=False)
             for tier in IndexTier:
                 pipe.smembers(self._set(hid, tier))
@@ -319,7 +327,6 @@ class RedisClusterIndex(ChunkIndex):
                 pipe.delete(self._set(hid, tier))
             pipe.delete(self._spec_set(hid))
             pipe.execute()
-            self._free_slot(keys=self._table, args=[holder])
         with self._locks_lock:
             self._holder_locks.pop(holder, None)
         return sum(len(t) for t in tiers)
@@ -329,9 +336,9 @@ class RedisClusterIndex(ChunkIndex):
         check_keys(keys)
         if not keys:
             return
-        hid = holder_hid(holder)
         expiry, ttl = int(time.time() * 1000) + ttl_ms, max(1, ttl_ms)
-        self._ensure_slot(holder)
+        hid = self._hid(holder, create=True)
+        assert hid is not None
         pipe = self._r.pipeline(transaction=False)
         for k in keys:
             s = self._spec(k)
@@ -354,9 +361,8 @@ class RedisClusterIndex(ChunkIndex):
         owners: dict[bytes, bytes] = out[-1]
         slot_of: dict[bytes, int] = {}
         slots: dict[int, str] = {}
-        for slot_b, holder_b in owners.items():
-            holder = holder_b.decode()
-            slot_of[holder_hid(holder).encode()] = int(slot_b)
+        for slot_b, entry in owners.items():
+            slot_of[entry[:HID_LEN]] = int(slot_b)
         now_ms = time.time() * 1000
         l1: list[int] = []
         gpu: list[int] = []
@@ -381,15 +387,16 @@ class RedisClusterIndex(ChunkIndex):
             l1.append(a)
             gpu.append(g)
             union |= a | g
-        for slot_b, holder_b in owners.items():
+        for slot_b, entry in owners.items():
             slot = int(slot_b)
             if union >> slot & 1:
-                slots[slot] = holder_b.decode()
+                slots[slot] = entry[HID_LEN:].decode()
         return PrefixView(l1=l1, gpu=gpu, slots=slots)
 
     @_reachable
     def holder_keys(self, holder: str, tier: IndexTier) -> set[bytes]:
-        return set(self._r.smembers(self._set(holder_hid(holder), tier)))
+        hid = self._hid(holder, create=False)
+        return set() if hid is None else set(self._r.smembers(self._set(hid, tier)))
 
     @_reachable
     def holder_entries(self, holder: str) -> int:
@@ -397,7 +404,8 @@ class RedisClusterIndex(ChunkIndex):
 
     @_reachable
     def holder_tier_entries(self, holder: str, tier: IndexTier) -> int:
-        return int(self._r.scard(self._set(holder_hid(holder), tier)))
+        hid = self._hid(holder, create=False)
+        return 0 if hid is None else int(self._r.scard(self._set(hid, tier)))
 
     @_reachable
     def data_generation(self) -> str:
@@ -423,12 +431,12 @@ class RedisClusterIndex(ChunkIndex):
 
     @_reachable
     def num_entries(self) -> int:
-        holders = self.holders()
+        hids = [bytes(e).decode().partition(":")[2] for e in self._r.hvals(self._table[0])]
         pipe = self._r.pipeline(transaction=False)
-        for h in holders:
+        for hid in hids:
             for tier in IndexTier:
-                pipe.scard(self._set(holder_hid(h), tier))
-        return int(sum(pipe.execute())) if holders else 0
+                pipe.scard(self._set(hid, tier))
+        return int(sum(pipe.execute())) if hids else 0
 
     @_reachable
     def num_chunks(self) -> int:

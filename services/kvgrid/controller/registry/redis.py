@@ -51,7 +51,7 @@ from redis.cluster import RedisCluster
 
 from kvgrid.common.errors import PermissionDenied, Unavailable
 from kvgrid.common.identity import PodIdentity
-from kvgrid.controller.index.redis_cluster import cluster_unavailable_errors
+from kvgrid.controller.redis_common import epoch19, registry_keys, unavailable_errors
 from kvgrid.controller.registry.base import (
     AgentLoad,
     AgentRecord,
@@ -64,11 +64,6 @@ from kvgrid.controller.registry.base import (
 )
 
 __all__ = ["RedisRegistry", "registry_keys"]
-
-
-def registry_keys(prefix: str) -> str:
-    """The start of every registry record's name: ``<prefix>{<prefix>a}:`` (see the layout)."""
-    return f"{prefix}{{{prefix}a}}:"
 
 
 _NOW = """
@@ -227,16 +222,12 @@ def _reachable(fn: _F) -> _F:
     def wrapper(self: RedisRegistry, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)
-        except cluster_unavailable_errors as e:
+        except unavailable_errors as e:
             raise Unavailable(
                 f"agent registry unavailable: Redis/Valkey at {self.url} cannot be reached ({e}); retry later"
             ) from None
 
     return wrapper  # type: ignore[return-value]
-
-
-def _epoch19(epoch: int) -> str:
-    return f"{epoch:019d}"
 
 
 def _s(v: bytes | str) -> str:
@@ -359,7 +350,7 @@ class RedisRegistry(AgentRegistry):
             for v in self._run(
                 self._register,
                 pod.pod_uid,
-                _epoch19(pod.epoch),
+                epoch19(pod.epoch),
                 msgspec.json.encode(pod),
                 self._ttl_ms,
                 owner or "",
@@ -418,7 +409,7 @@ class RedisRegistry(AgentRegistry):
             for v in self._run(
                 self._heartbeat,
                 pod_uid,
-                _epoch19(epoch),
+                epoch19(epoch),
                 self._ttl_ms,
                 msgspec.json.encode(load) if load is not None else "",
             )
@@ -448,7 +439,7 @@ class RedisRegistry(AgentRegistry):
             return False
         merged = tuple(dict.fromkeys((*rec.namespaces, *namespaces)))
         self._run(
-            self._namespaces, rec.pod.pod_uid, _epoch19(rec.pod.epoch), msgspec.json.encode(list(merged))
+            self._namespaces, rec.pod.pod_uid, epoch19(rec.pod.epoch), msgspec.json.encode(list(merged))
         )
         with self._lock:
             rec.namespaces = merged
@@ -612,7 +603,7 @@ class RedisRegistry(AgentRegistry):
         if changed:
             args: list[str | int] = []
             for uid, (epoch, seq) in changed.items():
-                args += [uid, _epoch19(epoch), seq]
+                args += [uid, epoch19(epoch), seq]
             self._run(self._sequences, *args)
         self._published = dict(sequences)
 
