@@ -73,6 +73,7 @@ _MIN_CAP = 1024
 _MAX_LOAD = 0.75  # (full + tombstone) rows / capacity before a rehash
 _PAD = bytes(CHUNK_KEY_BYTES)  # stands in for missing chunks of short queries (masked out after)
 _KEY = struct.Struct("<QQ")
+_KEY_LEN = {CHUNK_KEY_BYTES}
 _WINDOW = 16  # rows probed at once per key after the home row
 
 
@@ -558,8 +559,12 @@ class MemoryIndex(ChunkIndex):
         if isinstance(keys, np.ndarray):
             raw = np.ascontiguousarray(keys, dtype="<u8").tobytes()
         else:
-            check_keys(keys)
-            raw = b"".join(keys)
+            try:  # one pass over the keys in the common case; check_keys names a bad one
+                raw = b"".join(keys)
+            except TypeError:
+                raw = b""
+            if len(raw) != CHUNK_KEY_BYTES * len(keys) or set(map(len, keys)) - _KEY_LEN:
+                check_keys(keys)
         with self._lock:
             w, spec = self._w, self._spec
             # with speculative entries every key's row comes back (a zero row may gain a holder)
