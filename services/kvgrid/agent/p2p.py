@@ -227,6 +227,8 @@ class DataPlaneServer:
         self._connections = 0
         self.refused = 0
         """Connections closed without data: bad HELLO, unknown ticket, stream claimed, over the cap."""
+        self.admitted = 0
+        """Connections that presented a live ticket."""
         self._sock = socket.create_server((host, port), backlog=128)
         self.port: int = self._sock.getsockname()[1]
         self._stopping = False
@@ -294,6 +296,7 @@ class DataPlaneServer:
                 self.refused += 1
                 log.warning("data plane: %s refused: no live ticket for stream %d", peer, stream)
                 return
+            self.admitted += 1
             conn.settimeout(None)  # the fetcher's deadline governs from here; close() unblocks
             self._send(conn, ticket, stream)
         except (OSError, ssl.SSLError, ConnectionError) as e:
