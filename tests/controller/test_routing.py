@@ -153,6 +153,8 @@ def test_replay_through_a_real_controller_rewards_prefix_aware_routing(
     for r in out.values():
         assert r["requests"] == 35
         assert r["hit"] == pytest.approx(r["gpu_hit"] + r["l1_hit"] + r["peer_hit"])
+        # every turn admits its new blocks to GPU and L1 (3 pods, 35 requests over 23.8 s)
+        assert 35 * 2 * 3 / 3 / 23.8 <= r["event_keys_per_pod_s"] <= 35 * 2 * 15 * 2 / 3 / 23.8
     # Prefix and Score send each turn where its conversation lives: a hit on every turn after the
     # first; round-robin scatters turns over pods that do not hold them.
     for policy in ("prefix", "score"):

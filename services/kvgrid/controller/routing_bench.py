@@ -305,7 +305,8 @@ def replay(
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Route every request of ``trace`` with ``policy``; returns :func:`routing_sim.summarize`'s
-    figures plus ``route_us`` (mean wall time of one routing decision, controller calls included)."""
+    figures plus ``route_us`` (mean wall time of one routing decision, controller calls included)
+    and ``event_keys_per_pod_s`` (chunk keys of every cache event, per pod and trace second)."""
     cluster = Cluster(pods, hw)
     ctl = (
         _Controller(hw, pods, statistics.fmean(r.input_tokens for r in trace) if trace else 0.0)
@@ -313,9 +314,11 @@ def replay(
         else None
     )
     route_s = 0.0
+    event_keys = 0
     try:
         for rid, req in enumerate(trace):
             events = cluster.advance(req.arrival_ms)
+            event_keys += sum(len(ev.blocks) for ev in events)
             loads = cluster.loads()
 
             def busy(i: int, loads: list[PodLoad] = loads) -> int:
@@ -341,12 +344,15 @@ def replay(
             cluster.submit(rid, pod, req)
             if progress is not None and rid and rid % 1000 == 0:
                 progress(rid)
-        cluster.drain()
+        event_keys += sum(len(ev.blocks) for ev in cluster.drain())
     finally:
         if ctl is not None:
             ctl.close()
     out = summarize(cluster.served, pods, hw)
     out["route_us"] = route_s / max(1, len(trace)) * 1e6
+    # what the index must ingest: GPU and L1 admits and evictions, per pod and second of the trace
+    span_s = (trace[-1].arrival_ms - trace[0].arrival_ms) / 1e3 if len(trace) > 1 else 0.0
+    out["event_keys_per_pod_s"] = event_keys / pods / span_s if span_s else 0.0
     return out
 
 
@@ -407,6 +413,10 @@ def run(args: argparse.Namespace) -> int:
             f"{r['ttft_p99_ms']:7.0f}     {r['load_max_over_mean']:6.2f}  {r['route_us']:5.0f}µs  "
             f"{r['wall_s']:5.0f}s"
         )
+    print(
+        "cache events (GPU and L1 admits + evictions) per pod and second: "
+        + ", ".join(f"{name} {r['event_keys_per_pod_s']:.1f} keys" for name, r in results.items())
+    )
     if "score" in results:
         s = results["score"]
         for name, r in results.items():
