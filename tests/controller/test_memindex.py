@@ -168,3 +168,16 @@ def test_compiled_and_python_loops_build_the_same_table() -> None:
         ones = (1 << 64 * wa.nwords) - 1
         x, y = match_words(wa.words, wa.nwords, ones), match_words(wa.words, wa.nwords, ones, native=False)
         assert x.query(0) == y.query(0)
+
+
+@pytest.mark.parametrize("native", [True, False] if NATIVE else [False])
+def test_bad_keys_are_named_on_the_single_query_and_insert_paths(native: bool) -> None:
+    index = MemoryIndex(native=native)
+    good = rand_keys(2)
+    # a 15- and a 17-byte key join to the right total length: still refused, the first one named
+    for bad in ([good[0], b"x" * 15, b"y" * 17], [good[0], "not bytes", good[1]]):
+        with pytest.raises(ValueError, match=r"chunk_keys\[1\]"):
+            index.lookup_words(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"chunk_keys\[1\]"):
+            index.add("a/1", L1, bad)  # type: ignore[arg-type]
+    assert index.num_entries() == 0

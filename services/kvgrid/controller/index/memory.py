@@ -297,14 +297,16 @@ class MemoryIndex(ChunkIndex):
 
     # --- writes -------------------------------------------------------------------------------
     def add(self, holder: str, tier: IndexTier, keys: Sequence[bytes]) -> None:
-        check_keys(keys)
+        raw = self._joined(keys) if self._c is not None else None
+        if raw is None:
+            check_keys(keys)
         with self._lock:
             slot = self._slot(holder)
             col, bit = self._col(slot, tier)
             self._room(len(keys))
-            if self._c is not None:
+            if self._c is not None and raw is not None:
                 new, used, added = self._c.insert(
-                    self._state, self._tab, self._stride, self._shift, 2 + col, bit, b"".join(keys)
+                    self._state, self._tab, self._stride, self._shift, 2 + col, bit, raw
                 )
                 self._n += new
                 self._used += used
@@ -372,6 +374,17 @@ class MemoryIndex(ChunkIndex):
                         st[i] = _TOMB  # the key stays in the row; the state says it is gone
                         self._n -= 1
             self._count(slot, tier, -removed)
+
+    @staticmethod
+    def _joined(keys: Sequence[bytes]) -> bytes:
+        """``keys`` as one buffer, checked in the join's pass (check_keys only to name a bad key)."""
+        try:
+            raw = b"".join(keys)
+        except TypeError:
+            raw = b""
+        if len(raw) != CHUNK_KEY_BYTES * len(keys) or set(map(len, keys)) - _KEY_LEN:
+            check_keys(keys)
+        return raw
 
     def _keys_array(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         a = np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)
@@ -559,12 +572,7 @@ class MemoryIndex(ChunkIndex):
         if isinstance(keys, np.ndarray):
             raw = np.ascontiguousarray(keys, dtype="<u8").tobytes()
         else:
-            try:  # one pass over the keys in the common case; check_keys names a bad one
-                raw = b"".join(keys)
-            except TypeError:
-                raw = b""
-            if len(raw) != CHUNK_KEY_BYTES * len(keys) or set(map(len, keys)) - _KEY_LEN:
-                check_keys(keys)
+            raw = self._joined(keys)
         with self._lock:
             w, spec = self._w, self._spec
             # with speculative entries every key's row comes back (a zero row may gain a holder)
