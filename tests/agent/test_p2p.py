@@ -246,7 +246,7 @@ def _agent_tls(ca: TestCA, root: Path, name: str) -> TlsFiles:
 
 
 def test_tls_data_plane_fetches_and_refuses_plaintext_and_foreign_certificates(tmp_path: Path) -> None:
-    ca, foreign = TestCA(), TestCA()
+    ca, foreign = TestCA(), TestCA("another CA")
     mine = _agent_tls(ca, tmp_path, "holder")
     tls = {"tls_cert_file": mine.cert_file, "tls_key_file": mine.key_file, "tls_ca_file": mine.ca_file}
     server = _server(**tls)
@@ -282,8 +282,11 @@ def test_tls_data_plane_fetches_and_refuses_plaintext_and_foreign_certificates(t
             # Plaintext with that ticket on the TLS data port: the handshake fails, nothing is served.
             assert _refused(_hello(port, ticket, 0))
             # TLS with a client certificate from another CA: refused at the handshake.
-            stranger = client_context(_agent_tls(foreign, tmp_path, "stranger"))
-            stranger.load_verify_locations(mine.ca_file)  # it trusts the server; not the other way
+            # It trusts the server's CA; the server does not trust its one.
+            foreign_files = _agent_tls(foreign, tmp_path, "stranger")
+            stranger = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            stranger.load_cert_chain(foreign_files.cert_file, foreign_files.key_file)
+            stranger.load_verify_locations(mine.ca_file)
             raw = socket.create_connection(("127.0.0.1", port), timeout=10)
             with (
                 pytest.raises((ssl.SSLError, ConnectionError)),
