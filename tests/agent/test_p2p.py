@@ -15,6 +15,7 @@ import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -47,14 +48,14 @@ from tests.security.pki import TestCA, spiffe
 NBYTES = 256 * 1024
 
 
-def _server(**overrides: object) -> AgentServer:
+def _server(**overrides: Any) -> AgentServer:
     cfg = AgentConfig(
         uds_path="", tcp_host="127.0.0.1", tcp_port=0, l1_size=8 << 20, l1_page_size=4096, **overrides
     )
     return AgentServer(cfg, pod=PodIdentity(pod_uid="uid-holder", epoch=1)).start()
 
 
-def _fetcher(cache: ChunkCache, **overrides: object) -> PeerFetcher:
+def _fetcher(cache: ChunkCache, **overrides: Any) -> PeerFetcher:
     cfg = AgentConfig(uds_path="", **overrides)
     return PeerFetcher(cache, cfg, "uid-fetcher", PeerMetrics(metrics.get_meter("t")), trace.get_tracer("t"))
 
@@ -172,7 +173,7 @@ def test_a_fetcher_that_never_connects_does_not_pin_chunks_past_the_ttl() -> Non
 # ---- the fetcher --------------------------------------------------------------------------------
 
 
-def _fetch(holder: AgentServer, keys: list[bytes], **fetcher_cfg: object) -> tuple[ChunkCache, object]:
+def _fetch(holder: AgentServer, keys: list[bytes], **fetcher_cfg: Any) -> tuple[ChunkCache, object]:
     cache = ChunkCache(L1Pool(4 << 20, page_bytes=4096, pin=False))
     fetcher = _fetcher(cache, **fetcher_cfg)
     try:

@@ -411,7 +411,7 @@ def fetch_streams(
                     scratch = scratch if scratch is not None else bytearray(chunk_bytes)
                     recv_exact_into(sock, memoryview(scratch))
                 else:
-                    recv_exact_into(sock, memoryview(dst).cast("B"))
+                    recv_exact_into(sock, dst.data.cast("B"))
                 try:
                     verify(dst if dst is not None else scratch, bytes(checksum))  # type: ignore[arg-type]
                 except ValueError as e:

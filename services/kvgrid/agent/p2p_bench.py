@@ -106,7 +106,7 @@ def _raw_round(port: int, dst: np.ndarray, connections: int) -> float:
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(connections)]
 
     def recv(k: int, sock: socket.socket) -> None:
-        view = memoryview(dst).cast("B")[k * share : (k + 1) * share]
+        view = dst.data.cast("B")[k * share : (k + 1) * share]
         with sock:
             sock.sendall(b"g")
             got = 0
@@ -233,12 +233,12 @@ def run(args: argparse.Namespace) -> int:
             def fetch(p: int, keys: list[list[bytes]] = keys, got: list[int] = got) -> None:
                 got[p] = fetcher.lookup("bench", "", keys[p], peer_address=addresses[p]).num_peer_chunks
 
-            threads = [threading.Thread(target=fetch, args=(p,)) for p in range(cfg.peers)]
+            fetches = [threading.Thread(target=fetch, args=(p,)) for p in range(cfg.peers)]
             t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            for th in fetches:
+                th.start()
+            for th in fetches:
+                th.join()
             dt = time.perf_counter() - t0
             if got != [cfg.chunks] * cfg.peers:
                 print(f"kvgrid bench p2p: fetch fell short: {got} of {cfg.chunks} per peer", file=sys.stderr)
