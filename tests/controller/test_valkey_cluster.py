@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 from redis.crc import key_slot
 
-from kvgrid.controller.index import ChunkIndex
+from kvgrid.common.identity import PodIdentity
+from kvgrid.controller.config import ControllerConfig
+from kvgrid.controller.index import ChunkIndex, IndexTier
 from kvgrid.controller.index.redis_cluster import RedisClusterIndex, bucket_of
-from kvgrid.controller.registry.redis import registry_keys
+from kvgrid.controller.registry.redis import RedisRegistry, registry_keys
 from tests.controller import test_index as conformance
 from tests.controller import test_replicas as replica_suite
-from tests.controller.support import FakeAgent, rand_keys, unique_prefix, wait_until
+from tests.controller.support import NS_ID, FakeAgent, rand_keys, unique_prefix, wait_until
 from tests.controller.test_replicas import Replicas, _agents, _match
 from tests.controller.valkey_cluster import ValkeyCluster
 
@@ -52,6 +54,35 @@ test_wrong_key_length_changes_nothing = conformance.test_wrong_key_length_change
 test_many_holders = conformance.test_many_holders
 test_match_tiers_and_peers = conformance.test_match_tiers_and_peers
 test_random_ops_match_reference_model = conformance.test_random_ops_match_reference_model
+
+
+def test_a_drop_leaves_a_holder_the_registry_holds_again(cluster: ValkeyCluster) -> None:
+    """A replica whose stale view says pod-x left (the registry's shard lost its data, pod-x
+    registered again meanwhile) must not wipe pod-x's fresh entries."""
+    prefix = unique_prefix()
+    idx = RedisClusterIndex(cluster.url, prefix=prefix)
+    reg = RedisRegistry(cluster.url, 60_000, prefix=prefix, cluster=True)
+    keys = rand_keys(8)
+    try:
+        reg.register(PodIdentity("pod-x", epoch=3), [NS_ID])
+        idx.add("pod-x/3", IndexTier.L1, keys)
+        assert idx.drop_holder("pod-x/3") == 0  # registered: nothing dropped
+        assert len(idx.lookup(keys).l1) == 8 and idx.holder_entries("pod-x/3") == 8
+        assert idx.drop_holder("pod-x/2") == 0  # another incarnation: not in the index anyway
+        reg.remove("pod-x")
+        assert idx.drop_holder("pod-x/3") == 8  # gone from the registry: dropped
+        assert idx.lookup(keys).l1 == [] and idx.holders() == []
+        idx.add("pod-x/3", IndexTier.L1, keys[:2])  # a new assignment starts from nothing
+        assert len(idx.lookup(keys).l1) == 2 and idx.num_entries() == 2 and idx.num_chunks() == 2
+    finally:
+        idx.flush()
+        idx.close()
+        reg.close()
+
+
+def test_redis_cluster_needs_the_redis_backend() -> None:
+    with pytest.raises(ValueError, match="redis_cluster=true with index_backend='memory'"):
+        ControllerConfig(index_backend="memory", redis_cluster=True)
 
 
 # --- three controller replicas on the cluster ---------------------------------------------------
