@@ -1,5 +1,5 @@
-/* Compiled hot loops of MemoryIndex (kvgrid/controller/index/memory.py): probing one query's keys
- * and inserting one event's keys in the open-addressing table, over the same numpy buffers the
+/* Compiled hot loops of MemoryIndex (kvgrid/controller/index/memory.py): probing one query's keys,
+ * inserting one event's keys and placing rows on a rehash in the open-addressing table, over the same numpy buffers the
  * Python code uses (the table layout is documented there; this file only walks it).
  *
  * Invariants: the caller holds the index lock (and the GIL: nothing here releases it), passes the
@@ -364,9 +364,42 @@ done:
     return out;
 }
 
+/* place(state, tab, stride, shift, rows) -> None
+ * Insert whole rows (``rows``: [m, stride] uint64, keys distinct and absent) into a table without
+ * tombstones (a rehash): each at the first empty row of its chain. */
+static PyObject *place(PyObject *Py_UNUSED(self), PyObject *args) {
+    bufs_t b = {0};
+    Py_ssize_t stride;
+    int shift;
+    PyObject *out = NULL;
+    if (!PyArg_ParseTuple(args, "w*w*niy*", &b.st, &b.tab, &stride, &shift, &b.keys)) return NULL;
+    if (check_shape(&b, stride, shift) < 0) goto done;
+    if (b.keys.len % (8 * stride)) {
+        PyErr_SetString(PyExc_ValueError, "_probe.place: rows do not match the row width");
+        goto done;
+    }
+    uint8_t *st = b.st.buf;
+    uint64_t *tab = b.tab.buf;
+    const uint64_t *rows = b.keys.buf, mask = (uint64_t)b.st.len - 1;
+    const Py_ssize_t m = b.keys.len / (8 * stride);
+    for (Py_ssize_t r = 0; r < m; r++) {
+        const uint64_t *row = rows + r * stride;
+        uint64_t i = (row[0] ^ (row[1] >> 1)) >> shift;
+        while (st[i] != ST_EMPTY) i = (i + 1) & mask;
+        st[i] = ST_FULL;
+        memcpy(tab + i * stride, row, 8 * (size_t)stride);
+    }
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(&b);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, "Holder masks of one query's keys (see the module comment)."},
     {"insert", insert, METH_VARARGS, "Set one holder bit on one event's keys, inserting absent ones."},
+    {"place", place, METH_VARARGS, "Insert whole rows into a table without tombstones (rehash)."},
     {"probe_words", probe_words, METH_VARARGS, "One query's mask rows as bytes (see above)."},
     {"match_words", match_words, METH_VARARGS, "One query's match from its mask rows (see above)."},
     {NULL, NULL, 0, NULL},

@@ -190,7 +190,11 @@ class MemoryIndex(ChunkIndex):
 
     def _place(self, lo: np.ndarray, hi: np.ndarray, rows: np.ndarray) -> None:
         """Insert whole ``rows`` (keys ``lo``/``hi``, distinct, absent) into a table without
-        tombstones (vectorized; rehash)."""
+        tombstones (rehash): in C one row after another, else vectorized rounds."""
+        if self._c is not None:
+            self._c.place(self._state, self._tab, self._stride, self._shift, np.ascontiguousarray(rows))
+            self._used += len(lo)
+            return
         mask = len(self._state) - 1
         pos = self._home(lo, hi)
         todo = np.arange(len(lo))
