@@ -204,13 +204,16 @@ def measure_valkey(keys: list[bytes], args: argparse.Namespace) -> dict[str, Any
         return sum(int(n.info("memory")["used_memory"]) for n in nodes)
 
     with _valkey(args) as (index, nodes):
+        # A delta of commands() counts two INFO calls per server of the measurement itself (the
+        # read of the first count and the server_cpu read before the second).
+        own = 2 * len(nodes)
         info = nodes[0].info("server")
         version = str(info.get("valkey_version") or info["redis_version"])
         mem0 = used_memory()
         scpu0, cmd0, cpu0, w0 = server_cpu(), commands(), _cpu_s(), time.perf_counter()
         entries = _fill(index, keys, args)
         ingest_s, ingest_cpu = time.perf_counter() - w0, _cpu_s() - cpu0
-        ingest_scpu, ingest_cmds = server_cpu() - scpu0, commands() - cmd0
+        ingest_scpu, ingest_cmds = server_cpu() - scpu0, commands() - cmd0 - own
         used = used_memory() - mem0
 
         def lookup(q: list[bytes]) -> int:
@@ -219,7 +222,7 @@ def measure_valkey(keys: list[bytes], args: argparse.Namespace) -> dict[str, Any
         scpu0, cmd0, cpu0, w0 = server_cpu(), commands(), _cpu_s(), time.perf_counter()
         (n,) = _lookups(lookup, keys, args)
         lookup_s, lookup_cpu = time.perf_counter() - w0, _cpu_s() - cpu0
-        lookup_scpu, lookup_cmds = server_cpu() - scpu0, commands() - cmd0
+        lookup_scpu, lookup_cmds = server_cpu() - scpu0, commands() - cmd0 - own
         per_server = [int(x.info("memory")["used_memory"]) for x in nodes]
     return {
         "valkey_version": version,
