@@ -350,3 +350,22 @@ def test_lookup_between_agent_processes_is_bit_exact(
     finally:
         for agent in agents:
             agent.stop()
+
+
+def test_an_unreachable_data_port_falls_back_to_grpc(holder: AgentServer) -> None:
+    keys = keys_for(710, 3)
+    contents = _put(holder, keys, NBYTES)
+    assert holder.data_plane is not None
+    holder.data_plane.stop()  # tickets still name the port; nothing listens there (a blocked port)
+    cache = ChunkCache(L1Pool(4 << 20, page_bytes=4096, pin=False))
+    fetcher = _fetcher(cache)
+    try:
+        address = f"127.0.0.1:{holder.tcp_port}"
+        cand = PeerCandidate(pod_uid="uid-holder", address=address, l1_chunks=0, total_chunks=0)
+        res = fetcher.fetch_from(cand, keys, NS_ID, "L", NBYTES, time.monotonic() + 10)
+    finally:
+        fetcher.close()
+    assert (res.chunks, res.error) == (3, ""), res
+    held, _ = cache.acquire_prefix(keys, "L", namespace_id=NS_ID)
+    assert [c.buffer.numpy().tobytes() for c in held] == contents
+    assert fetcher.metrics.stats.fetch_failures == 1  # the unreachable data port is counted

@@ -101,6 +101,10 @@ sees N agents. Call each with (dict "root" $ "i" <int>).
 {{- add (int .root.Values.agent.port) (int .i) }}
 {{- end }}
 
+{{- define "kvgrid.agentDataPort" -}}
+{{- add (int .root.Values.agent.peerDataPort) (int .i) }}
+{{- end }}
+
 {{- define "kvgrid.agentMetricsPort" -}}
 {{- add (int .root.Values.agent.metricsPort) (int .i) }}
 {{- end }}
@@ -216,6 +220,8 @@ instead; see docs/deploy.md.
 - {{ printf "--tcp-port=%s" (include "kvgrid.agentPort" .) | quote }}
 - {{ printf "--l1-size=%v" $v.agent.l1Size | quote }}
 - {{ printf "--eviction-policy=%v" $v.agent.evictionPolicy | quote }}
+- {{ printf "--peer-data-plane=%v" $v.agent.peerDataPlane | quote }}
+- {{ printf "--peer-data-port=%s" (include "kvgrid.agentDataPort" .) | quote }}
 - {{ printf "--log-level=%v" $v.agent.logLevel | quote }}
 {{- if $v.metrics.enabled }}
 - {{ printf "--prometheus-port=%s" (include "kvgrid.agentMetricsPort" .) | quote }}

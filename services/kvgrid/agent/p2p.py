@@ -75,6 +75,7 @@ MAGIC = b"KVGD"
 HELLO = struct.Struct(f"<4s{TICKET_BYTES}sI")
 """What a fetcher sends first on each data connection: magic, ticket, stream index."""
 HELLO_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 256
 _SOCKET_BUFFER = 4 << 20  # larger kernel buffers: fewer wake-ups per 32 MiB chunk
 
@@ -388,12 +389,13 @@ def fetch_streams(
             left = deadline - time.monotonic()
             if left <= 0:
                 raise StreamFailure("deadline", "deadline passed before the data connection")
-            sock = connect(host, port, left, tls)
+            # A reachable port answers in milliseconds; a filtered one would eat the whole deadline.
+            sock = connect(host, port, min(left, CONNECT_TIMEOUT_S), tls)
         except StreamFailure as e:
             fail(e)
             return
         except (OSError, ssl.SSLError) as e:
-            fail(StreamFailure("unavailable", f"data plane {host}:{port}: {e}"))
+            fail(StreamFailure("unreachable", f"data plane {host}:{port}: {e}"))
             return
         with got.lock:
             socks.append(sock)

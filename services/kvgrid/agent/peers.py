@@ -145,7 +145,8 @@ class PeerMetrics:
             "kvgrid_agent_peer_fetch_failures",
             unit="{fetch}",
             description="Peer fetches that failed, by reason (controller, unavailable, deadline, "
-            "layout_mismatch, protocol, checksum, error)",
+            "layout_mismatch, protocol, checksum, error; data_plane_unreachable: a data port could not be "
+            "reached and the fetch was retried over gRPC)",
         )
         self.served_bytes = meter.create_counter(
             "kvgrid_agent_peer_served", unit="By", description="Bytes streamed to peer agents"
@@ -493,8 +494,15 @@ class PeerFetcher:
         ``time.monotonic()`` value). Chunks that arrived complete are kept even if the stream fails
         later; the rest of the reservation is freed."""
         got = [0, 0]  # chunks held, bytes fetched (set even when the stream fails)
+        args = (cand, list(keys), namespace_id, layout_id, bytes_per_chunk, deadline, got)
         try:
-            self._fetch_from(cand, list(keys), namespace_id, layout_id, bytes_per_chunk, deadline, got)
+            try:
+                self._fetch_from(*args, data_streams=self.data_streams)
+            except _DataPlaneUnreachable as e:
+                # A data port a firewall or NetworkPolicy blocks must not end peer fetch: the
+                # chunks come over the control connection instead (counted, so it gets fixed).
+                self._failed("data_plane_unreachable", f"peer {cand.pod_uid}: {e}; retrying over gRPC", "")
+                self._fetch_from(*args, data_streams=0)
         except PeerError as e:
             failed = self._failed(e.reason, f"peer {cand.pod_uid} at {cand.address}: {e}", cand.pod_uid)
             return msgspec.structs.replace(failed, chunks=got[0], nbytes=got[1])
@@ -519,6 +527,8 @@ class PeerFetcher:
         bytes_per_chunk: int,
         deadline: float,
         got: list[int],
+        *,
+        data_streams: int,
     ) -> None:
         req = agent_pb2.FetchChunksRequest(
             chunk_keys=keys,
@@ -526,7 +536,7 @@ class PeerFetcher:
             namespace_id=namespace_id,
             max_part_bytes=self.part_bytes,
             requester_pod_uid=self.self_uid,
-            data_streams=self.data_streams,
+            data_streams=data_streams,
         )
         t0 = time.perf_counter()
         call = self._stub(cand.address).FetchChunks(req, timeout=max(0.001, deadline - time.monotonic()))
@@ -656,8 +666,14 @@ class PeerFetcher:
             if i in fresh:
                 fresh[i].checksum = got.checksums[i]
         if got.failure is not None:
+            if got.failure.reason == "unreachable" and not got.checksums:
+                raise _DataPlaneUnreachable(str(got.failure))
             raise _PartialFetch(filled, PeerError(got.failure.reason, str(got.failure)))
         return filled
+
+
+class _DataPlaneUnreachable(Exception):
+    """No data connection to the peer could be opened (nothing was received)."""
 
 
 class _PartialFetch(Exception):
