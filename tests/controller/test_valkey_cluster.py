@@ -208,5 +208,10 @@ def test_resharding_while_serving_loses_nothing(
         t.join(10)
     assert not errors, errors
     assert moved >= len(buckets)  # at least the chunk hashes of those buckets moved
+    # At once, no waiting: every replica answers every key indexed before the move (a client
+    # whose slot map is stale follows the redirects instead of reading the old owner as empty).
+    for stub in replicas.stubs:
+        for a, keys in zip(agents, first, strict=True):
+            assert all(a.pod.pod_uid in {u for u, _ in _match(stub, [k])} for k in keys)
     wait_until(lambda: _all_matched(replicas, agents), timeout=10, what="every key matched after the reshard")
     assert [s.controller.backend_losses for s in replicas.servers] == [0, 0, 0]  # no loss, no resync
