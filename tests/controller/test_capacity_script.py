@@ -36,9 +36,10 @@ def test_every_backend_reports_consistent_figures(backend: str) -> None:
     )
     assert r["bytes_per_entry"] > 16  # a key alone is 16 bytes
     assert r["ingest"]["client_cpu_us_per_key"] > 0 and r["lookup"]["lookups"] > 0
-    if backend != "memory":
+    if backend == "valkey":  # one pipeline: HGETALL of each chunk's hash and speculative hash + owners
         assert r["lookup"]["commands_per_lookup"] == pytest.approx(2 * 53 + 1)
-        assert r["ingest"]["server_cpu_us_per_key"] > 0
+    if backend != "memory":
+        assert r["lookup"]["commands_per_lookup"] > 0 and r["ingest"]["server_cpu_us_per_key"] > 0
     else:
         assert r["score"]["pods"] == 8 and r["score"]["scores"] > 0
 
