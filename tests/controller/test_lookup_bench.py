@@ -62,6 +62,8 @@ def test_bench_runs_small(capsys: pytest.CaptureFixture[str]) -> None:
     for r in rows.values():
         assert r["queries_s"]["median"] > 0 and r["p50_ms"]["median"] <= r["p99_ms"]["median"]
     assert out["query_kinds"]["miss"] > 0 and out["peers"] == {}
+    # in-process rows also carry the process's CPU per query (the load-independent number)
+    assert 0 < rows["kvgrid in-process, 1 query"]["cpu_us_per_query"]["median"] < 1e6
 
 
 def test_absent_peer_is_reported_not_measured(capsys: pytest.CaptureFixture[str]) -> None:

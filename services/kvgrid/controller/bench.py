@@ -257,17 +257,20 @@ def _inproc(fn: Any, items: list[Any], seconds: float) -> dict[str, float]:
     i = 0
     stop = time.perf_counter() + seconds
     t0 = time.perf_counter()
+    c0 = time.process_time()  # this process's CPU (all threads: the idle servers' count against us)
     while time.perf_counter() < stop:
         t = time.perf_counter()
         fn(items[i % len(items)])
         lat.append(time.perf_counter() - t)
         i += 1
     wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     lat.sort()
     return {
         "calls_s": len(lat) / wall,
         "p50_ms": 1000 * lat[len(lat) // 2],
         "p99_ms": 1000 * lat[int(len(lat) * 0.99)],
+        "cpu_us": 1e6 * cpu / len(lat),
     }
 
 
@@ -477,6 +480,8 @@ def run(args: argparse.Namespace) -> int:
         if "server_cpu_us" in rs[0]:
             table[name]["server_cpu_us_per_query"] = statistics.median(r["server_cpu_us"] / per for r in rs)
             table[name]["client_cpu_us_per_query"] = statistics.median(r["client_cpu_us"] / per for r in rs)
+        if "cpu_us" in rs[0]:  # in-process rows: the measuring process's CPU per query
+            table[name]["cpu_us_per_query"] = _summary([r["cpu_us"] for r in rs])
     ratios: dict[str, dict[str, float]] = {}
 
     def ratio(name: str, ours: str, theirs: str) -> None:
@@ -487,6 +492,10 @@ def run(args: argparse.Namespace) -> int:
                 "p50": _med(rows[theirs], "p50_ms") / _med(rows[ours], "p50_ms"),
                 "p99": _med(rows[theirs], "p99_ms") / _med(rows[ours], "p99_ms"),
             }  # fmt: skip
+            if "cpu_us" in rows[ours][0] and "cpu_us" in rows[theirs][0]:
+                # load-independent on a shared box: CPU time per query, not wall time
+                cpu = [b["cpu_us"] / a["cpu_us"] for a, b in zip(rows[ours], rows[theirs], strict=True)]
+                ratios[name]["cpu_per_query"] = _summary(cpu)
 
     ratio("in-process single query", "kvgrid in-process, 1 query", "Dynamo in-process RadixTree, 1 query")
     for c in conc:
@@ -518,11 +527,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"load average (1 min) at start {load_start[0]:.2f}, at end {load_end[0]:.2f}")
     print(
         f"{'measurement (' + str(args.rounds) + ' rounds: median [min-max])':<48} {'queries/s':>26} "
-        f"{'p50 ms':>8} {'p99 ms':>8} {'srv us/q':>9}"
+        f"{'p50 ms':>8} {'p99 ms':>8} {'CPU us/q':>9}"
     )
     for name, t in table.items():
         qs, p50, p99 = t["queries_s"], t["p50_ms"], t["p99_ms"]
-        cpu = t.get("server_cpu_us_per_query")
+        cpu = t.get("server_cpu_us_per_query", t.get("cpu_us_per_query", {}).get("median"))
         print(
             f"{name:<48} {qs['median']:>10,.0f} [{qs['min']:>6,.0f}-{qs['max']:>6,.0f}] "
             f"{p50['median']:>8.3f} {p99['median']:>8.3f} {'' if cpu is None else f'{cpu:9.0f}'}"
@@ -535,7 +544,9 @@ def run(args: argparse.Namespace) -> int:
         for name, r in ratios.items():
             latency = f"; p50 {r['p50']:.2f}, p99 {r['p99']:.2f}" if "p50" in r else ""
             rng = f" [{r['min']:.2f}-{r['max']:.2f}]" if "min" in r else ""
-            print(f"  {name}: {r['median']:.2f}{rng}{latency}")
+            c = r.get("cpu_per_query")
+            cpu = f"; CPU per query {c['median']:.2f} [{c['min']:.2f}-{c['max']:.2f}]" if c else ""
+            print(f"  {name}: {r['median']:.2f}{rng}{latency}{cpu}")
     print(
         f"ingest goal (>= {GOAL_INGEST_KEYS_S:,.0f} keys/s through PublishEvents): "
         f"ratio {result['ingest_goal_ratio']:.2f}"

@@ -8,7 +8,8 @@ one JSON command per stdin line with one JSON line on stdout:
 - ``dynamo_inproc``: Dynamo's radix tree (``dynamo._core.RadixTree`` from ``ai-dynamo-runtime``)
   filled with every pod's chains as ``stored`` events (one block per chunk: the chunk's 4 tokens,
   Dynamo's own XXH3 block hash); RSS growth, apply time;
-- ``inproc_single``: ``find_matches`` of one query at a time for ``seconds``;
+- ``inproc_single``: ``find_matches`` of one query at a time for ``seconds`` (wall latencies and
+  this process's CPU per query);
 - ``dynamo_http``: Dynamo's standalone indexer service (``python -m dynamo.indexer``) fed through
   vLLM-format KV events on one ZMQ PUB socket per pod (the path its docs describe); its pid,
   address, RSS growth, time until every pod's events were applied;
@@ -150,17 +151,20 @@ class Peers:
         i = 0
         stop = time.perf_counter() + seconds
         t0 = time.perf_counter()
+        c0 = time.process_time()
         while time.perf_counter() < stop:
             t = time.perf_counter()
             tree.find_matches(local[i % len(local)]).scores  # noqa: B018 - the answer is read as a router would
             lat.append(time.perf_counter() - t)
             i += 1
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         lat.sort()
         return {
             "calls_s": len(lat) / wall,
             "p50_ms": 1000 * lat[len(lat) // 2],
             "p99_ms": 1000 * lat[int(len(lat) * 0.99)],
+            "cpu_us": 1e6 * cpu / len(lat),
         }
 
     # --- Dynamo's indexer service (HTTP + ZMQ) ------------------------------------------------------
