@@ -353,6 +353,7 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 - {{ printf "--index-backend=%v" .Values.controller.index.backend | quote }}
 {{- if eq .Values.controller.index.backend "redis" }}
 - {{ printf "--redis-prefix=%v" .Values.controller.index.redis.prefix | quote }}
+- {{ printf "--redis-cluster=%v" (.Values.controller.index.redis.cluster | default false) | quote }}
 {{- end }}
 - {{ printf "--lease-ttl-ms=%d" (int .Values.controller.leaseTtlMs) | quote }}
 - {{ printf "--grpc-workers=%d" (int .Values.controller.grpcWorkers) | quote }}
@@ -384,10 +385,13 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 {{- if and $c.enabled (gt (int $c.replicas) 1) (ne $c.index.backend "redis") }}
 {{- fail (printf "controller.replicas=%d needs controller.index.backend=redis: the %s index lives inside one controller process, so replicas would each answer from a different index. Set controller.index.backend=redis with controller.index.redis.url (or existingSecret), or controller.replicas=1." (int $c.replicas) $c.index.backend) }}
 {{- end }}
+{{- if and $c.enabled $c.index.redis.cluster (ne $c.index.backend "redis") }}
+{{- fail (printf "controller.index.redis.cluster=true needs controller.index.backend=redis (it is %s)" $c.index.backend) }}
+{{- end }}
 {{- if and $c.enabled (eq $c.index.backend "redis") (not $c.index.redis.url) (not $c.index.redis.existingSecret) }}
 {{- fail "controller.index.backend=redis needs controller.index.redis.url (e.g. redis://valkey:6379/0) or controller.index.redis.existingSecret naming a Secret that holds the URL" }}
 {{- end }}
-{{- range $key := list "listen" "index_backend" "redis_url" "redis_prefix" "lease_ttl_ms" "grpc_workers" "prometheus_port" "health_port" "readiness_settle_ms" "readiness_max_wait_ms" "tls_cert_file" "tls_key_file" "tls_ca_file" "tls_trust_domain" }}
+{{- range $key := list "listen" "index_backend" "redis_url" "redis_prefix" "redis_cluster" "lease_ttl_ms" "grpc_workers" "prometheus_port" "health_port" "readiness_settle_ms" "readiness_max_wait_ms" "tls_cert_file" "tls_key_file" "tls_ca_file" "tls_trust_domain" }}
 {{- if hasKey $c.config $key }}
 {{- fail (printf "controller.config.%s is set by the chart (a flag wins over the config file); use the dedicated value instead (see values.yaml: controller.port, controller.index.*, controller.leaseTtlMs, controller.grpcWorkers, controller.metricsPort, controller.healthPort, controller.readiness.*, tls.*)" $key) }}
 {{- end }}
