@@ -156,3 +156,25 @@ def test_long_queries_use_wide_counters() -> None:
     m = match_batch(view.words, np.ones((1, 64), dtype=bool))
     got = _named(m, view.holders, 0)
     assert got == ([("a/1", 300, 0, 0), ("b/1", 0, 299, 0)], 299)  # chunk 299: a's GPU only
+
+
+@pytest.mark.parametrize("npods", [5, 40, 130])  # few distinct counts, and more than the C path's 32
+@pytest.mark.parametrize("max_pods", [0, 3, 37])
+def test_match_words_many_distinct_counts(npods: int, max_pods: int) -> None:
+    # pod s holds chunks 0..s on GPU (s even) or in its own L1 (s odd): every pod a different count
+    nwords = max(1, -(-npods // 64))
+    n = npods + 2
+    rows = []
+    for c in range(n):
+        l1 = sum(1 << s for s in range(npods) if s % 2 and c <= s)
+        gpu = sum(1 << s for s in range(npods) if not s % 2 and c <= s)
+        rows.append(l1.to_bytes(8 * nwords, "little") + gpu.to_bytes(8 * nwords, "little"))
+    words = b"".join(rows)
+    eligible = (1 << 64 * nwords) - 1 ^ (1 << 3)  # slot 3 not eligible
+    want = match_words(words, nwords, eligible, max_pods, native=False)
+    got = match_words(words, nwords, eligible, max_pods)
+    assert got.query(0) == want.query(0)
+    assert got.pods.tolist() == want.pods.tolist() and got.pod_index.tolist() == want.pod_index.tolist()
+    q = want.query(0)
+    assert len(q.pods) == (min(max_pods, npods - 1) if max_pods else npods - 1)
+    assert 3 not in [p.slot for p in q.pods]

@@ -257,8 +257,10 @@ done:
 }
 
 typedef struct {
-    int64_t slot, matched, gpu, l1;
+    int64_t slot, matched, gpu, l1, gen; /* gen: position in slot order */
 } entry_t;
+
+#define SAME_KEY(a, b) ((a).matched == (b).matched && (a).gpu == (b).gpu && (a).l1 == (b).l1)
 
 static int by_rank(const void *a, const void *b) {
     const entry_t *x = a, *y = b;
@@ -266,11 +268,6 @@ static int by_rank(const void *a, const void *b) {
     if (x->gpu != y->gpu) return x->gpu > y->gpu ? -1 : 1;
     if (x->l1 != y->l1) return x->l1 > y->l1 ? -1 : 1;
     return x->slot < y->slot ? -1 : (x->slot > y->slot);
-}
-
-static int cmp_i64(const void *a, const void *b) {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return x < y ? -1 : (x > y);
 }
 
 #define HAS(words, s) (((words)[(s) >> 6] >> ((s) & 63)) & 1)
@@ -287,6 +284,7 @@ static PyObject *match_words(PyObject *Py_UNUSED(self), PyObject *args) {
     entry_t *ent = NULL;
     Py_ssize_t *run_start = NULL;
     int64_t *pods = NULL;
+    entry_t *rk = NULL;
     if (!PyArg_ParseTuple(args, "y*ny*n", &wb, &w, &eb, &max_pods)) return NULL;
     if (w < 1 || wb.len % (16 * w) || eb.len != 8 * w) {
         PyErr_SetString(PyExc_ValueError, "_probe.match_words: buffers do not match the word count");
@@ -298,7 +296,8 @@ static PyObject *match_words(PyObject *Py_UNUSED(self), PyObject *args) {
     run_start = PyMem_Malloc((n + 1) * sizeof(Py_ssize_t));
     ent = PyMem_Malloc((ns ? ns : 1) * sizeof(entry_t));
     pods = PyMem_Malloc((ns ? ns : 1) * sizeof(int64_t));
-    if (!run_start || !ent || !pods) {
+    rk = PyMem_Malloc((ns ? ns : 1) * sizeof(entry_t));
+    if (!run_start || !ent || !pods || !rk) {
         PyErr_NoMemory();
         goto done;
     }
@@ -330,28 +329,53 @@ static PyObject *match_words(PyObject *Py_UNUSED(self), PyObject *args) {
             }
             matched += len;
         }
-        if (gc || lc) ent[k++] = (entry_t){s, matched, gc, lc};
+        if (gc || lc) {
+            ent[k] = (entry_t){s, matched, gc, lc, k};
+            k++;
+        }
     }
-    qsort(ent, k, sizeof(entry_t), by_rank);
-    if (max_pods > 0 && k > max_pods) k = max_pods;
-    out = PyBytes_FromStringAndSize(NULL, (5 * k + 3) * 8);
+    /* Rank order. Entries were made in slot order; the distinct (matched, gpu, l1) keys are few
+     * (a conversation's pods share a handful of histories), so the keys are sorted and each key's
+     * entries copied out in slot order; past 32 distinct keys qsort gives the same order. */
+    entry_t keys[32];
+    Py_ssize_t nk = 0, r = 0;
+    for (Py_ssize_t j = 0; j < k && nk <= 32; j++) {
+        Py_ssize_t x = 0;
+        while (x < nk && !SAME_KEY(keys[x], ent[j])) x++;
+        if (x == nk) {
+            if (nk == 32) nk = 33; /* too many: qsort */
+            else keys[nk++] = ent[j];
+        }
+    }
+    if (nk <= 32) {
+        qsort(keys, nk, sizeof(entry_t), by_rank);
+        for (Py_ssize_t x = 0; x < nk; x++)
+            for (Py_ssize_t j = 0; j < k; j++)
+                if (SAME_KEY(keys[x], ent[j])) rk[r++] = ent[j];
+    } else {
+        memcpy(rk, ent, k * sizeof(entry_t));
+        qsort(rk, k, sizeof(entry_t), by_rank);
+    }
+    Py_ssize_t kept = (max_pods > 0 && k > max_pods) ? max_pods : k;
+    out = PyBytes_FromStringAndSize(NULL, (5 * kept + 3) * 8);
     if (!out) goto done;
     int64_t *o = (int64_t *)PyBytes_AS_STRING(out);
-    for (Py_ssize_t j = 0; j < k; j++) pods[j] = ent[j].slot;
-    qsort(pods, k, sizeof(int64_t), cmp_i64);
-    for (Py_ssize_t j = 0; j < k; j++) {
-        o[j] = pods[j];
-        /* pods are distinct and sorted: the index of a slot by binary search */
-        Py_ssize_t lo = 0, hi = k - 1;
-        while (lo < hi) {
-            Py_ssize_t mid = (lo + hi) / 2;
-            if (pods[mid] < ent[j].slot) lo = mid + 1; else hi = mid;
+    /* pods: the kept slots ascending (= their order in ent); pod_index: position among them */
+    for (Py_ssize_t j = 0; j < k; j++) pods[j] = -1;
+    for (Py_ssize_t j = 0; j < kept; j++) pods[rk[j].gen] = 0;
+    Py_ssize_t np_ = 0;
+    for (Py_ssize_t j = 0; j < k; j++)
+        if (pods[j] == 0) {
+            o[np_] = ent[j].slot;
+            pods[j] = np_++;
         }
-        o[k + j] = lo;
-        o[2 * k + j] = ent[j].gpu;
-        o[3 * k + j] = ent[j].l1;
-        o[4 * k + j] = ent[j].matched - ent[j].gpu - ent[j].l1;
+    for (Py_ssize_t j = 0; j < kept; j++) {
+        o[kept + j] = pods[rk[j].gen];
+        o[2 * kept + j] = rk[j].gpu;
+        o[3 * kept + j] = rk[j].l1;
+        o[4 * kept + j] = rk[j].matched - rk[j].gpu - rk[j].l1;
     }
+    k = kept;
     o[5 * k] = 0;
     o[5 * k + 1] = k;
     o[5 * k + 2] = pf;
@@ -359,6 +383,7 @@ done:
     PyMem_Free(run_start);
     PyMem_Free(ent);
     PyMem_Free(pods);
+    PyMem_Free(rk);
     PyBuffer_Release(&wb);
     PyBuffer_Release(&eb);
     return out;
