@@ -114,9 +114,9 @@ def test_ticket_admits_its_streams_and_they_carry_the_chunks_bit_exact(holder: A
         for stream in (0, 1):
             with _hello(first.data_port, first.data_ticket, stream) as sock:
                 for index in range(stream, 5, 2):  # round-robin over the two streams
-                    checksum, data = bytearray(16), bytearray(NBYTES)
-                    recv_exact_into(sock, memoryview(checksum))
+                    data, checksum = bytearray(NBYTES), bytearray(16)
                     recv_exact_into(sock, memoryview(data))
+                    recv_exact_into(sock, memoryview(checksum))
                     assert bytes(checksum) == chunk_checksum(data)
                     got[index] = bytes(data)
                 assert sock.recv(1) == b""  # nothing after its share
@@ -149,7 +149,7 @@ def test_forged_reused_and_malformed_hellos_are_refused_and_the_port_keeps_servi
             assert _refused(_hello(port, first.data_ticket, 0))
             data = bytearray(16 + NBYTES)
             recv_exact_into(sock, memoryview(data))
-            assert bytes(data[16:]) == contents[0]
+            assert bytes(data[:NBYTES]) == contents[0]
     assert holder.data_plane.refused == 6 and holder.data_plane.admitted == 1
     # Once the control stream ended the ticket is dead.
     assert _refused(_hello(port, first.data_ticket, 0))
@@ -294,7 +294,7 @@ def test_tls_data_plane_fetches_and_refuses_plaintext_and_foreign_certificates(t
                 stranger.wrap_socket(raw, server_hostname=AGENT_SERVER_NAME) as sock,
             ):
                 sock.sendall(HELLO.pack(MAGIC, ticket, 0))
-                recv_exact_into(sock, memoryview(bytearray(16)))
+                recv_exact_into(sock, memoryview(bytearray(NBYTES)))
             assert server.data_plane.admitted == 2  # only the fetch above's two streams
             # Control: the same ticket from an agent of our CA is admitted and served.
             legit = client_context(fetcher_tls)
@@ -303,7 +303,7 @@ def test_tls_data_plane_fetches_and_refuses_plaintext_and_foreign_certificates(t
                 sock.sendall(HELLO.pack(MAGIC, ticket, 0))
                 data = bytearray(16 + NBYTES)
                 recv_exact_into(sock, memoryview(data))
-                assert bytes(data[16:]) == contents[0]
+                assert bytes(data[:NBYTES]) == contents[0]
             assert server.data_plane.admitted == 3
     finally:
         server.stop(0)
@@ -346,7 +346,10 @@ def test_lookup_between_agent_processes_is_bit_exact(
         assert res.hit_mask == [True] * 4
         for c in range(4):
             assert same(chunk_bytes(e2.tensors, chunk_ids(dst, c)), chunk_bytes(e1.tensors, chunk_ids(0, c)))
-        wait_for("A counted the chunks it served", lambda: e1.client.health().peer_served_chunks == 4)
+        # The data plane counts every chunk it sent; the gRPC stream counts one once it moved past
+        # it, which the last one may never do when B cancels right after it (tests/agent/test_peers.py).
+        served = 4 if "grpc" not in (fetcher_plane, holder_plane) else 3
+        wait_for("A counted the chunks it served", lambda: e1.client.health().peer_served_chunks >= served)
     finally:
         for agent in agents:
             agent.stop()

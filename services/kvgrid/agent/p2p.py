@@ -14,11 +14,14 @@ Protocol (one peer fetch):
    serving deadline passed). The stream's one message carries the ticket, the data port, the chunk
    count and size, and no data.
 2. The fetcher opens S connections to the peer's data port and sends ``HELLO`` (magic, ticket,
-   stream index). Stream ``k`` carries chunks ``k, k+S, k+2S, ...``, each as its 16-byte XXH3-128
-   checksum followed by the chunk's bytes, sent from the server's L1 buffer (``sendall`` of a view)
-   and received straight into the fetcher's reserved L1 chunk (``recv_into``): no copy in Python.
-3. The fetcher verifies each chunk's checksum before it may be committed; it commits the leading
-   chunks that arrived complete and intact.
+   stream index). Stream ``k`` carries chunks ``k, k+S, k+2S, ...``, each as the chunk's bytes
+   followed by their 16-byte XXH3-128 checksum (``chunk_checksum``'s digest), sent from the
+   server's L1 buffer (``sendall`` of views) and received straight into the fetcher's reserved L1
+   chunk (``recv_into``): no copy in Python. Both ends hash each piece of at most
+   :data:`PIECE_BYTES` while it is still in the CPU cache (the sender only when the chunk has no
+   checksum yet), not in a second pass over memory; hence the checksum trails the bytes.
+3. The fetcher compares each chunk's checksum before the chunk may be committed; it commits the
+   leading chunks that arrived complete and intact.
 
 Security invariants (an attacker on the pod network): the data port serves nothing without a live
 ticket, and tickets are only issued over the authorized control plane; a ticket is 256 random bits,
@@ -43,10 +46,11 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import xxhash
 
 from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.l1 import Chunk
-from kvgrid.common.checksum import CHECKSUM_BYTES, chunk_checksum
+from kvgrid.common.checksum import CHECKSUM_BYTES, CHECKSUM_NAME
 from kvgrid.common.tls import AGENT_SERVER_NAME, TlsFiles
 
 __all__ = [
@@ -76,6 +80,8 @@ HELLO = struct.Struct(f"<4s{TICKET_BYTES}sI")
 """What a fetcher sends first on each data connection: magic, ticket, stream index."""
 HELLO_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 1.0
+PIECE_BYTES = 1 << 20
+"""Hashed per piece while in cache: XXH3 runs 2-4x faster on 1 MiB than on 32 MiB (docs/benchmarks.md)."""
 MAX_CONNECTIONS = 256
 _SOCKET_BUFFER = 4 << 20  # larger kernel buffers: fewer wake-ups per 32 MiB chunk
 
@@ -124,13 +130,16 @@ def connect(host: str, port: int, timeout_s: float, tls: ssl.SSLContext | None) 
     return sock
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; ``ConnectionError`` when the peer hangs up first."""
+def recv_exact_into(sock: socket.socket, view: memoryview, hasher: xxhash.xxh3_128 | None = None) -> None:
+    """Fill ``view`` from ``sock`` (feeding ``hasher`` each piece as it lands); ``ConnectionError``
+    when the peer hangs up first."""
     got, size = 0, len(view)
     while got < size:
-        n = sock.recv_into(view[got:], size - got)
+        n = sock.recv_into(view[got:], min(size - got, PIECE_BYTES))
         if n == 0:
             raise ConnectionError(f"peer closed the data connection after {got} of {size} bytes")
+        if hasher is not None:
+            hasher.update(view[got : got + n])
         got += n
 
 
@@ -315,13 +324,18 @@ class DataPlaneServer:
             if chunk is None:
                 return  # ticket closed (gRPC stream gone): the fetcher sees the hang-up
             try:
-                data: np.ndarray = chunk.buffer.numpy()[: chunk.nbytes]
-                if not chunk.checksum:
-                    # Computed when first needed (as on the gRPC path), here pipelined per chunk.
-                    chunk.checksum = chunk_checksum(data)
-                assert len(chunk.checksum) == CHECKSUM_BYTES
+                data = chunk.buffer.numpy()[: chunk.nbytes].data
+                if chunk.checksum:
+                    conn.sendall(data)
+                else:
+                    # Computed when first needed (as on the gRPC path), piece by piece as sent.
+                    hasher = xxhash.xxh3_128()
+                    for off in range(0, len(data), PIECE_BYTES):
+                        piece = data[off : off + PIECE_BYTES]
+                        hasher.update(piece)
+                        conn.sendall(piece)
+                    chunk.checksum = hasher.digest()
                 conn.sendall(chunk.checksum)
-                conn.sendall(data.data)
             finally:
                 ticket.sent(index)
             if self.on_sent is not None:
@@ -364,12 +378,11 @@ def fetch_streams(
     targets: dict[int, np.ndarray],
     deadline: float,
     tls: ssl.SSLContext | None,
-    verify: Callable[[np.ndarray | bytearray, bytes], None],
 ) -> Received:
     """Receive ``num_chunks`` chunks over ``streams`` connections, each chunk straight into
-    ``targets[i]`` (a chunk without a target, already held here, is read and dropped), verified
-    with ``verify(bytes, checksum)`` (raises on mismatch) as soon as it is complete. Stops every
-    stream at the first failure or at ``deadline`` (``time.monotonic()``)."""
+    ``targets[i]`` (a chunk without a target, already held here, is read and dropped), its
+    XXH3-128 taken while it lands and compared with the checksum after it. Stops every stream at
+    the first failure or at ``deadline`` (``time.monotonic()``)."""
     got = Received()
     stop = threading.Event()
     socks: list[socket.socket] = []
@@ -407,17 +420,21 @@ def fetch_streams(
                 if stop.is_set():
                     return
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
-                recv_exact_into(sock, memoryview(checksum))
                 dst = targets.get(index)
                 if dst is None:
                     scratch = scratch if scratch is not None else bytearray(chunk_bytes)
-                    recv_exact_into(sock, memoryview(scratch))
+                    view = memoryview(scratch)
                 else:
-                    recv_exact_into(sock, dst.data.cast("B"))
-                try:
-                    verify(dst if dst is not None else scratch, bytes(checksum))  # type: ignore[arg-type]
-                except ValueError as e:
-                    raise StreamFailure("checksum", f"chunk {index} discarded: {e}") from None
+                    view = dst.data.cast("B")
+                hasher = xxhash.xxh3_128()
+                recv_exact_into(sock, view, hasher)
+                recv_exact_into(sock, memoryview(checksum))
+                if hasher.digest() != checksum:
+                    raise StreamFailure(
+                        "checksum",
+                        f"chunk {index} discarded: {CHECKSUM_NAME} {hasher.hexdigest()} of the bytes != "
+                        f"{checksum.hex()} sent with them",
+                    )
                 with got.lock:
                     got.checksums[index] = bytes(checksum)
         except StreamFailure as e:

@@ -659,7 +659,6 @@ class PeerFetcher:
             targets=targets,
             deadline=deadline,
             tls=client_context(self._tls_files) if self._tls_files is not None else None,
-            verify=verify_checksum,
         )
         filled = got.leading()
         for i in range(filled):

@@ -789,7 +789,7 @@ class FetchChunksResponse(_message.Message):
     """Data plane (FetchChunksRequest.data_streams > 0), first message only, which then has no data:
     a 32-byte one-time secret that admits data_streams connections to data_port on the serving
     agent's host, valid while this stream is open. Each chunk's checksum then comes on the data
-    plane right before its bytes.
+    plane right after its bytes.
     """
     data_port: _builtins.int
     def __init__(
