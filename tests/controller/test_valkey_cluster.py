@@ -173,6 +173,37 @@ def test_a_primary_restarted_empty_is_restored_by_the_agents_resync(
     assert took < 10
 
 
+def test_a_primary_killed_fails_over_to_its_replica_and_loses_nothing(tmp_path: Path) -> None:
+    """3 primaries with a replica each: a primary killed (SIGKILL), its replica promoted; the
+    replicas count a loss (asynchronous replication may have dropped the last writes), resync,
+    and every key of every agent is answered by every replica again."""
+    cluster = ValkeyCluster(tmp_path / "vkc", primaries=3, replicas=1, node_timeout_ms=500)
+    replicas = Replicas(cluster.url, unique_prefix(), redis_cluster=True, backend_check_interval_ms=200)
+    agents = [FakeAgent(s.address, f"pod-{i}", epoch=10 + i) for i, s in enumerate(replicas.servers)]
+    try:
+        for a in agents:
+            a.admit(rand_keys(30))
+        wait_until(lambda: _all_matched(replicas, agents), what="every key matched on every replica")
+        victim = cluster.ports[1]  # a primary (not the one redis_url names)
+        promoted = cluster.kill_primary(victim)
+        assert promoted in cluster.ports[3:]  # its replica serves its slots now
+        wait_until(
+            lambda: all(s.controller.backend_losses >= 1 for s in replicas.servers),
+            timeout=10,
+            what="every replica counted the failover as a loss",
+        )
+        for a in agents:
+            a.admit(rand_keys(5))  # and the cluster takes writes again
+        wait_until(
+            lambda: _all_matched(replicas, agents), timeout=15, what="every key matched after failover"
+        )
+    finally:
+        for a in agents:
+            a.close()
+        replicas.close()
+        cluster.stop()
+
+
 def test_resharding_while_serving_loses_nothing(
     cluster: ValkeyCluster, replicas: Replicas, agents: list[FakeAgent]
 ) -> None:

@@ -53,18 +53,21 @@ def _wait(cond: object, timeout: float, what: str) -> None:
 class ValkeyCluster:
     """``primaries`` primaries sharing the slots evenly (see the module docstring)."""
 
-    def __init__(self, root: Path, primaries: int = 3, node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self, root: Path, primaries: int = 3, node_timeout_ms: int = 1000, replicas: int = 0
+    ) -> None:
         self.root = root
         self.binary = str(get_binary_path())
         self.node_timeout_ms = node_timeout_ms
         self.ports: list[int] = []
+        """Every live node: the primaries first (in slot order), then ``replicas`` per primary."""
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         try:
-            for _ in range(primaries):
+            for _ in range(primaries * (1 + replicas)):
                 port = _free_port()
                 self.ports.append(port)
                 self._spawn(port)
-            self._join()
+            self._join(primaries)
         except BaseException:
             self.stop()
             raise
@@ -92,15 +95,23 @@ class ValkeyCluster:
         )  # fmt: skip
         _wait(lambda: self.client(port).ping(), 10, f"node :{port} up")
 
-    def _join(self) -> None:
+    def _join(self, primaries: int) -> None:
         first = self.client(self.ports[0])
         for port in self.ports[1:]:
             first.execute_command("CLUSTER", "MEET", "127.0.0.1", port)
-        n = len(self.ports)
-        for i, port in enumerate(self.ports):
+        n = primaries
+        for i, port in enumerate(self.ports[:n]):
             lo, hi = i * NUM_SLOTS // n, (i + 1) * NUM_SLOTS // n - 1
             self.client(port).execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
         self.wait_ok()
+        for i, port in enumerate(self.ports[n:]):
+            self.client(port).execute_command("CLUSTER", "REPLICATE", self.node_id(self.ports[i % n]))
+        for port in self.ports[n:]:
+            _wait(
+                lambda port=port: self.client(port).info("replication").get("master_link_status") == "up",
+                15,
+                f"replica :{port} in sync",
+            )
 
     def _info(self, port: int) -> dict[str, str]:
         raw = self.client(port).execute_command("CLUSTER", "INFO")
@@ -108,12 +119,12 @@ class ValkeyCluster:
         return dict(line.split(":", 1) for line in text.split() if ":" in line)
 
     def wait_ok(self, timeout: float = 15) -> None:
-        """Every node says ``cluster_state:ok`` and knows every other node."""
+        """Every live node says ``cluster_state:ok`` and knows every other live node."""
         n = len(self.ports)
 
         def ok() -> bool:
             infos = [self._info(p) for p in self.ports]
-            return all(i["cluster_state"] == "ok" and int(i["cluster_known_nodes"]) == n for i in infos)
+            return all(i["cluster_state"] == "ok" and int(i["cluster_known_nodes"]) >= n for i in infos)
 
         _wait(ok, timeout, "cluster_state:ok on every node")
 
@@ -164,6 +175,19 @@ class ValkeyCluster:
             if port not in (src_port, dst_port):
                 self.client(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
         return moved
+
+    def kill_primary(self, port: int) -> int:
+        """SIGKILL the primary on ``port`` and wait until its replica serves its slots; returns
+        the replica's port."""
+        slot = next(lo for lo, hi, primary, *_ in self.client(port).execute_command("CLUSTER", "SLOTS")
+                    if int(primary[1]) == port)  # fmt: skip
+        proc = self.procs.pop(port)
+        proc.kill()
+        proc.wait(10)
+        self.ports.remove(port)
+        _wait(lambda: self.slot_owner(slot) != port, 20, f"a replica of :{port} promoted")
+        self.wait_ok(20)
+        return self.slot_owner(slot)
 
     def stop(self) -> None:
         for proc in self.procs.values():
