@@ -494,8 +494,10 @@ def run(args: argparse.Namespace) -> int:
             }  # fmt: skip
             if "cpu_us" in rows[ours][0] and "cpu_us" in rows[theirs][0]:
                 # load-independent on a shared box: CPU time per query, not wall time
-                cpu = [b["cpu_us"] / a["cpu_us"] for a, b in zip(rows[ours], rows[theirs], strict=True)]
-                ratios[name]["cpu_per_query"] = _summary(cpu)
+                cpu = _summary(
+                    [b["cpu_us"] / a["cpu_us"] for a, b in zip(rows[ours], rows[theirs], strict=True)]
+                )
+                ratios[name].update({f"cpu_per_query_{k}": v for k, v in cpu.items()})
 
     ratio("in-process single query", "kvgrid in-process, 1 query", "Dynamo in-process RadixTree, 1 query")
     for c in conc:
@@ -544,8 +546,12 @@ def run(args: argparse.Namespace) -> int:
         for name, r in ratios.items():
             latency = f"; p50 {r['p50']:.2f}, p99 {r['p99']:.2f}" if "p50" in r else ""
             rng = f" [{r['min']:.2f}-{r['max']:.2f}]" if "min" in r else ""
-            c = r.get("cpu_per_query")
-            cpu = f"; CPU per query {c['median']:.2f} [{c['min']:.2f}-{c['max']:.2f}]" if c else ""
+            cpu = (
+                f"; CPU per query {r['cpu_per_query_median']:.2f} "
+                f"[{r['cpu_per_query_min']:.2f}-{r['cpu_per_query_max']:.2f}]"
+                if "cpu_per_query_median" in r
+                else ""
+            )
             print(f"  {name}: {r['median']:.2f}{rng}{latency}{cpu}")
     print(
         f"ingest goal (>= {GOAL_INGEST_KEYS_S:,.0f} keys/s through PublishEvents): "

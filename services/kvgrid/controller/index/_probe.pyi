@@ -1,6 +1,7 @@
 """Types of the compiled loops in ``_probe.c`` (built by ``pip install`` where a C compiler exists)."""
 
-from collections.abc import Buffer
+from _typeshed import ReadableBuffer as Buffer
+from _typeshed import WriteableBuffer
 
 def probe(
     state: Buffer, tab: Buffer, stride: int, shift: int, w: int, keys: Buffer, stop: bool, /
@@ -10,6 +11,6 @@ def probe_words(
 ) -> bytes: ...
 def match_words(words: Buffer, w: int, eligible: Buffer, max_pods: int, /) -> bytes: ...
 def insert(
-    state: Buffer, tab: Buffer, stride: int, shift: int, off: int, bit: int, keys: Buffer, /
+    state: WriteableBuffer, tab: WriteableBuffer, stride: int, shift: int, off: int, bit: int, keys: Buffer, /
 ) -> tuple[int, int, int]: ...
-def place(state: Buffer, tab: Buffer, stride: int, shift: int, rows: Buffer, /) -> None: ...
+def place(state: WriteableBuffer, tab: WriteableBuffer, stride: int, shift: int, rows: Buffer, /) -> None: ...
