@@ -166,6 +166,15 @@ def run(args: argparse.Namespace) -> int:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         print("kvgrid bench p2p: --device cuda but no CUDA device is visible", file=sys.stderr)
         return 2
+    if cfg.tls_dir:
+        missing = [n for n in ("tls.crt", "tls.key", "ca.crt") if not (Path(cfg.tls_dir) / n).is_file()]
+        if missing:
+            print(
+                f"kvgrid bench p2p: --tls-dir {cfg.tls_dir!r} lacks {', '.join(missing)}: expected an agent "
+                "certificate's tls.crt, tls.key and ca.crt",
+                file=sys.stderr,
+            )
+            return 2
     tokens_per_chunk, block = 256, 16
     bpc = tokens_per_chunk // block
     shape = (bpc * cfg.chunks, 2, block, 8, 128)
