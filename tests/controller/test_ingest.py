@@ -125,3 +125,30 @@ def test_coalesced_admits_keep_event_order_across_tiers_evicts_and_gaps() -> Non
         assert (acked, resync) == (9, True)
     finally:
         ingest.close()
+
+
+def test_wire_events_bad_key_is_named_and_message_refused() -> None:
+    # key lengths are checked once per message; a bad one is still named by event and position
+    from kvgrid.api.v1 import common_pb2, controller_pb2
+    from kvgrid.common.errors import InvalidArgument
+    from kvgrid.controller.wire import events_from_proto
+
+    k = rand_keys(4)
+    msg = controller_pb2.PublishEventsRequest()
+    msg.events.add(
+        sequence=1, kind=controller_pb2.EVENT_KIND_ADMIT, tier=common_pb2.TIER_L1, chunk_keys=k[:2]
+    )
+    msg.events.add(
+        sequence=2,
+        kind=controller_pb2.EVENT_KIND_ADMIT,
+        tier=common_pb2.TIER_GPU,
+        chunk_keys=[k[2], k[3][:15]],
+    )
+    with pytest.raises(InvalidArgument, match=r"events\[1\]\.chunk_keys\[1\]: got 15 bytes"):
+        events_from_proto(msg.events)
+    msg.events[1].chunk_keys[1] = k[3]
+    got = events_from_proto(msg.events)
+    assert [(e.sequence, e.kind, e.tier, e.keys) for e in got] == [
+        (1, EventKind.ADMIT, IndexTier.L1, tuple(k[:2])),
+        (2, EventKind.ADMIT, IndexTier.GPU, tuple(k[2:])),
+    ]
