@@ -170,6 +170,23 @@ def test_a_fetcher_that_never_connects_does_not_pin_chunks_past_the_ttl() -> Non
         server.stop(0)
 
 
+def test_a_cancelled_fetch_releases_its_ticket_at_once() -> None:
+    server = _server(peer_fetch_timeout_ms=60_000, pin_ttl_ms=61_000, pin_ttl_max_ms=61_000)
+    try:
+        keys = keys_for(711, 2)
+        _put(server, keys, NBYTES)
+        assert server.core is not None and server.data_plane is not None
+        ch, first = _ticket(server.tcp_port or 0, keys, streams=2)
+        with ch:
+            assert server.core.cache.clear() == 0  # referenced by the ticket
+            ch.call.cancel()  # type: ignore[attr-defined]
+            # Long before the 60 s TTL: the call's end closed the ticket.
+            wait_for("ticket closed", lambda: server.core is not None and server.core.cache.clear() == 2, 5)
+            assert _refused(_hello(server.data_plane.port, first.data_ticket, 0))
+    finally:
+        server.stop(0)
+
+
 # ---- the fetcher --------------------------------------------------------------------------------
 
 

@@ -37,7 +37,7 @@ from opentelemetry import metrics, trace
 from kvgrid.agent.cache import ChunkCache, MissCause
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import Chunk
-from kvgrid.agent.p2p import DataPlaneServer, client_context, fetch_streams, ticket_streams
+from kvgrid.agent.p2p import DataPlaneServer, Ticket, client_context, fetch_streams, ticket_streams
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.checksum import ChecksumMismatch, chunk_checksum, verify_checksum
 from kvgrid.common.errors import FailedPrecondition, InvalidArgument, check_namespace_id, client_input
@@ -201,6 +201,7 @@ class ChunkSender:
             )
         self._lock = threading.Lock()
         self._pending: list[Chunk] = chunks  # referenced, not yet fully sent
+        self._ticket: Ticket | None = None  # data plane: holds the references instead
         self.num_chunks = len(chunks)
         self.data_plane = data_plane if req.data_streams else None
         self.data_streams = int(req.data_streams)
@@ -209,8 +210,11 @@ class ChunkSender:
     def close(self) -> None:
         with self._lock:
             left, self._pending = self._pending, []
+            ticket = self._ticket
         if left:
             self.cache.release(left)
+        if ticket is not None:
+            ticket.close()  # the call ended (client gone): wakes _iter_ticket, which retires it
 
     def _peek(self) -> Chunk | None:
         with self._lock:
@@ -222,6 +226,8 @@ class ChunkSender:
         with self._lock:
             chunks, self._pending = self._pending, []
         ticket = plane.issue(self.cache, chunks, ticket_streams(self.data_streams, len(chunks)))
+        with self._lock:
+            self._ticket = ticket
         try:
             yield agent_pb2.FetchChunksResponse(
                 num_chunks=ticket.num_chunks,
