@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_suite.sh [OUTDIR]
 #
-# Carry .whl (and .whl-lmcache for the LMCache reference row). Missing dependencies can be pre-downloaded as wheels into .whl/ (scripts/fetch_gpu_wheels.sh);
+# Carry .whl (and .whl-lmcache for the LMCache reference row, .whl-vllm for the TTFT harness). Missing dependencies can be pre-downloaded as wheels into .whl/ (scripts/fetch_gpu_wheels.sh);
 # they are installed into a private folder, never over the machine's torch. Both source roots
 # (services/ for kvgrid, kernels/ for kvgrid_kernels) go on PYTHONPATH as they are, so nothing is
 # built or installed into the system.
@@ -16,6 +16,13 @@ mkdir -p "$out"
 site="$(mktemp -d)"
 if compgen -G "$root/.whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$root"/.whl/*.whl
+fi
+# vLLM's Python sources for the TTFT harness (scripts/fetch_gpu_wheels.sh --vllm): no vLLM kernel runs.
+ttft=0
+if [[ -f "$root/.whl-vllm/vllm-py.tgz" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$root"/.whl-vllm/*.whl
+    tar -xzf "$root/.whl-vllm/vllm-py.tgz" -C "$site"
+    ttft=1
 fi
 export PYTHONPATH="$root/services:$root/kernels:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$root"
@@ -29,3 +36,7 @@ python3 -m kvgrid.cli bench transfer --device cuda ${lmcache[@]+"${lmcache[@]}"}
 for n in 1 32; do
     python3 -m kvgrid.cli bench agent --device cuda --chunks "$n" --iters 10
 done 2>&1 | tee "$out/bench-agent.txt"
+if ((ttft)); then
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/ttft 2>&1 | tee "$out/pytest-ttft.log"
+    python3 -m kvgrid.cli bench ttft --device cuda 2>&1 | tee "$out/bench-ttft.txt"
+fi
