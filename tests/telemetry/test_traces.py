@@ -196,7 +196,14 @@ def test_a_lookup_is_one_trace_across_connector_agents_and_controller(
         return {res["service.name"] for res, _ in _by_id(cluster.receiver).values()}
 
     want_services = {"vllm-engine", "kvgrid-agent", "kvgrid-controller"}
-    _wait("spans of every service", lambda: want_services <= services() and _has_fetch(cluster))
+
+    def lookup_exported() -> bool:  # B's server span ends after the fetch: its batch can come later
+        return any(s.name == "kvgrid.v1.AgentService/Lookup" for _, s in _by_id(cluster.receiver).values())
+
+    _wait(
+        "spans of every service",
+        lambda: want_services <= services() and _has_fetch(cluster) and lookup_exported(),
+    )
     spans = _by_id(cluster.receiver)
 
     def named(name: str) -> list[tuple[dict[str, Any], Any]]:
