@@ -32,6 +32,8 @@ class _TierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Tier.ValueType],
     """In the pod's agent L1 pinned-CPU cache."""
     TIER_PEER: _Tier.ValueType  # 3
     """Fetchable from another pod's agent."""
+    TIER_L2: _Tier.ValueType  # 4
+    """In the pod's agent lower tiers (local disk or object store): readable back into its L1."""
 
 class Tier(_Tier, metaclass=_TierEnumTypeWrapper):
     """Where a chunk lives, from the point of view of a router."""
@@ -43,6 +45,8 @@ TIER_L1: Tier.ValueType  # 2
 """In the pod's agent L1 pinned-CPU cache."""
 TIER_PEER: Tier.ValueType  # 3
 """Fetchable from another pod's agent."""
+TIER_L2: Tier.ValueType  # 4
+"""In the pod's agent lower tiers (local disk or object store): readable back into its L1."""
 Global___Tier: _TypeAlias = Tier  # noqa: Y015
 
 @_typing.final

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvgrid.api.v1 import common_pb2 as kvgrid_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvgrid/v1/controller.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\"\x87\x01\n\tAgentLoad\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x14\n\x0cgpu_kv_usage\x18\x03 \x01(\x01\x12\x15\n\rl1_used_bytes\x18\x04 \x01(\x04\x12\x19\n\x11l1_capacity_bytes\x18\x05 \x01(\x04\"j\n\x14RegisterAgentRequest\x12#\n\x03pod\x18\x01 \x01(\x0b\x32\x16.kvgrid.v1.PodIdentity\x12\x12\n\nnamespaces\x18\x02 \x03(\t\x12\x19\n\x11l1_capacity_bytes\x18\x03 \x01(\x04\"I\n\x15RegisterAgentResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x1a\n\x12snapshot_requested\x18\x02 \x01(\x08\"V\n\x10HeartbeatRequest\x12\x0f\n\x07pod_uid\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\"\n\x04load\x18\x03 \x01(\x0b\x32\x14.kvgrid.v1.AgentLoad\"=\n\x11HeartbeatResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x12\n\nreregister\x18\x02 \x01(\x08\"\x88\x01\n\nChunkEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.kvgrid.v1.EventKind\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvgrid.v1.Tier\x12\x12\n\nchunk_keys\x18\x04 \x03(\x0c\x12\x11\n\tnamespace\x18\x05 \x01(\t\"b\n\x14PublishEventsRequest\x12#\n\x03pod\x18\x01 \x01(\x0b\x32\x16.kvgrid.v1.PodIdentity\x12%\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x15.kvgrid.v1.ChunkEvent\"G\n\x15PublishEventsResponse\x12\x16\n\x0e\x61\x63ked_sequence\x18\x01 \x01(\x04\x12\x16\n\x0eresync_started\x18\x02 \x01(\x08\"F\n\x14SnapshotIndexRequest\x12\x0f\n\x07pod_uid\x18\x01 \x01(\t\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.kvgrid.v1.Tier\"g\n\x15SnapshotIndexResponse\x12#\n\x03pod\x18\x01 \x01(\x0b\x32\x16.kvgrid.v1.PodIdentity\x12\x12\n\nchunk_keys\x18\x02 \x03(\x0c\x12\x15\n\rlast_sequence\x18\x03 \x01(\x04\"\xe3\x01\n\x12MatchPrefixRequest\x12(\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x13.kvgrid.v1.TokenIdsH\x00\x12*\n\nchunk_keys\x18\x02 \x01(\x0b\x32\x14.kvgrid.v1.ChunkKeysH\x00\x12*\n\tnamespace\x18\x03 \x01(\x0b\x32\x17.kvgrid.v1.KeyNamespace\x12\x14\n\x0cnamespace_id\x18\x04 \x01(\t\x12\x1a\n\x12\x63\x61ndidate_pod_uids\x18\x05 \x03(\t\x12\x10\n\x08max_pods\x18\x06 \x01(\rB\x07\n\x05query\"i\n\x08PodMatch\x12\x0f\n\x07pod_uid\x18\x01 \x01(\t\x12\x10\n\x08pod_name\x18\x02 \x01(\t\x12\x12\n\ngpu_chunks\x18\x03 \x01(\r\x12\x11\n\tl1_chunks\x18\x04 \x01(\r\x12\x13\n\x0bpeer_chunks\x18\x05 \x01(\r\"t\n\x13MatchPrefixResponse\x12\x18\n\x10num_query_chunks\x18\x01 \x01(\r\x12$\n\x07matches\x18\x02 \x03(\x0b\x32\x13.kvgrid.v1.PodMatch\x12\x1d\n\x15peer_fetchable_chunks\x18\x03 \x01(\r\"\xec\x01\n\x17\x42\x61tchMatchPrefixRequest\x12/\n\x08requests\x18\x01 \x03(\x0b\x32\x1d.kvgrid.v1.MatchPrefixRequest\x12\x0f\n\x07\x63ompact\x18\x02 \x01(\x08\x12\x19\n\x11packed_chunk_keys\x18\x03 \x01(\x0c\x12\x1b\n\x13packed_query_chunks\x18\x04 \x03(\r\x12\x1b\n\x13packed_namespace_id\x18\x05 \x01(\t\x12!\n\x19packed_candidate_pod_uids\x18\x06 \x03(\t\x12\x17\n\x0fpacked_max_pods\x18\x07 \x01(\r\"\x98\x01\n\x18\x42\x61tchMatchPrefixResponse\x12\x31\n\tresponses\x18\x01 \x03(\x0b\x32\x1e.kvgrid.v1.MatchPrefixResponse\x12\x1f\n\x04pods\x18\x02 \x03(\x0b\x32\x11.kvgrid.v1.PodRef\x12(\n\x07\x63ompact\x18\x03 \x03(\x0b\x32\x17.kvgrid.v1.CompactMatch\"x\n\x0cScoreRequest\x12,\n\x05match\x18\x01 \x01(\x0b\x32\x1d.kvgrid.v1.MatchPrefixRequest\x12\x0f\n\x07reserve\x18\x02 \x01(\x08\x12\x1a\n\x12speculative_ttl_ms\x18\x03 \x01(\r\x12\r\n\x05top_k\x18\x04 \x01(\r\"\xa1\x01\n\x08PodScore\x12\"\n\x05match\x18\x01 \x01(\x0b\x32\x13.kvgrid.v1.PodMatch\x12\x19\n\x11\x65stimated_ttft_ms\x18\x02 \x01(\x01\x12\x16\n\x0el1_transfer_ms\x18\x03 \x01(\x01\x12\x18\n\x10peer_transfer_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\"N\n\rScoreResponse\x12#\n\x06scores\x18\x01 \x03(\x0b\x32\x13.kvgrid.v1.PodScore\x12\x18\n\x10num_query_chunks\x18\x02 \x01(\r\">\n\x11\x42\x61tchScoreRequest\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.kvgrid.v1.ScoreRequest\"A\n\x12\x42\x61tchScoreResponse\x12+\n\tresponses\x18\x01 \x03(\x0b\x32\x18.kvgrid.v1.ScoreResponse\"\x13\n\x11ListAgentsRequest\"\x9b\x01\n\tAgentInfo\x12#\n\x03pod\x18\x01 \x01(\x0b\x32\x16.kvgrid.v1.PodIdentity\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.kvgrid.v1.AgentLoad\x12\x1a\n\x12lease_remaining_ms\x18\x03 \x01(\x03\x12\x12\n\nnum_chunks\x18\x04 \x01(\x04\x12\x15\n\rlast_sequence\x18\x05 \x01(\x04\":\n\x12ListAgentsResponse\x12$\n\x06\x61gents\x18\x01 \x03(\x0b\x32\x14.kvgrid.v1.AgentInfo\"\x11\n\x0fGetStatsRequest\"\xe3\x01\n\x10GetStatsResponse\x12\x13\n\x0bnum_entries\x18\x01 \x01(\x04\x12\x12\n\nnum_agents\x18\x02 \x01(\x04\x12\x17\n\x0f\x65vents_ingested\x18\x03 \x01(\x04\x12\x0f\n\x07resyncs\x18\x04 \x01(\x04\x12\x15\n\rindex_backend\x18\x05 \x01(\t\x12\x19\n\x11rejected_requests\x18\x06 \x01(\x04\x12\x1c\n\x14vllm_events_ingested\x18\x07 \x01(\x04\x12\x14\n\x0cvllm_replays\x18\x08 \x01(\x04\x12\x16\n\x0e\x65xpired_leases\x18\t \x01(\x04\"+\n\x06PodRef\x12\x0f\n\x07pod_uid\x18\x01 \x01(\t\x12\x10\n\x08pod_name\x18\x02 \x01(\t\"\x96\x01\n\x0c\x43ompactMatch\x12\x18\n\x10num_query_chunks\x18\x01 \x01(\r\x12\x1d\n\x15peer_fetchable_chunks\x18\x02 \x01(\r\x12\x11\n\tpod_index\x18\x03 \x03(\r\x12\x12\n\ngpu_chunks\x18\x04 \x03(\r\x12\x11\n\tl1_chunks\x18\x05 \x03(\r\x12\x13\n\x0bpeer_chunks\x18\x06 \x03(\r*i\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45VENT_KIND_ADMIT\x10\x01\x12\x14\n\x10\x45VENT_KIND_EVICT\x10\x02\x12\x14\n\x10\x45VENT_KIND_CLEAR\x10\x03\x32\x9d\x06\n\x11\x43ontrollerService\x12R\n\rRegisterAgent\x12\x1f.kvgrid.v1.RegisterAgentRequest\x1a .kvgrid.v1.RegisterAgentResponse\x12\x46\n\tHeartbeat\x12\x1b.kvgrid.v1.HeartbeatRequest\x1a\x1c.kvgrid.v1.HeartbeatResponse\x12V\n\rPublishEvents\x12\x1f.kvgrid.v1.PublishEventsRequest\x1a .kvgrid.v1.PublishEventsResponse(\x01\x30\x01\x12R\n\rSnapshotIndex\x12\x1f.kvgrid.v1.SnapshotIndexRequest\x1a .kvgrid.v1.SnapshotIndexResponse\x12L\n\x0bMatchPrefix\x12\x1d.kvgrid.v1.MatchPrefixRequest\x1a\x1e.kvgrid.v1.MatchPrefixResponse\x12[\n\x10\x42\x61tchMatchPrefix\x12\".kvgrid.v1.BatchMatchPrefixRequest\x1a#.kvgrid.v1.BatchMatchPrefixResponse\x12:\n\x05Score\x12\x17.kvgrid.v1.ScoreRequest\x1a\x18.kvgrid.v1.ScoreResponse\x12I\n\nBatchScore\x12\x1c.kvgrid.v1.BatchScoreRequest\x1a\x1d.kvgrid.v1.BatchScoreResponse\x12I\n\nListAgents\x12\x1c.kvgrid.v1.ListAgentsRequest\x1a\x1d.kvgrid.v1.ListAgentsResponse\x12\x43\n\x08GetStats\x12\x1a.kvgrid.v1.GetStatsRequest\x1a\x1b.kvgrid.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvgrid/v1/controller.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\"\x87\x01\n\tAgentLoad\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x14\n\x0cgpu_kv_usage\x18\x03 \x01(\x01\x12\x15\n\rl1_used_bytes\x18\x04 \x01(\x04\x12\x19\n\x11l1_capacity_bytes\x18\x05 \x01(\x04\"j\n\x14RegisterAgentRequest\x12#\n\x03pod\x18\x01 \x01(\x0b\x32\x16.kvgrid.v1.PodIdentity\x12\x12\n\nnamespaces\x18\x02 \x03(\t\x12\x19\n\x11l1_capacity_bytes\x18\x03 \x01(\x04\"I\n\x15RegisterAgentResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x1a\n\x12snapshot_requested\x18\x02 \x01(\x08\"V\n\x10HeartbeatRequest\x12\x0f\n\x07pod_uid\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\"\n\x04load\x18\x03 \x01(\x0b\x32\x14.kvgrid.v1.AgentLoad\"=\n\x11HeartbeatResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x12\n\nreregister\x18\x02 \x01(\x08\"\x88\x01\n\nChunkEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.kvgrid.v1.EventKind\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvgrid.v1.Tier\x12\x12\n\nchunk_keys\x18\x04 \x03(\x0c\x12\x11\n\tnamespace\x18\x05 \x01(\t\"b\n\x14PublishEventsRequest\x12#\n\x03pod\x18\x01 \x01(\x0b\x32\x16.kvgrid.v1.PodIdentity\x12%\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x15.kvgrid.v1.ChunkEvent\"G\n\x15PublishEventsResponse\x12\x16\n\x0e\x61\x63ked_sequence\x18\x01 \x01(\x04\x12\x16\n\x0eresync_started\x18\x02 \x01(\x08\"F\n\x14SnapshotIndexRequest\x12\x0f\n\x07pod_uid\x18\x01 \x01(\t\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.kvgrid.v1.Tier\"g\n\x15SnapshotIndexResponse\x12#\n\x03pod\x18\x01 \x01(\x0b\x32\x16.kvgrid.v1.PodIdentity\x12\x12\n\nchunk_keys\x18\x02 \x03(\x0c\x12\x15\n\rlast_sequence\x18\x03 \x01(\x04\"\xe3\x01\n\x12MatchPrefixRequest\x12(\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x13.kvgrid.v1.TokenIdsH\x00\x12*\n\nchunk_keys\x18\x02 \x01(\x0b\x32\x14.kvgrid.v1.ChunkKeysH\x00\x12*\n\tnamespace\x18\x03 \x01(\x0b\x32\x17.kvgrid.v1.KeyNamespace\x12\x14\n\x0cnamespace_id\x18\x04 \x01(\t\x12\x1a\n\x12\x63\x61ndidate_pod_uids\x18\x05 \x03(\t\x12\x10\n\x08max_pods\x18\x06 \x01(\rB\x07\n\x05query\"|\n\x08PodMatch\x12\x0f\n\x07pod_uid\x18\x01 \x01(\t\x12\x10\n\x08pod_name\x18\x02 \x01(\t\x12\x12\n\ngpu_chunks\x18\x03 \x01(\r\x12\x11\n\tl1_chunks\x18\x04 \x01(\r\x12\x13\n\x0bpeer_chunks\x18\x05 \x01(\r\x12\x11\n\tl2_chunks\x18\x06 \x01(\r\"t\n\x13MatchPrefixResponse\x12\x18\n\x10num_query_chunks\x18\x01 \x01(\r\x12$\n\x07matches\x18\x02 \x03(\x0b\x32\x13.kvgrid.v1.PodMatch\x12\x1d\n\x15peer_fetchable_chunks\x18\x03 \x01(\r\"\xec\x01\n\x17\x42\x61tchMatchPrefixRequest\x12/\n\x08requests\x18\x01 \x03(\x0b\x32\x1d.kvgrid.v1.MatchPrefixRequest\x12\x0f\n\x07\x63ompact\x18\x02 \x01(\x08\x12\x19\n\x11packed_chunk_keys\x18\x03 \x01(\x0c\x12\x1b\n\x13packed_query_chunks\x18\x04 \x03(\r\x12\x1b\n\x13packed_namespace_id\x18\x05 \x01(\t\x12!\n\x19packed_candidate_pod_uids\x18\x06 \x03(\t\x12\x17\n\x0fpacked_max_pods\x18\x07 \x01(\r\"\x98\x01\n\x18\x42\x61tchMatchPrefixResponse\x12\x31\n\tresponses\x18\x01 \x03(\x0b\x32\x1e.kvgrid.v1.MatchPrefixResponse\x12\x1f\n\x04pods\x18\x02 \x03(\x0b\x32\x11.kvgrid.v1.PodRef\x12(\n\x07\x63ompact\x18\x03 \x03(\x0b\x32\x17.kvgrid.v1.CompactMatch\"x\n\x0cScoreRequest\x12,\n\x05match\x18\x01 \x01(\x0b\x32\x1d.kvgrid.v1.MatchPrefixRequest\x12\x0f\n\x07reserve\x18\x02 \x01(\x08\x12\x1a\n\x12speculative_ttl_ms\x18\x03 \x01(\r\x12\r\n\x05top_k\x18\x04 \x01(\r\"\xb9\x01\n\x08PodScore\x12\"\n\x05match\x18\x01 \x01(\x0b\x32\x13.kvgrid.v1.PodMatch\x12\x19\n\x11\x65stimated_ttft_ms\x18\x02 \x01(\x01\x12\x16\n\x0el1_transfer_ms\x18\x03 \x01(\x01\x12\x18\n\x10peer_transfer_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x16\n\x0el2_transfer_ms\x18\x07 \x01(\x01\"N\n\rScoreResponse\x12#\n\x06scores\x18\x01 \x03(\x0b\x32\x13.kvgrid.v1.PodScore\x12\x18\n\x10num_query_chunks\x18\x02 \x01(\r\">\n\x11\x42\x61tchScoreRequest\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.kvgrid.v1.ScoreRequest\"A\n\x12\x42\x61tchScoreResponse\x12+\n\tresponses\x18\x01 \x03(\x0b\x32\x18.kvgrid.v1.ScoreResponse\"\x13\n\x11ListAgentsRequest\"\x9b\x01\n\tAgentInfo\x12#\n\x03pod\x18\x01 \x01(\x0b\x32\x16.kvgrid.v1.PodIdentity\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.kvgrid.v1.AgentLoad\x12\x1a\n\x12lease_remaining_ms\x18\x03 \x01(\x03\x12\x12\n\nnum_chunks\x18\x04 \x01(\x04\x12\x15\n\rlast_sequence\x18\x05 \x01(\x04\":\n\x12ListAgentsResponse\x12$\n\x06\x61gents\x18\x01 \x03(\x0b\x32\x14.kvgrid.v1.AgentInfo\"\x11\n\x0fGetStatsRequest\"\xe3\x01\n\x10GetStatsResponse\x12\x13\n\x0bnum_entries\x18\x01 \x01(\x04\x12\x12\n\nnum_agents\x18\x02 \x01(\x04\x12\x17\n\x0f\x65vents_ingested\x18\x03 \x01(\x04\x12\x0f\n\x07resyncs\x18\x04 \x01(\x04\x12\x15\n\rindex_backend\x18\x05 \x01(\t\x12\x19\n\x11rejected_requests\x18\x06 \x01(\x04\x12\x1c\n\x14vllm_events_ingested\x18\x07 \x01(\x04\x12\x14\n\x0cvllm_replays\x18\x08 \x01(\x04\x12\x16\n\x0e\x65xpired_leases\x18\t \x01(\x04\"+\n\x06PodRef\x12\x0f\n\x07pod_uid\x18\x01 \x01(\t\x12\x10\n\x08pod_name\x18\x02 \x01(\t\"\xa9\x01\n\x0c\x43ompactMatch\x12\x18\n\x10num_query_chunks\x18\x01 \x01(\r\x12\x1d\n\x15peer_fetchable_chunks\x18\x02 \x01(\r\x12\x11\n\tpod_index\x18\x03 \x03(\r\x12\x12\n\ngpu_chunks\x18\x04 \x03(\r\x12\x11\n\tl1_chunks\x18\x05 \x03(\r\x12\x13\n\x0bpeer_chunks\x18\x06 \x03(\r\x12\x11\n\tl2_chunks\x18\x07 \x03(\r*i\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45VENT_KIND_ADMIT\x10\x01\x12\x14\n\x10\x45VENT_KIND_EVICT\x10\x02\x12\x14\n\x10\x45VENT_KIND_CLEAR\x10\x03\x32\x9d\x06\n\x11\x43ontrollerService\x12R\n\rRegisterAgent\x12\x1f.kvgrid.v1.RegisterAgentRequest\x1a .kvgrid.v1.RegisterAgentResponse\x12\x46\n\tHeartbeat\x12\x1b.kvgrid.v1.HeartbeatRequest\x1a\x1c.kvgrid.v1.HeartbeatResponse\x12V\n\rPublishEvents\x12\x1f.kvgrid.v1.PublishEventsRequest\x1a .kvgrid.v1.PublishEventsResponse(\x01\x30\x01\x12R\n\rSnapshotIndex\x12\x1f.kvgrid.v1.SnapshotIndexRequest\x1a .kvgrid.v1.SnapshotIndexResponse\x12L\n\x0bMatchPrefix\x12\x1d.kvgrid.v1.MatchPrefixRequest\x1a\x1e.kvgrid.v1.MatchPrefixResponse\x12[\n\x10\x42\x61tchMatchPrefix\x12\".kvgrid.v1.BatchMatchPrefixRequest\x1a#.kvgrid.v1.BatchMatchPrefixResponse\x12:\n\x05Score\x12\x17.kvgrid.v1.ScoreRequest\x1a\x18.kvgrid.v1.ScoreResponse\x12I\n\nBatchScore\x12\x1c.kvgrid.v1.BatchScoreRequest\x1a\x1d.kvgrid.v1.BatchScoreResponse\x12I\n\nListAgents\x12\x1c.kvgrid.v1.ListAgentsRequest\x1a\x1d.kvgrid.v1.ListAgentsResponse\x12\x43\n\x08GetStats\x12\x1a.kvgrid.v1.GetStatsRequest\x1a\x1b.kvgrid.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvgrid.v1.controller_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EVENTKIND']._serialized_start=3058
-  _globals['_EVENTKIND']._serialized_end=3163
+  _globals['_EVENTKIND']._serialized_start=3120
+  _globals['_EVENTKIND']._serialized_end=3225
   _globals['_AGENTLOAD']._serialized_start=66
   _globals['_AGENTLOAD']._serialized_end=201
   _globals['_REGISTERAGENTREQUEST']._serialized_start=203
@@ -57,37 +57,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MATCHPREFIXREQUEST']._serialized_start=1027
   _globals['_MATCHPREFIXREQUEST']._serialized_end=1254
   _globals['_PODMATCH']._serialized_start=1256
-  _globals['_PODMATCH']._serialized_end=1361
-  _globals['_MATCHPREFIXRESPONSE']._serialized_start=1363
-  _globals['_MATCHPREFIXRESPONSE']._serialized_end=1479
-  _globals['_BATCHMATCHPREFIXREQUEST']._serialized_start=1482
-  _globals['_BATCHMATCHPREFIXREQUEST']._serialized_end=1718
-  _globals['_BATCHMATCHPREFIXRESPONSE']._serialized_start=1721
-  _globals['_BATCHMATCHPREFIXRESPONSE']._serialized_end=1873
-  _globals['_SCOREREQUEST']._serialized_start=1875
-  _globals['_SCOREREQUEST']._serialized_end=1995
-  _globals['_PODSCORE']._serialized_start=1998
-  _globals['_PODSCORE']._serialized_end=2159
-  _globals['_SCORERESPONSE']._serialized_start=2161
-  _globals['_SCORERESPONSE']._serialized_end=2239
-  _globals['_BATCHSCOREREQUEST']._serialized_start=2241
-  _globals['_BATCHSCOREREQUEST']._serialized_end=2303
-  _globals['_BATCHSCORERESPONSE']._serialized_start=2305
-  _globals['_BATCHSCORERESPONSE']._serialized_end=2370
-  _globals['_LISTAGENTSREQUEST']._serialized_start=2372
-  _globals['_LISTAGENTSREQUEST']._serialized_end=2391
-  _globals['_AGENTINFO']._serialized_start=2394
-  _globals['_AGENTINFO']._serialized_end=2549
-  _globals['_LISTAGENTSRESPONSE']._serialized_start=2551
-  _globals['_LISTAGENTSRESPONSE']._serialized_end=2609
-  _globals['_GETSTATSREQUEST']._serialized_start=2611
-  _globals['_GETSTATSREQUEST']._serialized_end=2628
-  _globals['_GETSTATSRESPONSE']._serialized_start=2631
-  _globals['_GETSTATSRESPONSE']._serialized_end=2858
-  _globals['_PODREF']._serialized_start=2860
-  _globals['_PODREF']._serialized_end=2903
-  _globals['_COMPACTMATCH']._serialized_start=2906
-  _globals['_COMPACTMATCH']._serialized_end=3056
-  _globals['_CONTROLLERSERVICE']._serialized_start=3166
-  _globals['_CONTROLLERSERVICE']._serialized_end=3963
+  _globals['_PODMATCH']._serialized_end=1380
+  _globals['_MATCHPREFIXRESPONSE']._serialized_start=1382
+  _globals['_MATCHPREFIXRESPONSE']._serialized_end=1498
+  _globals['_BATCHMATCHPREFIXREQUEST']._serialized_start=1501
+  _globals['_BATCHMATCHPREFIXREQUEST']._serialized_end=1737
+  _globals['_BATCHMATCHPREFIXRESPONSE']._serialized_start=1740
+  _globals['_BATCHMATCHPREFIXRESPONSE']._serialized_end=1892
+  _globals['_SCOREREQUEST']._serialized_start=1894
+  _globals['_SCOREREQUEST']._serialized_end=2014
+  _globals['_PODSCORE']._serialized_start=2017
+  _globals['_PODSCORE']._serialized_end=2202
+  _globals['_SCORERESPONSE']._serialized_start=2204
+  _globals['_SCORERESPONSE']._serialized_end=2282
+  _globals['_BATCHSCOREREQUEST']._serialized_start=2284
+  _globals['_BATCHSCOREREQUEST']._serialized_end=2346
+  _globals['_BATCHSCORERESPONSE']._serialized_start=2348
+  _globals['_BATCHSCORERESPONSE']._serialized_end=2413
+  _globals['_LISTAGENTSREQUEST']._serialized_start=2415
+  _globals['_LISTAGENTSREQUEST']._serialized_end=2434
+  _globals['_AGENTINFO']._serialized_start=2437
+  _globals['_AGENTINFO']._serialized_end=2592
+  _globals['_LISTAGENTSRESPONSE']._serialized_start=2594
+  _globals['_LISTAGENTSRESPONSE']._serialized_end=2652
+  _globals['_GETSTATSREQUEST']._serialized_start=2654
+  _globals['_GETSTATSREQUEST']._serialized_end=2671
+  _globals['_GETSTATSRESPONSE']._serialized_start=2674
+  _globals['_GETSTATSRESPONSE']._serialized_end=2901
+  _globals['_PODREF']._serialized_start=2903
+  _globals['_PODREF']._serialized_end=2946
+  _globals['_COMPACTMATCH']._serialized_start=2949
+  _globals['_COMPACTMATCH']._serialized_end=3118
+  _globals['_CONTROLLERSERVICE']._serialized_start=3228
+  _globals['_CONTROLLERSERVICE']._serialized_end=4025
 # @@protoc_insertion_point(module_scope)

@@ -266,7 +266,7 @@ class SnapshotIndexRequest(_message.Message):
     TIER_FIELD_NUMBER: _builtins.int
     pod_uid: _builtins.str
     tier: _common_pb2.Tier.ValueType
-    """Which tier's entries (unspecified = L1, the agent-owned tier)."""
+    """Which tier's entries: TIER_L1 (or unspecified), TIER_GPU or TIER_L2 (TIER_PEER is never stored)."""
     def __init__(
         self,
         *,
@@ -356,7 +356,9 @@ Global___MatchPrefixRequest: _TypeAlias = MatchPrefixRequest  # noqa: Y015
 
 @_typing.final
 class PodMatch(_message.Message):
-    """Leading chunks matched on one pod, per tier (a chunk counts in the fastest tier holding it)."""
+    """Leading chunks matched on one pod, per tier (a chunk counts in the fastest tier holding it:
+    GPU, then the pod's L1, then its lower tiers (L2: disk or object store), then peers).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -365,11 +367,14 @@ class PodMatch(_message.Message):
     GPU_CHUNKS_FIELD_NUMBER: _builtins.int
     L1_CHUNKS_FIELD_NUMBER: _builtins.int
     PEER_CHUNKS_FIELD_NUMBER: _builtins.int
+    L2_CHUNKS_FIELD_NUMBER: _builtins.int
     pod_uid: _builtins.str
     pod_name: _builtins.str
     gpu_chunks: _builtins.int
     l1_chunks: _builtins.int
     peer_chunks: _builtins.int
+    l2_chunks: _builtins.int
+    """Held in the pod's own lower tiers (and neither in its GPU nor its L1)."""
     def __init__(
         self,
         *,
@@ -378,10 +383,11 @@ class PodMatch(_message.Message):
         gpu_chunks: _builtins.int = ...,
         l1_chunks: _builtins.int = ...,
         peer_chunks: _builtins.int = ...,
+        l2_chunks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_chunks", b"gpu_chunks", "l1_chunks", b"l1_chunks", "peer_chunks", b"peer_chunks", "pod_name", b"pod_name", "pod_uid", b"pod_uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_chunks", b"gpu_chunks", "l1_chunks", b"l1_chunks", "l2_chunks", b"l2_chunks", "peer_chunks", b"peer_chunks", "pod_name", b"pod_name", "pod_uid", b"pod_uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -401,7 +407,7 @@ class MatchPrefixResponse(_message.Message):
     """
     @_builtins.property
     def matches(self) -> _containers.RepeatedCompositeFieldContainer[Global___PodMatch]:
-        """Pods that hold at least one of the leading chunks themselves (GPU or L1), longest match first."""
+        """Pods that hold at least one of the leading chunks themselves (GPU, L1 or L2), longest match first."""
 
     def __init__(
         self,
@@ -548,6 +554,7 @@ class PodScore(_message.Message):
     PEER_TRANSFER_MS_FIELD_NUMBER: _builtins.int
     PREFILL_MS_FIELD_NUMBER: _builtins.int
     QUEUE_MS_FIELD_NUMBER: _builtins.int
+    L2_TRANSFER_MS_FIELD_NUMBER: _builtins.int
     estimated_ttft_ms: _builtins.float
     """Estimated time to first token on this pod."""
     l1_transfer_ms: _builtins.float
@@ -555,6 +562,8 @@ class PodScore(_message.Message):
     peer_transfer_ms: _builtins.float
     prefill_ms: _builtins.float
     queue_ms: _builtins.float
+    l2_transfer_ms: _builtins.float
+    """Reading the L2 chunks from the pod's lower tier into L1 (their L1 -> GPU copy is in l1_transfer_ms)."""
     @_builtins.property
     def match(self) -> Global___PodMatch: ...
     def __init__(
@@ -566,10 +575,11 @@ class PodScore(_message.Message):
         peer_transfer_ms: _builtins.float = ...,
         prefill_ms: _builtins.float = ...,
         queue_ms: _builtins.float = ...,
+        l2_transfer_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["match", b"match"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["estimated_ttft_ms", b"estimated_ttft_ms", "l1_transfer_ms", b"l1_transfer_ms", "match", b"match", "peer_transfer_ms", b"peer_transfer_ms", "prefill_ms", b"prefill_ms", "queue_ms", b"queue_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["estimated_ttft_ms", b"estimated_ttft_ms", "l1_transfer_ms", b"l1_transfer_ms", "l2_transfer_ms", b"l2_transfer_ms", "match", b"match", "peer_transfer_ms", b"peer_transfer_ms", "prefill_ms", b"prefill_ms", "queue_ms", b"queue_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -796,9 +806,9 @@ Global___PodRef: _TypeAlias = PodRef  # noqa: Y015
 
 @_typing.final
 class CompactMatch(_message.Message):
-    """One query's answer in the compact form. The four arrays are parallel, one entry per listed pod:
+    """One query's answer in the compact form. The arrays are parallel, one entry per listed pod:
     entry i is the PodMatch of pods[pod_index[i]] with gpu_chunks[i], l1_chunks[i], peer_chunks[i],
-    longest match first (exactly MatchPrefixResponse.matches of the readable form).
+    l2_chunks[i], longest match first (exactly MatchPrefixResponse.matches of the readable form).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -809,6 +819,7 @@ class CompactMatch(_message.Message):
     GPU_CHUNKS_FIELD_NUMBER: _builtins.int
     L1_CHUNKS_FIELD_NUMBER: _builtins.int
     PEER_CHUNKS_FIELD_NUMBER: _builtins.int
+    L2_CHUNKS_FIELD_NUMBER: _builtins.int
     num_query_chunks: _builtins.int
     peer_fetchable_chunks: _builtins.int
     """As MatchPrefixResponse.peer_fetchable_chunks."""
@@ -820,6 +831,10 @@ class CompactMatch(_message.Message):
     def l1_chunks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def peer_chunks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def l2_chunks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Empty when no listed pod has L2 chunks (then every entry is 0; old clients ignore the field)."""
+
     def __init__(
         self,
         *,
@@ -829,10 +844,11 @@ class CompactMatch(_message.Message):
         gpu_chunks: _abc.Iterable[_builtins.int] | None = ...,
         l1_chunks: _abc.Iterable[_builtins.int] | None = ...,
         peer_chunks: _abc.Iterable[_builtins.int] | None = ...,
+        l2_chunks: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_chunks", b"gpu_chunks", "l1_chunks", b"l1_chunks", "num_query_chunks", b"num_query_chunks", "peer_chunks", b"peer_chunks", "peer_fetchable_chunks", b"peer_fetchable_chunks", "pod_index", b"pod_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_chunks", b"gpu_chunks", "l1_chunks", b"l1_chunks", "l2_chunks", b"l2_chunks", "num_query_chunks", b"num_query_chunks", "peer_chunks", b"peer_chunks", "peer_fetchable_chunks", b"peer_fetchable_chunks", "pod_index", b"pod_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
