@@ -8,6 +8,7 @@ The end-to-end path through a real agent process is ``test_tiers_agent.py``.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -432,12 +433,48 @@ def test_tiers_are_off_by_default(tmp_path: Path) -> None:
     chain.close()
 
 
-def test_disk_records_of_an_earlier_run_are_removed_at_start(tmp_path: Path) -> None:
+def test_disk_records_of_an_earlier_run_are_indexed_again(tmp_path: Path) -> None:
+    """A restarted agent's disk tier serves what the last run wrote: complete records are indexed
+    (newest kept up to the capacity, LRU order by age), torn / misfiled / foreign files removed."""
     d = tmp_path / "d"
-    DiskBlobStore(d).write(record_name(NS_A, key(1)), bytes(HEADER_BYTES), memoryview(b"x"))
+    rec = HEADER_BYTES + 64 * 1024
+    old_tier = Tier(DiskBlobStore(d), 64 * MiB)
+    for i in range(5):
+        write(old_tier, NS_A, key(i), payload(i))
+    write(old_tier, NS_B, key(9), payload(9), layout="L2")
+    for i, name in enumerate([record_name(NS_A, key(i)) for i in range(5)] + [record_name(NS_B, key(9))]):
+        os.utime(d / (name + ".kvc"), ns=(10**18 + i * 10**9, 10**18 + i * 10**9))  # key 0 oldest
+    torn = d / (record_name(NS_A, key(3)) + ".kvc")
+    torn.write_bytes(torn.read_bytes()[: HEADER_BYTES + 100])  # cut short by a crash
+    misfiled = d / (record_name(NS_A, key(7)) + ".kvc")
+    misfiled.write_bytes((d / (record_name(NS_A, key(4)) + ".kvc")).read_bytes())  # another key's record
+    (d / NS_A / ("ab" * 16 + ".kvc.tmp")).write_bytes(b"half a write")
+    (d / NS_A / "notes.kvc").write_bytes(b"not a record name")
     (d / "keep.txt").write_text("not ours")
-    assert DiskBlobStore(d).clear() == 1
-    assert (d / "keep.txt").exists() and DiskBlobStore(d).list(NS_A) == []
+
+    # Room for four records: of the five good ones the oldest (key 0) goes.
+    chain = TierChain([Tier(DiskBlobStore(d), 4 * rec)])
+    try:
+        assert chain.reindex() == 4
+        tier = chain.tiers[0]
+        s = tier.stats()
+        assert (s.chunks, s.used_bytes) == (4, 4 * rec)
+        assert {(ns, k) for ns, k in tier._index} == {(NS_A, key(i)) for i in (1, 2, 4)} | {(NS_B, key(9))}
+        assert sorted(p.name for p in (d / NS_A).iterdir()) == sorted(
+            record_name(NS_A, key(i)).split("/")[1] + ".kvc" for i in (1, 2, 4)
+        )
+        assert (d / "keep.txt").exists()
+        for i in (1, 2, 4):
+            out = np.zeros(64 * 1024, np.uint8)
+            assert tier.read_into(NS_A, key(i), "L", out) is not None and np.array_equal(out, payload(i))
+        assert chain.prefix_length([key(9)], "L2", namespace_id=NS_B) == 1
+        assert chain.prefix_length([key(9)], "L", namespace_id=NS_B) == 0  # the layout is checked
+        # LRU order survives the restart: the next write evicts the oldest kept record (key 1).
+        write(tier, NS_A, key(20), payload(20))
+        evicted = tier.make_room(64 * 1024)
+        assert [(ns, k) for ns, k, _ in evicted] == [(NS_A, key(1))]
+    finally:
+        chain.close()
 
 
 # ---- metrics -----------------------------------------------------------------------------------

@@ -134,3 +134,49 @@ def test_agent_refuses_to_start_with_wrong_s3_credentials(tmp_path: Path, seawee
             "--tier-s3-endpoint", seaweed.endpoint, "--tier-s3-bucket", seaweed.bucket,
             "--tier-s3-credentials-dir", str(secret), "--tier-s3-max-retries", "0",
         )  # fmt: skip
+
+
+def test_disk_tier_survives_kill_9_and_restart(tmp_path: Path) -> None:
+    """Chunks written to the disk tier serve again after the agent is killed (SIGKILL: no clean
+    shutdown) and restarted on the same directory; a torn record left behind is discarded."""
+    disk = tmp_path / "disk-tier"
+    ns = NAMESPACE.namespace_id()
+    flags = ("--high-watermark", "0.6", "--low-watermark", "0.3", "--tier-disk-path", str(disk))
+    agent = start_agent(tmp_path, *flags, l1_size="320KiB")
+    try:
+        c = agent.client()
+        tensors, _ = register_kv(c, "e", tmp_path, seed=5)
+        a = keys_for(11, 4)
+        src = block_ids(0, 4)
+        want = blocks_of(tensors, src)
+        assert c.store("e", a, src).num_stored_chunks == 4
+        for f in range(40):  # fillers push A out of L1 onto disk
+            c.store("e", keys_for(300 + f, 4), src)
+            if all((disk / (record_name(ns, k) + ".kvc")).exists() for k in a):
+                break
+            time.sleep(0.05)
+        assert all((disk / (record_name(ns, k) + ".kvc")).exists() for k in a)
+    finally:
+        agent.proc.kill()
+        agent.proc.wait()
+    # A record the crash cut short (a rename that happened before the bytes hit the file).
+    torn_key = keys_for(99, 1)[0]
+    torn = disk / (record_name(ns, torn_key) + ".kvc")
+    torn.write_bytes((disk / (record_name(ns, a[0]) + ".kvc")).read_bytes()[: HEADER_BYTES + 10])
+
+    agent = start_agent(tmp_path, *flags, l1_size="320KiB")
+    try:
+        c = agent.client()
+        tensors, _ = register_kv(c, "e", tmp_path, seed=6)  # another engine process's tensors
+        for t in tensors:
+            t.zero_()
+        assert not torn.exists()
+        res = c.lookup("e", "r1", a)
+        assert (res.num_hit_chunks, res.miss_cause) == (4, "none")
+        dst = block_ids(16, 4)
+        assert c.retrieve("e", "r1", a, dst).num_retrieved_chunks == 4
+        got = blocks_of(tensors, dst)
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+        assert c.lookup("e", "", [torn_key]).num_hit_chunks == 0
+    finally:
+        agent.stop()

@@ -197,7 +197,8 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
         str,
         _d(
             "Directory of the local-disk tier: chunks evicted from L1 are written there by a background "
-            "writer and read back on a lookup hit; its records are removed at start. Empty = no disk tier"
+            "writer and read back on a lookup hit; records an earlier run left there are indexed again at "
+            "start (torn ones removed). Empty = no disk tier"
         ),
     ] = ""
     tier_disk_size: Annotated[

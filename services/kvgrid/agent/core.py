@@ -148,6 +148,8 @@ class AgentCore:
             TierMetrics(
                 meter or metrics.get_meter("kvgrid.agent"), self.tiers, lambda: self.cache.dropped_spills
             )
+            # Records a previous run left on disk serve again (after every tier callback is wired).
+            self.tiers.reindex()
         self._instances: dict[str, EngineInstance] = {}
         self._lock = threading.Lock()
         self.tracer = tracer or trace.get_tracer("kvgrid.agent")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import struct
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
@@ -30,9 +31,11 @@ __all__ = [
     "BlobMissing",
     "BlobStore",
     "CorruptRecord",
+    "FoundBlob",
     "RecordHeader",
     "decode_header",
     "encode_header",
+    "parse_record_name",
     "record_name",
 ]
 
@@ -64,6 +67,31 @@ def record_name(namespace_id: str, key: bytes) -> str:
     if not _NAMESPACE_RE.fullmatch(namespace_id):
         raise ValueError(f"namespace_id={namespace_id!r}: expected 1-128 characters of [0-9A-Za-z_.-]")
     return f"{namespace_id}/{key.hex()}"
+
+
+def parse_record_name(name: str) -> tuple[str, bytes]:
+    """(namespace_id, key) of a name :func:`record_name` made; ValueError for any other name."""
+    namespace_id, sep, key_hex = name.partition("/")
+    if not sep or not _NAMESPACE_RE.fullmatch(namespace_id):
+        raise ValueError(f"record name {name!r}: expected <namespace_id>/<key hex>")
+    try:
+        key = bytes.fromhex(key_hex)
+    except ValueError:
+        raise ValueError(f"record name {name!r}: the key part is not hex") from None
+    if not key or key.hex() != key_hex:
+        raise ValueError(f"record name {name!r}: expected a lower-case hex key")
+    return namespace_id, key
+
+
+@dataclass(frozen=True)
+class FoundBlob:
+    """A blob an earlier run left in a store (``DiskBlobStore.scan``): its name, its first
+    ``HEADER_BYTES`` (fewer if the blob is shorter), its payload size and modification time."""
+
+    name: str
+    header: bytes
+    payload_bytes: int
+    mtime_ns: int
 
 
 def encode_header(h: RecordHeader) -> bytes:

@@ -1,5 +1,7 @@
 """The agent's tier chain from its config: disk (``tier_disk_path``) then the object store
-(``tier_s3_endpoint``); None when neither is set (tiers are off by default)."""
+(``tier_s3_endpoint``); None when neither is set (tiers are off by default). Records an earlier
+run left on disk are indexed by ``TierChain.reindex``, which the agent calls once its callbacks are
+wired."""
 
 from __future__ import annotations
 
@@ -17,13 +19,7 @@ log = logging.getLogger(__name__)
 def build_tier_chain(config: AgentConfig) -> TierChain | None:
     tiers: list[Tier] = []
     if config.tier_disk_path:
-        disk = DiskBlobStore(config.tier_disk_path)
-        removed = disk.clear()
-        if removed:
-            log.info(
-                "disk tier: removed %d records of an earlier run from %s", removed, config.tier_disk_path
-            )
-        tiers.append(Tier(disk, config.tier_disk_size))
+        tiers.append(Tier(DiskBlobStore(config.tier_disk_path), config.tier_disk_size))
     if config.tier_s3_endpoint:
         from kvgrid.agent.tiers.s3 import S3BlobStore, load_credentials  # minio only when used
 

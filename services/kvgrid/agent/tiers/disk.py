@@ -6,8 +6,10 @@ Invariants:
   bytes (large writes; the L1 view is page aligned), then renamed into place: a file under its
   final name was written completely, and a crash leaves only ``.tmp`` files. Bytes that rot
   later are caught by the tier's checksum check.
-- No fsync: this is a cache. The directory's records are removed at start (``clear``), because
-  the index that makes them reachable lives in the agent's memory.
+- No fsync: this is a cache. At start the directory's records are scanned (``scan``): each
+  complete file is handed to the tier, which checks its header and size and indexes it again (so
+  a restarted agent serves what it wrote; checksums are verified on read as always); leftover
+  ``.tmp`` files (a write cut short) are removed.
 - Only names of the form ``<namespace_id>/<key hex>`` (``base.record_name``) are ever opened, and
   only files ending in ``.kvc``/``.kvc.tmp`` are removed: the directory may hold other things.
 """
@@ -15,10 +17,10 @@ Invariants:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvgrid.agent.tiers.base import HEADER_BYTES, BlobMissing
+from kvgrid.agent.tiers.base import HEADER_BYTES, BlobMissing, FoundBlob
 
 __all__ = ["DiskBlobStore"]
 
@@ -97,17 +99,37 @@ class DiskBlobStore:
             f"{namespace_id}/{p.name[: -len(_SUFFIX)]}" for p in d.iterdir() if p.name.endswith(_SUFFIX)
         )
 
-    def clear(self) -> int:
-        """Remove every record (and leftover ``.tmp``) under the directory; returns how many."""
-        n = 0
+    def scan(self) -> tuple[Sequence[FoundBlob], int]:
+        """Every record file under the directory (name, header page, payload size, mtime), and
+        how many leftover ``.tmp`` files (writes a crash cut short) were removed. Only
+        ``<dir>/<file>.kvc`` files are reported; the tier decides which are records it can use."""
+        found: list[FoundBlob] = []
+        removed = 0
         for d in self.root.iterdir():
             if not d.is_dir():
                 continue
             for p in d.iterdir():
-                if p.name.endswith(_SUFFIX) or p.name.endswith(_SUFFIX + ".tmp"):
+                if p.name.endswith(_SUFFIX + ".tmp"):
                     p.unlink(missing_ok=True)
-                    n += 1
-        return n
+                    removed += 1
+                    continue
+                if not p.name.endswith(_SUFFIX):
+                    continue
+                try:
+                    with open(p, "rb") as f:
+                        st = os.fstat(f.fileno())
+                        header = f.read(HEADER_BYTES)
+                except OSError:
+                    continue  # removed meanwhile, or not a file
+                found.append(
+                    FoundBlob(
+                        f"{d.name}/{p.name[: -len(_SUFFIX)]}",
+                        header,
+                        max(0, st.st_size - HEADER_BYTES),
+                        st.st_mtime_ns,
+                    )
+                )
+        return found, removed
 
     def close(self) -> None:
         return None

@@ -40,9 +40,11 @@ from kvgrid.agent.tiers.base import (
     BlobMissing,
     BlobStore,
     CorruptRecord,
+    FoundBlob,
     RecordHeader,
     decode_header,
     encode_header,
+    parse_record_name,
     record_name,
 )
 from kvgrid.common.checksum import ChecksumMismatch, chunk_checksum, verify_checksum
@@ -155,6 +157,49 @@ class Tier:
             self.used_bytes += entry.stored_bytes
             self.writes += 1
             self.written_bytes += len(payload)
+
+    def reindex(self, blobs: Sequence[FoundBlob]) -> tuple[int, int]:
+        """Index the records an earlier run left in the store (at start, before the writer runs).
+
+        A blob whose name, header or size is not what :meth:`write` makes (torn, truncated,
+        misfiled, another format) is deleted; of the rest the newest are kept up to the capacity
+        (oldest first in LRU order) and the older ones deleted. Payload checksums are verified when
+        a record is read, as for every record. Returns (indexed, deleted)."""
+        good: list[tuple[int, str, bytes, TierEntry]] = []
+        bad: list[str] = []
+        for b in blobs:
+            try:
+                ns, key = parse_record_name(b.name)
+                h = decode_header(b.header, namespace_id=ns, key=key)
+                if h.nbytes != b.payload_bytes:
+                    raise CorruptRecord(f"{b.payload_bytes} of {h.nbytes} payload bytes (torn record)")
+            except ValueError as err:  # CorruptRecord is one too
+                log.warning("%s tier: discarding %s left by an earlier run: %s", self.name, b.name, err)
+                bad.append(b.name)
+                continue
+            good.append((b.mtime_ns, ns, key, TierEntry(h.layout_id, h.nbytes, h.checksum)))
+        good.sort(key=lambda g: g[0], reverse=True)  # newest first: they are kept
+        kept: list[tuple[str, bytes, TierEntry]] = []
+        used = 0
+        for _, ns, key, e in good:
+            if used + e.stored_bytes > self.capacity_bytes:
+                bad.append(record_name(ns, key))
+                continue
+            used += e.stored_bytes
+            kept.append((ns, key, e))
+        with self._lock:
+            for ns, key, e in reversed(kept):  # oldest first: evicted first
+                old = self._index.pop((ns, key), None)
+                if old is not None:
+                    self.used_bytes -= old.stored_bytes
+                self._index[(ns, key)] = e
+                self.used_bytes += e.stored_bytes
+        for name in bad:
+            try:
+                self.store.delete(name)
+            except Exception as err:
+                log.warning("%s tier: could not delete %s: %s", self.name, name, err)
+        return len(kept), len(bad)
 
     def fetch(self, namespace_id: str, key: bytes, layout_id: str, dst: np.ndarray) -> Fetched | None:
         """Read the record's bytes into ``dst`` (uint8, the chunk's size), unverified: only
@@ -433,6 +478,28 @@ class TierChain:
                 tier.store.delete(name)
             except Exception as e:
                 log.warning("%s tier: delete of %s failed: %s", tier.name, name, e)
+
+    def reindex(self) -> int:
+        """Index again the records an earlier run left in tiers whose store can list them (the disk
+        tier's directory; see :meth:`Tier.reindex`). Call once at start, before any chunk is
+        spilled. Returns how many records were indexed."""
+        total = 0
+        for t in self.tiers:
+            scan = getattr(t.store, "scan", None)
+            if scan is None:
+                continue
+            found, torn = scan()
+            indexed, discarded = t.reindex(found)
+            total += indexed
+            if found or torn:
+                log.info(
+                    "%s tier: %d records of an earlier run indexed again, %d discarded (torn, "
+                    "unreadable or over the capacity)",
+                    t.name,
+                    indexed,
+                    discarded + torn,
+                )
+        return total
 
     def stats(self) -> list[TierStats]:
         return [t.stats() for t in self.tiers]
