@@ -56,6 +56,10 @@ class Replicas:
         self.channels = [grpc.insecure_channel(s.address) for s in self.servers]
         self.stubs = [Stub(ch) for ch in self.channels]
 
+    def one_agent_each(self) -> list[FakeAgent]:
+        """pod-0 on replica 0, pod-1 on replica 1, pod-2 on replica 2 (epochs 10, 11, 12)."""
+        return [FakeAgent(s.address, f"pod-{i}", epoch=10 + i) for i, s in enumerate(self.servers)]
+
     def close(self) -> None:
         for ch in self.channels:
             ch.close()
@@ -72,8 +76,8 @@ def replicas(valkey_url: str) -> Iterator[Replicas]:
 
 @pytest.fixture
 def agents(replicas: Replicas) -> Iterator[list[FakeAgent]]:
-    """pod-0 on replica 0, pod-1 on replica 1, pod-2 on replica 2."""
-    out = [FakeAgent(s.address, f"pod-{i}", epoch=10 + i) for i, s in enumerate(replicas.servers)]
+    """:meth:`Replicas.one_agent_each`, closed afterwards."""
+    out = replicas.one_agent_each()
     yield out
     for a in out:
         a.close()

@@ -93,13 +93,7 @@ def replicas(cluster: ValkeyCluster) -> Iterator[Replicas]:
     r.close()
 
 
-@pytest.fixture
-def agents(replicas: Replicas) -> Iterator[list[FakeAgent]]:
-    """pod-0 on replica 0, pod-1 on replica 1, pod-2 on replica 2."""
-    out = [FakeAgent(s.address, f"pod-{i}", epoch=10 + i) for i, s in enumerate(replicas.servers)]
-    yield out
-    for a in out:
-        a.close()
+agents = replica_suite.agents  # one agent per replica, on the cluster's replicas above
 
 
 # The three-replica suite (tests/controller/test_replicas.py), every replica on the cluster.
@@ -179,7 +173,7 @@ def test_a_primary_killed_fails_over_to_its_replica_and_loses_nothing(tmp_path: 
     and every key of every agent is answered by every replica again."""
     cluster = ValkeyCluster(tmp_path / "vkc", primaries=3, replicas=1, node_timeout_ms=500)
     replicas = Replicas(cluster.url, unique_prefix(), redis_cluster=True, backend_check_interval_ms=200)
-    agents = [FakeAgent(s.address, f"pod-{i}", epoch=10 + i) for i, s in enumerate(replicas.servers)]
+    agents = replicas.one_agent_each()
     try:
         for a in agents:
             a.admit(rand_keys(30))
