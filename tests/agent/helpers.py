@@ -22,6 +22,7 @@ import grpc
 import torch
 
 from kvgrid.agent.client import AgentClient
+from kvgrid.agent.peers import PeerCandidate, PeerFetcher, PeerFetchResult
 from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.groups import EngineGroupInfo
@@ -153,6 +154,20 @@ def start_agent(
     info = json.loads(line)
     assert info["event"] == "serving"
     return AgentProc(proc, info["uds_path"], info["tcp_port"], info["epoch"], pod_uid)
+
+
+def fetch_once(
+    fetcher: PeerFetcher, address: str, keys: list[bytes], nbytes: int, *, peer_uid: str, timeout_s: float
+) -> PeerFetchResult:
+    """One ``fetch_from`` of ``keys`` (layout ``"L"``, :data:`NAMESPACE`) from the peer agent
+    ``peer_uid`` at ``address``, ``nbytes`` a chunk; the fetcher is closed afterwards."""
+    try:
+        cand = PeerCandidate(pod_uid=peer_uid, address=address, l1_chunks=len(keys), total_chunks=len(keys))
+        return fetcher.fetch_from(
+            cand, keys, NAMESPACE.namespace_id(), "L", nbytes, time.monotonic() + timeout_s
+        )
+    finally:
+        fetcher.close()
 
 
 class FakePeer:

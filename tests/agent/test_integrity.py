@@ -12,7 +12,6 @@ is accepted, bit for bit.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,10 +23,10 @@ from opentelemetry import metrics, trace
 from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import L1Pool
-from kvgrid.agent.peers import ChunkSender, PeerCandidate, PeerFetcher, PeerMetrics
+from kvgrid.agent.peers import ChunkSender, PeerFetcher, PeerMetrics
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.checksum import CHECKSUM_BYTES, ChecksumMismatch, chunk_checksum, verify_checksum
-from tests.agent.helpers import NAMESPACE, FakePeer, block_ids, keys_for, register_kv, start_agent
+from tests.agent.helpers import NAMESPACE, FakePeer, block_ids, fetch_once, keys_for, register_kv, start_agent
 
 NS_ID = NAMESPACE.namespace_id()
 
@@ -179,10 +178,8 @@ def test_chunks_before_a_corrupt_one_are_kept_and_the_rest_discarded() -> None:
     peer_metrics = PeerMetrics(metrics.get_meter("test_integrity"))
     fetcher = _fetcher(cache, peer_metrics)
     try:
-        cand = PeerCandidate(pod_uid="evil", address=peer.address, l1_chunks=3, total_chunks=3)
-        res = fetcher.fetch_from(cand, keys, NS_ID, "L", nbytes, time.monotonic() + 5)
+        res = fetch_once(fetcher, peer.address, keys, nbytes, peer_uid="evil", timeout_s=5)
     finally:
-        fetcher.close()
         peer.server.stop(0)
     assert res.error.startswith("checksum: ") and "chunk 1 discarded" in res.error, res.error
     assert (res.chunks, res.nbytes) == (1, nbytes)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import secrets
 import socket
 import ssl
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,13 @@ from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import L1Pool
 from kvgrid.agent.p2p import HELLO, MAGIC, client_context, recv_exact_into
-from kvgrid.agent.peers import PeerCandidate, PeerFetcher, PeerMetrics
+from kvgrid.agent.peers import PeerFetcher, PeerMetrics
 from kvgrid.agent.service import AgentServer
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.checksum import chunk_checksum
 from kvgrid.common.identity import PodIdentity
 from kvgrid.common.tls import AGENT_SERVER_NAME, TlsFiles
-from tests.agent.helpers import AgentProc, keys_for, start_agent
+from tests.agent.helpers import AgentProc, fetch_once, keys_for, start_agent
 from tests.agent.test_peers import (
     NS_ID,
     Engine,
@@ -193,13 +192,9 @@ def test_a_cancelled_fetch_releases_its_ticket_at_once() -> None:
 def _fetch(holder: AgentServer, keys: list[bytes], **fetcher_cfg: Any) -> tuple[ChunkCache, object]:
     cache = ChunkCache(L1Pool(4 << 20, page_bytes=4096, pin=False))
     fetcher = _fetcher(cache, **fetcher_cfg)
-    try:
-        cand = PeerCandidate(
-            pod_uid="uid-holder", address=f"127.0.0.1:{holder.tcp_port}", l1_chunks=0, total_chunks=0
-        )
-        res = fetcher.fetch_from(cand, keys, NS_ID, "L", NBYTES, time.monotonic() + 10)
-    finally:
-        fetcher.close()
+    res = fetch_once(
+        fetcher, f"127.0.0.1:{holder.tcp_port}", keys, NBYTES, peer_uid="uid-holder", timeout_s=10
+    )
     return cache, res
 
 
@@ -379,12 +374,9 @@ def test_an_unreachable_data_port_falls_back_to_grpc(holder: AgentServer) -> Non
     holder.data_plane.stop()  # tickets still name the port; nothing listens there (a blocked port)
     cache = ChunkCache(L1Pool(4 << 20, page_bytes=4096, pin=False))
     fetcher = _fetcher(cache)
-    try:
-        address = f"127.0.0.1:{holder.tcp_port}"
-        cand = PeerCandidate(pod_uid="uid-holder", address=address, l1_chunks=0, total_chunks=0)
-        res = fetcher.fetch_from(cand, keys, NS_ID, "L", NBYTES, time.monotonic() + 10)
-    finally:
-        fetcher.close()
+    res = fetch_once(
+        fetcher, f"127.0.0.1:{holder.tcp_port}", keys, NBYTES, peer_uid="uid-holder", timeout_s=10
+    )
     assert (res.chunks, res.error) == (3, ""), res
     held, _ = cache.acquire_prefix(keys, "L", namespace_id=NS_ID)
     assert [c.buffer.numpy().tobytes() for c in held] == contents

@@ -28,7 +28,7 @@ from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import L1Pool
-from kvgrid.agent.peers import PeerCandidate, PeerFetcher, PeerMetrics, choose_peers
+from kvgrid.agent.peers import PeerFetcher, PeerMetrics, choose_peers
 from kvgrid.agent.service import AgentServer
 from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
@@ -41,6 +41,7 @@ from tests.agent.helpers import (
     NAMESPACE,
     AgentProc,
     FakePeer,
+    fetch_once,
     keys_for,
     kvgrid_env,
     layer_shape,
@@ -372,12 +373,8 @@ def test_fetch_keeps_only_complete_chunks_when_the_peer_fails(fault: str) -> Non
     cfg = AgentConfig(controller_address="127.0.0.1:1")
     fetcher = PeerFetcher(cache, cfg, "uid-local", PeerMetrics(metrics.get_meter("t")), trace.get_tracer("t"))
     try:
-        cand = PeerCandidate(
-            pod_uid="uid-peer", address=f"127.0.0.1:{peer.port}", l1_chunks=3, total_chunks=3
-        )
-        res = fetcher.fetch_from(cand, keys, NS_ID, "L", nbytes, time.monotonic() + 5)
+        res = fetch_once(fetcher, f"127.0.0.1:{peer.port}", keys, nbytes, peer_uid="uid-peer", timeout_s=5)
     finally:
-        fetcher.close()
         peer.server.stop(0)
     assert res.chunks == 1 and res.nbytes == nbytes
     assert res.error.startswith("unavailable" if fault == "dies_mid_chunk" else "protocol"), res.error
