@@ -95,6 +95,39 @@ def test_cuda_ipc_store_retrieve_bit_exact_across_processes(gpu_agent) -> None: 
             c.lookup("gpu", "", keys)
 
 
+def test_fenced_transfers_wait_on_the_gpu_for_the_engine_s_queued_work(gpu_agent) -> None:  # type: ignore[no-untyped-def]
+    """The engine queues a slow kernel, then writes the blocks, records its fence and -- without
+    waiting -- asks for the Store; then a slow kernel, the zeroing of the destination blocks (as
+    vLLM's runner does) and a fenced Retrieve. Both copies must see the engine's final bytes."""
+    tensors = cuda_kv(seed=6)
+    fence = torch.cuda.Event(interprocess=True)
+    spin = 400_000_000  # GPU clock cycles: ~0.2 s on an H200, far longer than a copy
+    with AgentClient(gpu_agent.uds_path) as c:
+        c.register_kv_caches(
+            "fenced", tensors, namespace=NAMESPACE, engine_groups=GROUPS, layout_hints=HINTS,
+            fence_event=fence,
+        )  # fmt: skip
+        keys, src, dst = keys_for(13, 4), block_ids(0, 4), block_ids(NUM_BLOCKS // 2, 4)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(spin)
+        for layer, t in enumerate(tensors):
+            t[src[1 if layer in (1, 3) else 0]] = float(layer + 3)
+        fence.record()
+        assert c.store("fenced", keys, src, after_fence=True).num_stored_chunks == 4
+        torch.cuda.synchronize()
+        want = gpu_blocks(tensors, src)
+        assert c.lookup("fenced", "r", keys).num_hit_chunks == 4
+        torch.cuda._sleep(spin)
+        for layer, t in enumerate(tensors):
+            t[dst[1 if layer in (1, 3) else 0]] = 0
+        fence.record()
+        assert c.retrieve("fenced", "r", keys, dst, after_fence=True).hit_mask == [True] * 4
+        torch.cuda.synchronize()
+        for a, b in zip(want, gpu_blocks(tensors, dst), strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        c.unregister_kv_caches("fenced")
+
+
 ENGINE = r"""
 import sys, time, torch
 sys.path.insert(0, {root!r})

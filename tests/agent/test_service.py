@@ -200,6 +200,27 @@ def test_bad_requests_are_invalid_argument_and_the_agent_keeps_its_data(
         timeout=10,
     )
     assert "beyond the" in msg and "layers[0]" in msg
+    # A fence event for CPU tensors, and a transfer that asks for a fence never registered.
+    layers = [export_layer_tensor(i, t, shm_path=paths2[i]) for i, t in enumerate(tensors2)]
+    for m in layers[:4]:
+        m.layout_hints["backend"] = "FLASHINFER"
+    req = agent_pb2.RegisterKVCachesRequest(
+        instance_id="liar",
+        engine_groups=to_proto(GROUPS),
+        layers=layers,
+        namespace=key_namespace_to_proto(NAMESPACE),
+        fence_event=b"\x01" * 64,
+    )
+    msg = invalid(
+        client.channel.unary_unary("/kvgrid.v1.AgentService/RegisterKVCaches"),
+        req.SerializeToString(),
+        timeout=10,
+    )
+    assert "fence_event given but the layers are on ['cpu']; expected one CUDA device" in msg
+    assert "after_fence=true but instance 'local' registered no fence_event" in invalid(
+        client.store, "local", keys, src, after_fence=True
+    )
+    assert "registered no fence_event" in invalid(client.retrieve, "local", "r", keys, src, after_fence=True)
     assert "liar" not in client.health().instance_ids
     # Still serving, data intact.
     dst = block_ids(40, 3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,6 +257,9 @@ class Engine:
                 self.block_table[rid] = list(more[0]) if more else []
             elif more:
                 self.block_table[rid].extend(more[0])
+        # vLLM's runner: before anything writes a block, stores still reading freed blocks land.
+        assert isinstance(out.kv_connector_metadata, KVGridConnectorMetadata)
+        self.worker.handle_preemptions(out.kv_connector_metadata)
         # Fresh blocks hold stale bytes of earlier requests (prefix caching is off); clear them so
         # what a new request's blocks hold after the step was written by this step.
         for new in out.scheduled_new_reqs:
@@ -412,6 +416,47 @@ def test_store_then_prefix_hit_loads_bit_exact(engine: Engine, agent: AgentProc)
     engine.step()
     out, _ = engine.step()
     assert out.num_scheduled_tokens == {"C": 64}
+
+
+def test_async_store_returns_at_once_and_lands_before_the_freed_blocks_are_written(
+    agent: AgentProc, model_config: ModelConfig, tmp_path: Path
+) -> None:
+    engine = make_engine(agent, model_config, tmp_path, async_store=True)
+    worker = engine.worker.worker
+    gate = threading.Event()
+    worker._saver.submit(gate.wait)  # hold the store thread: A's store queues behind this
+    a_prompt = prompt(200, seed=8)
+    engine.add("A", a_prompt)
+    out, _ = engine.step()  # A's forward; wait_for_save returned with the store still queued
+    a_kv = engine.tokens_kv("A", 0, 192)
+    ns = engine.connector.identity.namespace(0)
+    instance = engine.connector.identity.instance_id
+    with AgentClient(agent.uds_path) as client:
+        assert client.lookup(instance, "", chunk_keys(a_prompt, ns)).num_hit_chunks == 0
+        assert engine.scheduler.requests.get("A") is None  # A finished: vLLM freed its blocks
+
+        # The next step names A once; handle_preemptions waits for A's store before the step
+        # writes any block (the gate opens later, from another thread).
+        threading.Timer(0.3, gate.set).start()
+        engine.add("B", prompt(100, seed=9))
+        out, _ = engine.step()
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, KVGridConnectorMetadata) and meta.flush_stores == ["A"]
+        assert client.lookup(instance, "", chunk_keys(a_prompt, ns)).num_hit_chunks == 3
+        out, _ = engine.step()
+        assert isinstance(out.kv_connector_metadata, KVGridConnectorMetadata)
+        assert out.kv_connector_metadata.flush_stores == ["B"]  # B had a store; A is not named again
+
+    # What landed is A's KV as the forward wrote it: load it into C, bit for bit.
+    def before_load(o: SchedulerOutput) -> None:
+        assert isinstance(o.kv_connector_metadata, KVGridConnectorMetadata)
+        (order,) = o.kv_connector_metadata.loads
+        engine.block_table["C"] = list(order.block_ids[0])
+
+    engine.add("C", [*a_prompt[:192], 5])
+    engine.step(before_load=before_load)  # the asynchronous load ends inside this step
+    for got, want in zip(engine.tokens_kv("C", 0, 192), a_kv, strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_namespace_separates_cache_salt(engine: Engine) -> None:

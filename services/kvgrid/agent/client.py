@@ -99,9 +99,12 @@ class AgentClient:
         shm_paths: Sequence[str | os.PathLike[str]] | None = None,
         layout_hints: Sequence[Mapping[str, object] | None] | None = None,
         engine_pid: int | None = None,
+        fence_event: torch.cuda.Event | None = None,
     ) -> agent_pb2.RegisterKVCachesResponse:
         """Register one engine worker's KV tensors (layer i = ``tensors[i]``). CPU tensors need
-        ``shm_paths[i]``, the file each lives in (see ``tensors.allocate_shared_tensor``)."""
+        ``shm_paths[i]``, the file each lives in (see ``tensors.allocate_shared_tensor``).
+        ``fence_event``: an interprocess CUDA event the engine records before a transfer sent with
+        ``after_fence`` (the agent's copy waits for it on the GPU instead of the engine's host)."""
         layers = []
         for i, t in enumerate(tensors):
             msg = export_layer_tensor(i, t, shm_path=shm_paths[i] if shm_paths is not None else None)
@@ -115,6 +118,7 @@ class AgentClient:
             layers=layers,
             namespace=key_namespace_to_proto(namespace),
             engine_pid=os.getpid() if engine_pid is None else engine_pid,
+            fence_event=fence_event.ipc_handle() if fence_event is not None else b"",
         )
         return self._call("RegisterKVCaches", req)  # type: ignore[return-value]
 
@@ -157,6 +161,7 @@ class AgentClient:
         block_ids: Sequence[Sequence[int]],
         *,
         skip_first_n_tokens: int = 0,
+        after_fence: bool = False,
     ) -> RetrieveResult:
         """``block_ids``: one list per engine group, covering the request from token 0."""
         resp = self._call(
@@ -167,6 +172,7 @@ class AgentClient:
                 chunk_keys=chunk_keys,
                 block_ids=block_ids_to_proto(block_ids),
                 skip_first_n_tokens=skip_first_n_tokens,
+                after_fence=after_fence,
             ),
         )
         assert isinstance(resp, agent_pb2.RetrieveResponse)
@@ -184,6 +190,7 @@ class AgentClient:
         block_ids: Sequence[Sequence[int]],
         *,
         skip_first_n_chunks: int = 0,
+        after_fence: bool = False,
     ) -> StoreResult:
         """``block_ids``: one list per engine group, covering every chunk from token 0."""
         resp = self._call(
@@ -193,6 +200,7 @@ class AgentClient:
                 chunk_keys=chunk_keys,
                 block_ids=block_ids_to_proto(block_ids),
                 skip_first_n_chunks=skip_first_n_chunks,
+                after_fence=after_fence,
             ),
         )
         assert isinstance(resp, agent_pb2.StoreResponse)

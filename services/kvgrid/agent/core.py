@@ -99,6 +99,21 @@ class EngineInstance:
     tensors: list[torch.Tensor]
     mover: ChunkMover
     registered_at: float = field(default_factory=time.time)
+    fence: torch.cuda.Event | None = None
+    """The engine's interprocess fence event (CUDA engines that sent one): transfers sent with
+    ``after_fence`` start on the GPU once the engine's stream has passed its last record."""
+
+    def wait_event(self, after_fence: bool) -> torch.cuda.Event | None:
+        """The event a transfer waits for; InvalidArgument when the engine asks for a fence it
+        never registered."""
+        if not after_fence:
+            return None
+        if self.fence is None:
+            raise InvalidArgument(
+                f"after_fence=true but instance {self.instance_id!r} registered no fence_event; "
+                "expected RegisterKVCaches with an interprocess CUDA event first"
+            )
+        return self.fence
 
     @property
     def layout_id(self) -> str:
@@ -175,6 +190,7 @@ class AgentCore:
         namespace: KeyNamespace,
         engine_pid: int = 0,
         layout_hints: Sequence[Mapping[str, object] | None] | None = None,
+        fence: torch.cuda.Event | None = None,
     ) -> EngineInstance:
         """Rebuild kernel groups from ``tensors`` and check them against ``engine_groups``.
 
@@ -209,6 +225,7 @@ class AgentCore:
                 groups=list(engine_groups),
                 tensors=list(tensors),
                 mover=mover,
+                fence=fence,
             )
             with self._lock:
                 old = self._instances.get(instance_id)
@@ -489,9 +506,11 @@ class AgentCore:
         keys: Sequence[bytes],
         block_ids: Sequence[Sequence[int]],
         skip_first_n_tokens: int = 0,
+        after_fence: bool = False,
     ) -> RetrieveResult:
         """Scatter the leading held chunks into the engine's blocks (prefix semantics)."""
         inst = self.instance(instance_id)
+        fence = inst.wait_event(after_fence)
         with client_input():
             keys = check_chunk_keys(keys)
         with self.tracer.start_as_current_span(
@@ -507,7 +526,9 @@ class AgentCore:
                 n = len(chunks)
                 t0 = time.perf_counter()
                 if n:
-                    inst.mover.retrieve([c.buffer for c in chunks], [per_chunk[:n] for per_chunk in ids])
+                    inst.mover.retrieve(
+                        [c.buffer for c in chunks], [per_chunk[:n] for per_chunk in ids], wait_event=fence
+                    )
                 dt = time.perf_counter() - t0
             finally:
                 self.cache.release(chunks)
@@ -533,11 +554,13 @@ class AgentCore:
         keys: Sequence[bytes],
         block_ids: Sequence[Sequence[int]],
         skip_first_n_chunks: int = 0,
+        after_fence: bool = False,
     ) -> StoreResult:
         """Gather the engine's blocks into L1 chunks. All-or-nothing per chunk across every group:
         ids must cover every chunk of every group (else ValueError and nothing is stored), and a
         failed copy commits nothing. Under memory pressure a prefix is kept (see partial_reason)."""
         inst = self.instance(instance_id)
+        fence = inst.wait_event(after_fence)
         with client_input():
             keys = check_chunk_keys(keys)
         if skip_first_n_chunks > len(keys):
@@ -560,7 +583,9 @@ class AgentCore:
             try:
                 if new:
                     inst.mover.store(
-                        [c.buffer for _, c in new], [[per_chunk[i] for i, _ in new] for per_chunk in ids]
+                        [c.buffer for _, c in new],
+                        [[per_chunk[i] for i, _ in new] for per_chunk in ids],
+                        wait_event=fence,
                     )
             except BaseException:
                 self.cache.abort(res)

@@ -127,17 +127,32 @@ class ChunkMover:
     def bytes_per_chunk(self) -> int:
         return self.layout.bytes_per_chunk
 
-    def store(self, buffers: Sequence[torch.Tensor], ids: Sequence[Sequence[np.ndarray]]) -> None:
-        """Gather paged blocks into ``buffers`` (one per chunk); returns when the bytes are in L1."""
+    def store(
+        self,
+        buffers: Sequence[torch.Tensor],
+        ids: Sequence[Sequence[np.ndarray]],
+        *,
+        wait_event: torch.cuda.Event | None = None,
+    ) -> None:
+        """Gather paged blocks into ``buffers`` (one per chunk); returns when the bytes are in L1.
+        ``wait_event``: the engine's fence -- the copy starts on the GPU once the engine's stream
+        has passed it (the host waits here only for the copy itself)."""
         flat = [np.concatenate(per_chunk) for per_chunk in ids]
         with self._lock:
-            self.plan.store(list(buffers), flat)
+            self.plan.store_async(list(buffers), flat, wait_event=wait_event).wait()
 
-    def retrieve(self, buffers: Sequence[torch.Tensor], ids: Sequence[Sequence[np.ndarray]]) -> None:
-        """Scatter ``buffers`` (one per chunk) into paged blocks; returns when they are written."""
+    def retrieve(
+        self,
+        buffers: Sequence[torch.Tensor],
+        ids: Sequence[Sequence[np.ndarray]],
+        *,
+        wait_event: torch.cuda.Event | None = None,
+    ) -> None:
+        """Scatter ``buffers`` (one per chunk) into paged blocks; returns when they are written
+        (after ``wait_event``, as in :meth:`store`)."""
         flat = [np.concatenate(per_chunk) for per_chunk in ids]
         with self._lock:
-            self.plan.retrieve(list(buffers), flat)
+            self.plan.retrieve_async(list(buffers), flat, wait_event=wait_event).wait()
 
 
 def build_mover(

@@ -90,6 +90,15 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
             "(hybrid models keep asynchronous loads)"
         ),
     ] = False
+    async_store: Annotated[
+        bool | None,
+        _d(
+            "wait_for_save returns at once and the step's stores land in the background (the first "
+            "token is not held up by the copy); the next step waits only for stores of requests whose "
+            "blocks vLLM freed. Unset: on for CUDA engines, off for CPU ones (tests see a stored "
+            "prefix at once)"
+        ),
+    ] = None
     save_decode_tokens: Annotated[
         bool,
         _d(

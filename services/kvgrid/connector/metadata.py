@@ -48,3 +48,7 @@ class StoreOrder:
 class KVGridConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadOrder] = field(default_factory=list)
     stores: list[StoreOrder] = field(default_factory=list)
+    flush_stores: list[str] = field(default_factory=list)
+    """Requests with stores ordered whose blocks vLLM freed since the last step (finished or
+    preempted): their freed blocks may be written by this step, so the worker waits for their stores
+    still in flight before the step touches any block (``handle_preemptions``)."""

@@ -32,7 +32,9 @@ Per request, in vLLM's order:
 
 Invariants: a load order is emitted once per lookup; ``num_stored_chunks`` only grows, so a chunk
 is stored at most once per request; every pin taken is released by retrieve, by ``after_alloc``
-(unused hit) or by ``finished`` -- whichever comes first.
+(unused hit) or by ``finished`` -- whichever comes first; a request with stores ordered is named
+once in ``flush_stores`` after vLLM frees its blocks (finished or preempted), in the next step's
+metadata, so the worker can wait for its stores before the freed blocks are written again.
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ class _RequestState:
     loading: bool = False
     """A load was emitted and its outcome is not known yet."""
     pinned: bool = False
+    stores_ordered: bool = False
+    """A StoreOrder was emitted: its copy may still be in flight when vLLM frees the blocks."""
 
 
 class ConnectorScheduler:
@@ -154,6 +158,8 @@ class ConnectorScheduler:
         self._load_failed: set[str] = set()
         self._pending_loads: list[_RequestState] = []
         """Requests whose load order build_meta has yet to emit (after_alloc queues them)."""
+        self._freed_with_stores: set[str] = set()
+        """Finished or preempted requests with stores ordered, not yet named in a step's flush_stores."""
         # Layer-wise loads run inside the step; vLLM maps a failed synchronous load back to its
         # request only with one KV cache group, so hybrid models keep asynchronous loads.
         self.in_step_loads = config.layerwise and len(identity.tokens_per_block) == 1
@@ -289,6 +295,10 @@ class ConnectorScheduler:
                 waiting.loading = True
         if not self.is_producer:
             return meta
+        for rid in scheduler_output.preempted_req_ids or ():
+            if (preempted := self._requests.get(rid)) is not None and preempted.stores_ordered:
+                self._freed_with_stores.add(rid)
+        meta.flush_stores, self._freed_with_stores = sorted(self._freed_with_stores), set()
         scheduled = scheduler_output.num_scheduled_tokens
         progress: list[tuple[_RequestState, int, int]] = []  # (state, computed before, after the step)
         for new in scheduler_output.scheduled_new_reqs:
@@ -328,6 +338,7 @@ class ConnectorScheduler:
                 )
                 self._announce(state.request, state.num_stored_chunks * tpc, done * tpc)
                 state.num_stored_chunks = done
+                state.stores_ordered = True
         return meta
 
     def _extend_keys(self, state: _RequestState, num_chunks: int) -> None:
@@ -396,9 +407,10 @@ class ConnectorScheduler:
         self._load_failed |= failed & self._requests.keys()
 
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Drop the request's state and pins. Stores finish inside the worker's ``wait_for_save``
-        and an in-flight load holds the blocks through vLLM's own ``WAITING_FOR_REMOTE_KVS``
-        bookkeeping, so the blocks may be freed as vLLM sees fit (False)."""
+        """Drop the request's state and pins. The blocks may be freed as vLLM sees fit (False): an
+        in-flight load holds them through vLLM's own ``WAITING_FOR_REMOTE_KVS`` bookkeeping, and a
+        store still in flight is waited for by the next step's ``handle_preemptions`` before anything
+        writes the freed blocks (``KVGridConnectorMetadata.flush_stores``)."""
         rid = request.request_id
         self._keys.pop(rid, None)
         self._load_failed.discard(rid)
@@ -406,6 +418,8 @@ class ConnectorScheduler:
         state = self._requests.pop(rid, None)
         if (state is not None and state.pinned) or (found is not None and found.pinned):
             self._release(rid)
+        if state is not None and state.stores_ordered:
+            self._freed_with_stores.add(rid)
         if state is not None and state.num_stored_chunks and self.is_producer:
             peers = self._peer_addresses()
             if peers:

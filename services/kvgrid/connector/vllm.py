@@ -204,6 +204,18 @@ class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
         """Register every layer's KV tensor with this worker's agent."""
         self.worker.register(self._kv_cache_config, kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step writes any block: wait for the stores still in flight of the requests
+        whose blocks vLLM freed (finished or preempted) since the last step."""
+        assert isinstance(kv_connector_metadata, KVGridConnectorMetadata)
+        if kv_connector_metadata.flush_stores:
+            self.worker.flush_stores(kv_connector_metadata.flush_stores)
+
+    def flush_stores(self) -> None:
+        """kvgrid's own (not vLLM's API): wait until every store issued so far has landed in the
+        agent -- for benches, tests and callers that want the prefix findable at once."""
+        self.worker.flush_stores()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Hand this step's loads to the background loader (loads are asynchronous)."""
         meta = self._get_connector_metadata()

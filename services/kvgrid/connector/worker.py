@@ -13,15 +13,26 @@
     recomputes or fails that request only, per ``kv_load_failure_policy``). The engine never stops.
 ``store``
     issues the step's Stores after the forward (``wait_for_save``); best effort, a failure is a
-    future miss.
+    future miss. With ``async_store`` (the default on CUDA) it returns at once: the Stores run on a
+    background thread, and ``flush_stores`` (vLLM's ``handle_preemptions``, before the next step
+    writes any block) waits for those of the requests whose blocks vLLM freed.
+Fences (CUDA)
+    the agent copies on its own stream in another process, blind to the engine's queued kernels.
+    At registration the worker sends the IPC handle of an interprocess CUDA event; before a
+    Retrieve or Store it records that event on the engine's stream and the agent's copy waits for
+    it on the GPU (``after_fence``), so the engine's host never synchronizes its stream. A copy that
+    sees a later record of the event only waits longer, never too little.
 Agent restarts
     a call that fails because the agent is away or forgot this instance marks the registration
     stale; the worker registers the same KV memory again (at most every
     ``reregister_interval_s``) and hits resume. Nothing fails meanwhile: lookups miss, loads are
     reported failed (recomputed), stores are dropped.
 
-Invariant: vLLM frees the blocks of a request with a load in flight only after the load is
-reported, so no load writes into freed blocks (the thread never outlives its report).
+Invariants: vLLM frees the blocks of a request with a load in flight only after the load is
+reported, so no load writes into freed blocks (the thread never outlives its report). A store
+reads its blocks before anything else writes them: the blocks of a running request are not
+rewritten (stored chunks are full), and freed blocks are written only by a later step, whose
+``handle_preemptions`` waits for the stores of the requests that held them.
 """
 
 from __future__ import annotations
@@ -128,6 +139,10 @@ class ConnectorWorker:
         self._registrar = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-register")
         self._reregistering: Future[None] | None = None
         self._saving: Future[None] | None = None
+        self._async_store = False
+        self._fence: torch.cuda.Event | None = None
+        self._stores_in_flight: dict[str, Future[None]] = {}
+        """Request id -> the latest background store covering it (async_store)."""
         self.stats = WorkerStats()
 
     # ---- registration ---------------------------------------------------------------------------
@@ -151,6 +166,9 @@ class ConnectorWorker:
             raise ValueError("KVGridConnector: no KV cache config and no cache_config.block_size")
         self._transfer_groups = tuple(sorted({i.engine_group_id for i in infos})) if infos else (0,)
         self._cuda = any(t.is_cuda for t in tensors)
+        self._async_store = self._cuda if self.config.async_store is None else self.config.async_store
+        if self._cuda and self._fence is None:
+            self._fence = torch.cuda.Event(interprocess=True)  # kept across re-registrations
         self._registration = _Registration(tensors, infos, shm_paths, hints, names[-1])
         try:
             self._send_registration()
@@ -179,6 +197,7 @@ class ConnectorWorker:
             shm_paths=reg.shm_paths,
             layout_hints=reg.hints,
             engine_pid=os.getpid(),
+            fence_event=self._fence,
         )
         self._stale = False
         self.stats.registrations += 1
@@ -217,7 +236,7 @@ class ConnectorWorker:
         self.maybe_reregister()
         if not meta.loads:
             return
-        self._sync_engine_stream()  # the runner's zeroing of fresh blocks must land first
+        self._fence_engine_stream()  # the runner's zeroing of fresh blocks must land first
         with self._lock:
             for order in meta.loads:
                 future = self._loader.submit(self._load, order)
@@ -244,7 +263,7 @@ class ConnectorWorker:
         background while the rest of the forward runs; ``store`` waits for them."""
         reg = self._registration
         if meta.stores and reg is not None and layer_name == reg.last_layer and self._saving is None:
-            self._sync_engine_stream()
+            self._fence_engine_stream()
             self._saving = self._saver.submit(self._store_all, meta)
             self.stats.stores_from_last_layer += 1
 
@@ -261,6 +280,7 @@ class ConnectorWorker:
                     keys,
                     agent_block_ids(order.block_ids),
                     skip_first_n_tokens=order.skip_first_n_tokens,
+                    after_fence=self._fence is not None,
                 )
             loaded = res.num_retrieved_chunks
         except grpc.RpcError as e:
@@ -334,18 +354,37 @@ class ConnectorWorker:
 
     def store(self, meta: KVGridConnectorMetadata) -> None:
         """End of the step (``wait_for_save``): finish in-step loads that no layer waited for, then
-        issue this step's Stores -- or wait for those the last layer started -- and return when the
-        agent holds the chunks (best effort)."""
+        issue this step's Stores (or take those the last layer started). Synchronous: return when
+        the agent holds the chunks (best effort). ``async_store``: return at once."""
         if self._step_loads:
             self._finish_step_loads()
-        if self._saving is not None:
-            saving, self._saving = self._saving, None
-            saving.result()
-        else:
-            if meta.stores:
-                self._sync_engine_stream()  # the forward's KV writes must land before the agent reads
-            self._store_all(meta)
+        saving, self._saving = self._saving, None
+        if saving is None and meta.stores:
+            self._fence_engine_stream()  # the forward's KV writes must land before the agent reads
+            saving = self._saver.submit(self._store_all, meta) if self._async_store else None
+            if saving is None:
+                self._store_all(meta)
+        if saving is not None:
+            if self._async_store:
+                with self._lock:
+                    self._stores_in_flight = {r: f for r, f in self._stores_in_flight.items() if not f.done()}
+                    self._stores_in_flight.update((order.request_id, saving) for order in meta.stores)
+            else:
+                saving.result()
         self.maybe_reregister()
+
+    def flush_stores(self, request_ids: Sequence[str] | None = None) -> None:
+        """Wait for the background stores covering ``request_ids`` (every store so far when None).
+        The saver thread runs stores in order, so waiting for a request's latest one is enough."""
+        with self._lock:
+            if request_ids is None:
+                pending = list(self._stores_in_flight.values())
+                self._stores_in_flight.clear()
+            else:
+                pending = [f for r in request_ids if (f := self._stores_in_flight.pop(r, None)) is not None]
+        for f in pending:
+            if (e := f.exception()) is not None:  # a bug: stores are best effort, the engine goes on
+                log.error("kvgrid background store raised", exc_info=e)
 
     def _store_all(self, meta: KVGridConnectorMetadata) -> None:
         """With replicated KV (MLA under TP) only rank 0 stores: the other ranks' bytes are the same.
@@ -363,6 +402,7 @@ class ConnectorWorker:
                         self._my_keys(order.keys),
                         agent_block_ids(order.block_ids),
                         skip_first_n_chunks=order.skip_first_n_chunks,
+                        after_fence=self._fence is not None,
                     )
             except grpc.RpcError as e:
                 self._note_failure("store", order.request_id, e)
@@ -378,15 +418,15 @@ class ConnectorWorker:
                     res.partial_reason,
                 )
 
-    def _sync_engine_stream(self) -> None:
-        # The agent copies on its own CUDA stream; kernels queued on the engine's stream (zeroing,
-        # the forward) are invisible to it until they finish. A whole-stream sync is the simple,
-        # coarse fence (an interprocess CUDA event per request would be finer).
-        if self._cuda:
-            torch.cuda.current_stream().synchronize()
+    def _fence_engine_stream(self) -> None:
+        """Mark the work queued so far on the engine's stream (zeroing, the forward's KV writes):
+        the agent's next copies wait for it on the GPU (module docstring, Fences)."""
+        if self._fence is not None:
+            self._fence.record()
 
     def close(self) -> None:
         # Loads still running finish (their blocks are still held by vLLM until reported).
+        self.flush_stores()
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         self._registrar.shutdown(wait=True)

@@ -16,18 +16,19 @@ No vLLM engine runs: this module plays the model runner with vLLM's real classes
   ``ModelRunnerOutput`` with the sampled token and a ``KVConnectorOutput``.
 
 Step order (``vllm/v1/worker/kv_connector_model_runner_mixin.py``): ``schedule`` ->
-``bind_connector_metadata`` -> ``start_load_kv`` before the forward when the step has synchronous
-(in-step, layer-wise) loads -> forward, per layer ``wait_for_layer_load`` ... ``save_kv_layer`` ->
-``start_load_kv`` after the forward otherwise -> ``wait_for_save`` -> ``get_transfer_results`` (vLLM
-0.32's form of ``get_finished``; the connector answers both from the same state, so only one is
-called) -> ``get_block_ids_with_load_errors`` -> ``clear_connector_metadata`` ->
+``bind_connector_metadata`` -> ``handle_preemptions`` -> ``start_load_kv`` before the forward when
+the step has synchronous (in-step, layer-wise) loads -> forward, per layer ``wait_for_layer_load``
+... ``save_kv_layer`` -> ``start_load_kv`` after the forward otherwise -> ``wait_for_save`` ->
+``get_transfer_results`` (vLLM 0.32's form of ``get_finished``; the connector answers both from the
+same state, so only one is called) -> ``get_block_ids_with_load_errors`` -> ``clear_connector_metadata`` ->
 ``update_from_output``.
 
 Invariant: one request runs at a time and :meth:`TTFTEngine.run` returns once it has its first token;
 the time it reports runs from ``add_request`` to that token (device synchronised), so a hit's time
 includes the lookup, the load (asynchronous: steps with nothing scheduled until the worker reports
-it) and the tail's prefill, and a miss's includes the store (``wait_for_save`` returns when the
-agent holds the chunks).
+it) and the tail's prefill, and a miss's includes the store when stores are synchronous
+(``wait_for_save`` returns when the agent holds the chunks). With asynchronous stores ``run`` still
+returns only once they landed (``RunResult.stored_s``), so the next request finds the prefix.
 """
 
 from __future__ import annotations
@@ -143,6 +144,9 @@ class RunResult:
     steps: int
     """Scheduler steps from arrival to the first token (an asynchronous load adds steps that schedule
     nothing while it runs)."""
+    stored_s: float
+    """From arrival until every store issued while serving it landed in the agent (``ttft_s`` when
+    stores are synchronous)."""
 
 
 class _ConnectorHooks:
@@ -171,6 +175,7 @@ class TTFTEngine:
         block_size: int = 16,
         chunk_size: int = 256,
         layerwise: bool = False,
+        async_store: bool | None = None,
         engine_id: str = "ttft",
     ) -> None:
         from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -227,6 +232,7 @@ class TTFTEngine:
                     "agent_socket": agent_socket,
                     "chunk_size": chunk_size,
                     "layerwise": layerwise,
+                    "async_store": async_store,
                     "rpc_timeout_s": 600.0,
                 },
             ),
@@ -237,7 +243,11 @@ class TTFTEngine:
             s, num_blocks, block_size, model.dtype, device, directory
         )
         self.kv_list = [self.caches[layer_name(i)] for i in range(s.layers)]
-        self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kv_config)
+        from kvgrid.connector.vllm import KVGridConnector
+
+        self.worker = cast(
+            KVGridConnector, KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kv_config)
+        )
         self.worker.register_kv_caches(self.caches)
         self.scheduler = Scheduler(cfg, self.kv_config, StructuredOutputManager(cfg), block_size=block_size)
         self._hooks: LayerHooks = _ConnectorHooks(self.worker)
@@ -281,6 +291,7 @@ class TTFTEngine:
                     blocks = list(more[0]) if rid in cached.resumed_req_ids else blocks + list(more[0])
             assert out.kv_connector_metadata is not None
             w.bind_connector_metadata(out.kv_connector_metadata)
+            w.handle_preemptions(out.kv_connector_metadata)
             ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
             if out.has_sync_kv_loads:
                 w.start_load_kv(ctx)
@@ -326,9 +337,11 @@ class TTFTEngine:
             if not req_ids:
                 time.sleep(0)  # an asynchronous load in flight: let the loader thread run
         ttft = time.perf_counter() - t0
+        self.worker.flush_stores()
+        stored = time.perf_counter() - t0
         if logits is None:
             raise RuntimeError(f"request {request_id!r} finished without computing its last prompt token")
-        return RunResult(logits.cpu(), ttft, loaded, steps)
+        return RunResult(logits.cpu(), ttft, loaded, steps, stored)
 
     def close(self) -> None:
         self.worker.shutdown()

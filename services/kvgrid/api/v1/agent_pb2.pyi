@@ -178,10 +178,16 @@ class RegisterKVCachesRequest(_message.Message):
     LAYERS_FIELD_NUMBER: _builtins.int
     NAMESPACE_FIELD_NUMBER: _builtins.int
     ENGINE_PID_FIELD_NUMBER: _builtins.int
+    FENCE_EVENT_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """Chosen by the engine; unique per agent."""
     engine_pid: _builtins.int
     """Engine process id, so the agent can drop registrations of vanished engines."""
+    fence_event: _builtins.bytes
+    """CUDA IPC handle of an interprocess event the engine records on its stream before a Retrieve or
+    Store with after_fence: the agent's copies wait for it on the GPU, the engine's host never
+    blocks. Empty: no fence (CPU tensors, or an engine that synchronizes its stream itself).
+    """
     @_builtins.property
     def engine_groups(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.EngineGroupInfo]: ...
     @_builtins.property
@@ -196,10 +202,11 @@ class RegisterKVCachesRequest(_message.Message):
         layers: _abc.Iterable[Global___LayerTensor] | None = ...,
         namespace: _common_pb2.KeyNamespace | None = ...,
         engine_pid: _builtins.int = ...,
+        fence_event: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_groups", b"engine_groups", "engine_pid", b"engine_pid", "instance_id", b"instance_id", "layers", b"layers", "namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_groups", b"engine_groups", "engine_pid", b"engine_pid", "fence_event", b"fence_event", "instance_id", b"instance_id", "layers", b"layers", "namespace", b"namespace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -397,10 +404,13 @@ class RetrieveRequest(_message.Message):
     CHUNK_KEYS_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     SKIP_FIRST_N_TOKENS_FIELD_NUMBER: _builtins.int
+    AFTER_FENCE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     request_id: _builtins.str
     skip_first_n_tokens: _builtins.int
     """Tokens at the start the engine already has (not written)."""
+    after_fence: _builtins.bool
+    """Write only after the engine's fence event (RegisterKVCachesRequest.fence_event) as last recorded."""
     @_builtins.property
     def chunk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     @_builtins.property
@@ -415,10 +425,11 @@ class RetrieveRequest(_message.Message):
         chunk_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         block_ids: _abc.Iterable[_common_pb2.BlockIds] | None = ...,
         skip_first_n_tokens: _builtins.int = ...,
+        after_fence: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "chunk_keys", b"chunk_keys", "instance_id", b"instance_id", "request_id", b"request_id", "skip_first_n_tokens", b"skip_first_n_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_fence", b"after_fence", "block_ids", b"block_ids", "chunk_keys", b"chunk_keys", "instance_id", b"instance_id", "request_id", b"request_id", "skip_first_n_tokens", b"skip_first_n_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -464,9 +475,12 @@ class StoreRequest(_message.Message):
     CHUNK_KEYS_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     SKIP_FIRST_N_CHUNKS_FIELD_NUMBER: _builtins.int
+    AFTER_FENCE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     skip_first_n_chunks: _builtins.int
     """Chunks the engine knows are stored already (not copied again)."""
+    after_fence: _builtins.bool
+    """Read only after the engine's fence event (RegisterKVCachesRequest.fence_event) as last recorded."""
     @_builtins.property
     def chunk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     @_builtins.property
@@ -478,10 +492,11 @@ class StoreRequest(_message.Message):
         chunk_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         block_ids: _abc.Iterable[_common_pb2.BlockIds] | None = ...,
         skip_first_n_chunks: _builtins.int = ...,
+        after_fence: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "chunk_keys", b"chunk_keys", "instance_id", b"instance_id", "skip_first_n_chunks", b"skip_first_n_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_fence", b"after_fence", "block_ids", b"block_ids", "chunk_keys", b"chunk_keys", "instance_id", b"instance_id", "skip_first_n_chunks", b"skip_first_n_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
