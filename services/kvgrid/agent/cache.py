@@ -15,6 +15,13 @@ come, so it does not evict more to make up for them. When a store or fetch canno
 the writer has not started are given up first (``dropped_spills``): the request path never waits
 for a disk or the network.
 
+Pending chunks (asynchronous promotion from a lower tier, ``kvgrid.agent.promotion``): a chunk may
+be committed before its bytes are read (``Chunk.ready`` unset), referenced by its promotion so
+eviction cannot take it. Readers of bytes use :meth:`ChunkCache.acquire_ready_prefix`, which waits
+for them and stops at a failed one; :meth:`finish_pending` / :meth:`fail_pending` end them. A
+failed chunk leaves the index at once (an evict event) and its pages are freed when its last
+reference goes, so a reader still holding it never sees its pages reused.
+
 Tenant isolation: chunks are indexed by (namespace_id, key), never by key alone. Every read (prefix
 walk, pin, acquire, ``contains``, ``layout_of``) names the reader's namespace and sees only chunks
 stored in that namespace; a chunk another namespace stored under the same key is invisible to it
@@ -54,6 +61,9 @@ class MissCause(enum.StrEnum):
     LAYOUT_MISMATCH = "layout_mismatch"
     PEER_FAILED = "peer_failed"
     """A peer fetch of the next chunks failed (Lookup only; the hits are still valid)."""
+    TIER_FAILED = "tier_failed"
+    """The next chunk was being read back from a lower tier and that read failed (refused record,
+    store error) or was cancelled: its bytes were never served (Retrieve, peer serving)."""
 
 
 class SpillSink(Protocol):
@@ -210,12 +220,30 @@ class ChunkCache:
                 self.policy.on_access(_index_key(c.namespace_id, c.key))
             return hits, cause
 
+    def acquire_ready_prefix(
+        self, keys: Sequence[bytes], layout_id: str, *, namespace_id: str
+    ) -> tuple[list[Chunk], MissCause]:
+        """:meth:`acquire_prefix`, then wait for chunks still being promoted from a lower tier; the
+        run stops before the first whose promotion failed (cause ``tier_failed``). Only chunks
+        whose bytes are final and verified come back (referenced)."""
+        chunks, cause = self.acquire_prefix(keys, layout_id, namespace_id=namespace_id)
+        for i, c in enumerate(chunks):
+            if not c.wait_ready():  # outside the lock: the promotion needs it to finish
+                self.release(chunks[i:])
+                return chunks[:i], MissCause.TIER_FAILED
+        return chunks, cause
+
+    def _deref_locked(self, c: Chunk) -> None:
+        c.refcount -= 1
+        if c.failed and c.refcount == 0:
+            self.pool.free(c.start_page, c.num_pages)  # out of the index since it failed
+
     def release(self, chunks: Iterable[Chunk]) -> None:
         with self._lock:
             for c in chunks:
                 if c.refcount <= 0:
                     raise AssertionError(f"chunk {c.key.hex()} released more often than acquired")
-                c.refcount -= 1
+                self._deref_locked(c)
 
     # ---- store ---------------------------------------------------------------------------
 
@@ -280,7 +308,10 @@ class ChunkCache:
         present = 0
         with self._lock:
             for i, chunk, new in res.entries:
-                chunk.refcount -= 1
+                if not new:
+                    self._deref_locked(chunk)  # a present chunk may be a failed promotion's
+                else:
+                    chunk.refcount -= 1
                 if upto is not None and i >= upto:
                     if new:
                         self.pool.free(chunk.start_page, chunk.num_pages)
@@ -313,9 +344,11 @@ class ChunkCache:
         res.done = True
         with self._lock:
             for _, chunk, new in res.entries:
-                chunk.refcount -= 1
                 if new:
+                    chunk.refcount -= 1
                     self.pool.free(chunk.start_page, chunk.num_pages)
+                else:
+                    self._deref_locked(chunk)
 
     # ---- eviction ------------------------------------------------------------------------
 
@@ -428,6 +461,43 @@ class ChunkCache:
                 self._spilling_bytes -= chunk.num_pages * self.pool.page_bytes
                 self.pool.free(chunk.start_page, chunk.num_pages)
 
+    # ---- pending chunks (asynchronous promotion) -------------------------------------------
+
+    def finish_pending(self, chunk: Chunk, checksum: bytes) -> None:
+        """A promotion filled ``chunk`` and verified it: readers may use it; the promotion's
+        reference goes."""
+        chunk.checksum = checksum
+        with self._lock:
+            self._deref_locked(chunk)
+        assert chunk.ready is not None
+        chunk.ready.set()
+
+    def fail_pending(self, chunks: Sequence[Chunk]) -> None:
+        """A promotion could not fill ``chunks`` (refused record, store error, cancelled): they
+        leave the index (evict events), waiting readers see them failed, and their pages are freed
+        once the last reference (the promotion's, or a reader's) goes."""
+        evicted: dict[str, list[bytes]] = {}
+        with self._lock:
+            for c in chunks:
+                c.failed = True
+                ikey = _index_key(c.namespace_id, c.key)
+                if self._chunks.get(ikey) is c:
+                    del self._chunks[ikey]
+                    self.policy.on_remove(ikey)
+                    evicted.setdefault(c.namespace_id, []).append(c.key)
+                self._deref_locked(c)
+            for ns, keys in evicted.items():
+                self.listener.on_evict(ns, keys)
+        for c in chunks:
+            assert c.ready is not None
+            c.ready.set()
+
+    def held_only_by_promotion(self, chunks: Sequence[Chunk]) -> bool:
+        """Whether nobody but their promotion references ``chunks`` (no pin, no reader, no store):
+        a cancelled promotion may then drop them instead of reading them."""
+        with self._lock:
+            return all(c.refcount == 1 for c in chunks)
+
     def clear(self) -> int:
         """Drop every unreferenced chunk (admin reset). Returns how many went."""
         with self._lock:
@@ -462,7 +532,7 @@ class ChunkCache:
         if pin is None:
             return 0
         for c in pin.chunks:
-            c.refcount -= 1
+            self._deref_locked(c)
         return len(pin.chunks)
 
     def unpin(self, owner: tuple[str, str]) -> int:

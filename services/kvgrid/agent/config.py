@@ -9,13 +9,15 @@ import msgspec
 from kvgrid.common.config import ByteSize, GiB, check_choices
 from kvgrid.common.tls import TlsSettings
 
-__all__ = ["AgentConfig", "EvictionPolicyName", "LogLevel", "Switch"]
+__all__ = ["AgentConfig", "EvictionPolicyName", "LogLevel", "PromotionMode", "Switch"]
 
 Switch = Literal["auto", "on", "off"]
 """A feature that is on, off, or decided from the environment (auto)."""
 EvictionPolicyName = Literal["lru", "fifo"]
 """The names of ``kvgrid.agent.eviction.POLICIES``."""
 LogLevel = Literal["debug", "info", "warning", "error"]
+PromotionMode = Literal["async", "sync"]
+"""How a lookup brings lower-tier chunks into L1 (``kvgrid.agent.promotion``)."""
 
 
 def _d(text: str) -> msgspec.Meta:
@@ -204,6 +206,18 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
     tier_disk_size: Annotated[
         ByteSize, _d("Capacity of the disk tier; its least recently used chunks go to the S3 tier (or away)")
     ] = 16 * GiB
+    tier_promotion: Annotated[
+        PromotionMode,
+        _d(
+            "How a lookup that hits chunks in a lower tier brings them into L1: async (answer at once, "
+            "read them on a worker pool; a retrieve waits for them) or sync (read them inside the lookup)"
+        ),
+    ] = "async"
+    tier_promotion_workers: Annotated[
+        int,
+        _d("Worker threads reading lower-tier chunks into L1 for lookups (one lookup's chunks per worker)"),
+        msgspec.Meta(ge=1, le=64),
+    ] = 2
     tier_s3_endpoint: Annotated[
         str,
         _d(

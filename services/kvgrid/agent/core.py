@@ -9,10 +9,12 @@ Locking: the cache has its own lock; copies run outside it on chunks that are ei
 clients store and retrieve at once.
 
 Lower tiers (optional, ``kvgrid.agent.tiers``): chunks evicted from L1 go to disk and then an
-object store through a background writer; a Lookup whose walk stops at a chunk a tier holds reads
-the following tier chunks back into L1 first (synchronously, verified, through the same reserve ->
-fill -> commit path as a store) and counts them, before any peer fetch. Local hits stay pinned or
-referenced meanwhile, so bringing chunks back never evicts the prefix it extends.
+object store through a background writer; a Lookup whose walk stops at a chunk a tier holds
+promotes the following tier chunks back into L1 (``kvgrid.agent.promotion``: committed pending
+and counted at once, read and verified by a worker pool; ``tier_promotion: sync`` waits for the
+reads instead) before any peer fetch. Retrieve waits for pending chunks and stops before one whose
+read failed (the engine recomputes it); Release cancels what is not read yet. Local hits stay
+pinned or referenced meanwhile, so bringing chunks back never evicts the prefix it extends.
 
 Isolation and bounds: every read (lookup, its pins and peer fetch, retrieve) sees only chunks stored
 in the instance's own namespace and layout (the cache indexes chunks by namespace); a lookup pin
@@ -38,6 +40,7 @@ from kvgrid.agent.eviction import make_policy
 from kvgrid.agent.l1 import Chunk, L1Pool
 from kvgrid.agent.metrics import AgentMetrics
 from kvgrid.agent.peers import PeerFetcher, PeerMetrics
+from kvgrid.agent.promotion import Promoter, Promotion
 from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
 from kvgrid.agent.tiers.build import build_tier_chain
 from kvgrid.agent.tiers.metrics import TierMetrics
@@ -168,6 +171,17 @@ class AgentCore:
         self._instances: dict[str, EngineInstance] = {}
         self._lock = threading.Lock()
         self.tracer = tracer or trace.get_tracer("kvgrid.agent")
+        self.promoter = (
+            None
+            if self.tiers is None
+            else Promoter(
+                self.cache,
+                self.tiers,
+                workers=config.tier_promotion_workers,
+                meter=meter or metrics.get_meter("kvgrid.agent"),
+                tracer=self.tracer,
+            )
+        )
         self.metrics = AgentMetrics(
             meter or metrics.get_meter("kvgrid.agent"), self.cache.stats, lambda: len(self._instances)
         )
@@ -253,6 +267,8 @@ class AgentCore:
             if inst is None:
                 raise UnknownInstanceError(f"instance_id={instance_id!r} is not registered")
             released = self.cache.unpin_instance(instance_id)
+        if self.promoter is not None:
+            self.promoter.cancel_instance(instance_id)
         self._changed()
         return released
 
@@ -288,6 +304,8 @@ class AgentCore:
                 del self._instances[iid]
                 # Under the lock: a re-registration under the same id must not lose its new pins.
                 n = self.cache.unpin_instance(iid)
+            if self.promoter is not None:
+                self.promoter.cancel_instance(iid)
             gone.append(iid)
             log.warning(
                 "engine pid %d of instance %s exited; dropped its registration and %d pins",
@@ -409,7 +427,7 @@ class AgentCore:
                 if (
                     cause == MissCause.NOT_FOUND
                     and self.tiers is not None
-                    and self._from_tiers(inst, keys[n:])
+                    and self._from_tiers(inst, keys[n:], owner)
                 ):
                     if request_id:
                         n, cause = self.cache.pin(
@@ -449,39 +467,28 @@ class AgentCore:
         self._count_hits(self.metrics.lookup_chunks, len(keys), n, cause, peer, tier)
         return LookupResult(num_hit_chunks=n, miss_cause=str(cause), num_peer_chunks=peer)
 
-    def _from_tiers(self, inst: EngineInstance, keys: Sequence[bytes]) -> int:
+    def _from_tiers(self, inst: EngineInstance, keys: Sequence[bytes], owner: tuple[str, str]) -> int:
         """Bring the leading ``keys`` back into L1: those still waiting for the tier writer (no
-        I/O), then those the tiers hold. Returns how many came back."""
+        I/O), then those the tiers hold (a promotion; waited for in ``sync`` mode). Returns how many
+        leading keys are now in L1, pending or not."""
         back = self.cache.rescue_spilling(keys, inst.layout_id, namespace_id=inst.namespace_id)
-        return back + self._promote(inst, keys[back:])
+        promotion = self._promote(inst, keys[back:], owner)
+        return back + (promotion.leading if promotion is not None else 0)
 
-    def _promote(self, inst: EngineInstance, keys: Sequence[bytes]) -> int:
-        """Read the leading ``keys`` the lower tiers hold back into L1 (verified, committed like a
-        store); returns how many chunks came back. A record that fails its checks ends the run."""
-        assert self.tiers is not None
-        ns, layout = inst.namespace_id, inst.layout_id
-        m = self.tiers.prefix_length(keys, layout, namespace_id=ns)
-        if not m:
-            return 0
-        with self.tracer.start_as_current_span("agent.tier_read", attributes={"chunks": m}):
-            res = self.cache.reserve_store(
-                keys[:m], namespace_id=ns, layout_id=layout, nbytes=inst.bytes_per_chunk
-            )
-            # The leading run of entries (a reservation stops at the first chunk that does not fit).
-            lead = [(c, new) for pos, (i, c, new) in enumerate(res.entries) if i == pos]
-            filled = read = 0
-            try:
-                sums = self.tiers.read_many(ns, layout, [(c.key, c.buffer.numpy()) for c, new in lead if new])
-                for chunk, new in lead:
-                    if new:
-                        if read == len(sums):
-                            break  # a miss or a refused record: the chunks after it stay unread
-                        chunk.checksum = sums[read]
-                        read += 1
-                    filled += 1
-            finally:
-                self.cache.commit(res, upto=filled)
-        return read
+    def _promote(
+        self, inst: EngineInstance, keys: Sequence[bytes], owner: tuple[str, str]
+    ) -> Promotion | None:
+        assert self.promoter is not None
+        promotion = self.promoter.start(
+            owner,
+            keys,
+            namespace_id=inst.namespace_id,
+            layout_id=inst.layout_id,
+            nbytes=inst.bytes_per_chunk,
+        )
+        if promotion is not None and self.config.tier_promotion == "sync":
+            promotion.done.wait()  # failed chunks left the index: the re-pin does not count them
+        return promotion
 
     def _count_hits(
         self, counter: metrics.Counter, asked: int, hits: int, cause: MissCause, peer: int = 0, tier: int = 0
@@ -497,7 +504,10 @@ class AgentCore:
 
     def release(self, instance_id: str, request_id: str) -> int:
         self.instance(instance_id)
-        return self.cache.unpin((instance_id, request_id))
+        released = self.cache.unpin((instance_id, request_id))
+        if self.promoter is not None and request_id:
+            self.promoter.cancel((instance_id, request_id))  # after the unpin: nobody wants its chunks
+        return released
 
     def retrieve(
         self,
@@ -521,7 +531,10 @@ class AgentCore:
             ids = self._ids_per_chunk(
                 inst, block_ids, range(len(keys)), skip_first_n_tokens, allow_holes=True
             )
-            chunks, cause = self.cache.acquire_prefix(keys, inst.layout_id, namespace_id=inst.namespace_id)
+            # Waits for chunks still being promoted; stops before one whose promotion failed.
+            chunks, cause = self.cache.acquire_ready_prefix(
+                keys, inst.layout_id, namespace_id=inst.namespace_id
+            )
             try:
                 n = len(chunks)
                 t0 = time.perf_counter()
@@ -624,5 +637,7 @@ class AgentCore:
         with self._lock:
             self._instances.clear()
         self.peers.close()
+        if self.promoter is not None:
+            self.promoter.close()
         if self.tiers is not None:
             self.tiers.close()

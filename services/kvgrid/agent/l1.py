@@ -136,11 +136,24 @@ class Chunk:
     buffer: torch.Tensor = field(repr=False)
     refcount: int = 0
     committed: bool = False
+    ready: threading.Event | None = None
+    """Set once the bytes are final; None for chunks whose bytes were final when committed. A
+    chunk promoted asynchronously from a lower tier is committed (visible, counted by lookups)
+    before its read ends: every reader of the bytes waits for this (:meth:`wait_ready`)."""
+    failed: bool = False
+    """The promotion filling this chunk failed (or was cancelled): its bytes are never served; it
+    left the index and its pages are freed when the last reference goes."""
     checksum: bytes = b""
     """XXH3-128 of the bytes (``kvgrid.common.checksum``): the verified one that came with the bytes
     for a peer fetch; for a store, computed the first time the chunk is served (the bytes never
     change once committed, so it is the checksum of the stored bytes, kept off the engine's store
     path). Sent with the chunk to peers, which verify it before their copy becomes visible."""
+
+    def wait_ready(self) -> bool:
+        """Wait until the bytes are final; False when they never will be (a failed promotion)."""
+        if self.ready is not None:
+            self.ready.wait()
+        return not self.failed
 
 
 class L1Pool:

@@ -191,7 +191,8 @@ class ChunkSender:
         self.cache = cache
         self.metrics = metrics
         self.requester = req.requester_pod_uid
-        chunks, cause = cache.acquire_prefix(keys, req.layout_id, namespace_id=namespace_id)
+        # Chunks still being promoted from a lower tier are waited for; a failed one ends the run.
+        chunks, cause = cache.acquire_ready_prefix(keys, req.layout_id, namespace_id=namespace_id)
         if not chunks and cause == MissCause.LAYOUT_MISMATCH and keys:
             # Names only what the caller sent: the held layout is not revealed.
             raise LayoutMismatchError(

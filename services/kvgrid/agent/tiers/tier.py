@@ -5,8 +5,8 @@ layout, size and checksum, in LRU order. ``TierChain`` orders the tiers (fastest
 then the object store) and runs the **background writer**: chunks evicted from L1 are queued by
 the cache (``submit``), hashed on one thread and written on another, off the request path; making
 room in a full tier demotes its least recently used records to the next tier (or drops them from
-the last). Reads back into L1 (``read_many``) are pipelined: record i+1 is read while record i is
-verified.
+the last). Reads back into L1 (``iter_reads``, ``read_many``) are pipelined: record i+1 is read
+while record i is verified.
 
 Invariants:
 
@@ -24,11 +24,12 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -351,15 +352,16 @@ class TierChain:
                 return f
         return None
 
-    def read_many(
+    def iter_reads(
         self, namespace_id: str, layout_id: str, items: Sequence[tuple[bytes, np.ndarray]]
-    ) -> list[bytes]:
-        """Read ``(key, dst)`` records in order, verified; the checksums of the leading ones that
-        came back (stops at the first miss). Pipelined: record i+1 is read (I/O, no GIL) while
-        record i is verified (hashing, on this thread)."""
-        out: list[bytes] = []
+    ) -> Generator[bytes | None, None, None]:
+        """Read ``(key, dst)`` records in order, verified, yielding each one's checksum; a None (a
+        miss, or a record refused by every tier) is the last item. Pipelined: record i+1 is read
+        (I/O, no GIL) while record i is verified (hashing, on the consumer's thread). Closing the
+        generator early waits for the read in flight: no read lands in a buffer the caller is about
+        to free."""
         if not items:
-            return out
+            return
         nxt = self._reader.submit(self._fetch, namespace_id, items[0][0], layout_id, items[0][1])
         try:
             for i, (key, dst) in enumerate(items):
@@ -371,11 +373,23 @@ class TierChain:
                 if checksum is None and f is not None:
                     # Refused by the faster tier (and dropped there): a slower one may hold it.
                     checksum = self.read_into(namespace_id, key, layout_id, dst)
+                yield checksum
+                if checksum is None:
+                    return
+        finally:
+            nxt.result()  # never leave a read into a buffer the caller is about to free
+
+    def read_many(
+        self, namespace_id: str, layout_id: str, items: Sequence[tuple[bytes, np.ndarray]]
+    ) -> list[bytes]:
+        """The checksums of the leading ``(key, dst)`` records read back verified (:meth:`iter_reads`;
+        stops at the first miss)."""
+        out: list[bytes] = []
+        with contextlib.closing(self.iter_reads(namespace_id, layout_id, items)) as reads:
+            for checksum in reads:
                 if checksum is None:
                     break
                 out.append(checksum)
-        finally:
-            nxt.result()  # never leave a read into a buffer the caller is about to free
         return out
 
     # ---- writes (background) -------------------------------------------------------------
