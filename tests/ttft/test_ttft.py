@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -80,13 +81,21 @@ def test_hit_logits_equal_the_miss_and_a_wrong_byte_shows(agent: AgentProcess, l
         eng.close()
 
 
-def test_bench_reports_both_modes_and_the_limits(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "ttft", "--device", "cpu", "--model", "tiny", "--prompts", "200", "--chunk-size", "64",
-            "--iters", "1", "--json"]  # fmt: skip
+def _bench_row(device: str, prompt_tokens: int, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """``kvgrid bench ttft --json`` of the tiny model, one prompt length, 64-token chunks: the one
+    row, once the run exited 0 and reported no failures."""
+    argv = ["bench", "ttft", "--device", device, "--model", "tiny", "--prompts", str(prompt_tokens),
+            "--chunk-size", "64", "--iters", "1", "--json"]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["failures"] == []
+    row: dict[str, Any]
     (row,) = result["rows"]
+    return row
+
+
+def test_bench_reports_both_modes_and_the_limits(capsys: pytest.CaptureFixture[str]) -> None:
+    row = _bench_row("cpu", 200, capsys)
     assert (row["prompt_tokens"], row["hit_tokens"]) == (200, 192)
     lim = row["limits"]
     assert lim["copy_bytes"] == 192 * PRESETS["tiny"].kv_bytes_per_token(torch.bfloat16)
@@ -108,12 +117,7 @@ def test_bad_values_are_refused_with_their_name() -> None:
 def test_bench_runs_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     """The same bench with the KV cache on the GPU (handed to the agent by CUDA IPC): the hit
     equals a tail prefill over the same KV bit for bit (checked by the bench: failures empty)."""
-    argv = ["bench", "ttft", "--device", "cuda", "--model", "tiny", "--prompts", "300", "--chunk-size", "64",
-            "--iters", "1", "--json"]  # fmt: skip
-    assert main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["failures"] == []
-    (row,) = result["rows"]
+    row = _bench_row("cuda", 300, capsys)
     assert row["hit_tokens"] == 256
     for mode in ("whole", "layerwise"):
         assert row[mode]["hit_vs_miss_max_abs_logit_diff"] < 0.1  # bf16 rounding of other kernel shapes
