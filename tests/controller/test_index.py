@@ -14,7 +14,7 @@ from kvgrid.controller.index.redis import RedisIndex
 from kvgrid.controller.matching import PodPrefix, match_prefix
 from tests.controller.support import rand_keys, unique_prefix
 
-L1, GPU = IndexTier.L1, IndexTier.GPU
+L1, GPU, L2 = IndexTier.L1, IndexTier.GPU, IndexTier.L2
 
 
 def _make(kind: str, url: str) -> ChunkIndex:
@@ -54,6 +54,33 @@ def test_add_lookup_per_tier(index: ChunkIndex) -> None:
     assert index.holder_keys("b/1", GPU) == set(k[:2])
     index.add("a/1", L1, k)  # idempotent
     assert index.num_entries() == 6
+
+
+def _l2_holders_of(idx: ChunkIndex, key: bytes) -> set[str]:
+    view = idx.lookup([key])
+    if not view.l1:
+        return set()
+    return {view.slots[s] for s in view.slots if view.l2_masks()[0] >> s & 1}
+
+
+def test_l2_is_a_stored_tier(index: ChunkIndex) -> None:
+    k = rand_keys(4)
+    index.add("a/1", L2, k)
+    index.add("a/1", L1, k[:1])  # in L1 and L2 at once: both entries stored
+    index.add("b/1", GPU, k[:2])
+    assert _l2_holders_of(index, k[0]) == {"a/1"}
+    assert _holders_of(index, k[0]) == ({"a/1"}, {"b/1"})
+    assert _holders_of(index, k[3]) == (set(), set()) and _l2_holders_of(index, k[3]) == {"a/1"}
+    assert len(index.lookup(k).l1) == 4  # an L2-only chunk continues the lookup
+    assert index.num_entries() == 4 + 1 + 2 and index.num_chunks() == 4
+    assert index.holder_entries("a/1") == 5 and index.holder_tier_entries("a/1", L2) == 4
+    assert index.holder_keys("a/1", L2) == set(k)
+    index.remove("a/1", L2, k[3:])
+    assert index.lookup(k[3:]).l1 == [] and index.num_chunks() == 3
+    index.replace("a/1", L2, k[1:2])
+    assert index.holder_keys("a/1", L2) == {k[1]} and index.holder_keys("a/1", L1) == {k[0]}
+    assert index.drop_holder("a/1") == 2
+    assert _l2_holders_of(index, k[1]) == set()
 
 
 def test_lookup_stops_at_first_unheld_chunk(index: ChunkIndex) -> None:
@@ -170,7 +197,7 @@ def test_match_tiers_and_peers(index: ChunkIndex) -> None:
         st.tuples(
             st.sampled_from(["add", "remove", "replace", "drop"]),
             st.sampled_from(["a/1", "b/2", "c/3"]),
-            st.sampled_from([L1, GPU]),
+            st.sampled_from([L1, GPU, L2]),
             st.lists(st.integers(0, 7), max_size=6),
         ),
         max_size=25,
@@ -196,8 +223,8 @@ def test_random_ops_match_reference_model(index: ChunkIndex, ops: list) -> None:
             cur |= set(keys)
         else:
             index.drop_holder(holder)
-            model[(holder, L1)] = set()
-            model[(holder, GPU)] = set()
+            for t in IndexTier:
+                model[(holder, t)] = set()
     for (holder, tier), keys in model.items():
         assert index.holder_keys(holder, tier) == keys
     assert index.num_entries() == sum(len(v) for v in model.values())
@@ -206,6 +233,7 @@ def test_random_ops_match_reference_model(index: ChunkIndex, ops: list) -> None:
         l1, gpu = _holders_of(index, key)
         assert l1 == {h for (h, t), v in model.items() if t is L1 and key in v}
         assert gpu == {h for (h, t), v in model.items() if t is GPU and key in v}
+        assert _l2_holders_of(index, key) == {h for (h, t), v in model.items() if t is L2 and key in v}
 
 
 def test_redis_replicas_share_one_index(valkey_url: str) -> None:

@@ -22,7 +22,7 @@ from kvgrid.controller.matching import (
 )
 from tests.controller.support import rand_keys, unique_prefix
 
-L1, GPU = IndexTier.L1, IndexTier.GPU
+L1, GPU, L2 = IndexTier.L1, IndexTier.GPU, IndexTier.L2
 UNIVERSE = [bytes([i]) * 16 for i in range(10)]
 
 
@@ -31,12 +31,12 @@ def _reference(index: ChunkIndex, query: list[bytes], eligible: np.ndarray, max_
     mask = sum(1 << int(s) for s in np.flatnonzero(eligible))
     ref = match_prefix(view, mask)
     pods = ref.pods[:max_pods] if max_pods else ref.pods
-    return [(view.slots[p.slot], p.gpu, p.l1, p.peer) for p in pods], ref.peer_fetchable
+    return [(view.slots[p.slot], p.gpu, p.l1, p.peer, p.l2) for p in pods], ref.peer_fetchable
 
 
 def _named(m: BatchMatch, holders: dict[int, str], b: int) -> tuple:
     q = m.query(b)
-    return [(holders[p.slot], p.gpu, p.l1, p.peer) for p in q.pods], q.peer_fetchable
+    return [(holders[p.slot], p.gpu, p.l1, p.peer, p.l2) for p in q.pods], q.peer_fetchable
 
 
 @settings(max_examples=60, deadline=None)
@@ -49,7 +49,7 @@ def _named(m: BatchMatch, holders: dict[int, str], b: int) -> tuple:
 def test_batch_matches_reference_memory(width: int, holders: int, native: bool, data: st.DataObject) -> None:
     index = MemoryIndex(width=width, native=native)
     for h in range(holders):
-        for tier in (L1, GPU):
+        for tier in (L1, GPU, L2):
             keys = data.draw(st.lists(st.sampled_from(UNIVERSE), max_size=8), label=f"h{h} {tier.name}")
             index.add(f"pod{h}/1", tier, keys)
     if data.draw(st.booleans(), label="speculative"):
@@ -74,7 +74,7 @@ def test_batch_matches_reference_memory(width: int, holders: int, native: bool, 
         words = np.frombuffer(b"".join(q), dtype="<u8").reshape(-1, 2) if q else np.zeros((0, 2), np.uint64)
         assert index.lookup_one(words) == one
         mask = sum(1 << int(s) for s in np.flatnonzero(eligible[b]))
-        assert _named(match_one(one.l1, one.gpu, mask, max_pods[b]), one.holders, 0) == want
+        assert _named(match_one(one.l1, one.gpu, mask, max_pods[b], one.l2), one.holders, 0) == want
         # the compiled path (raw rows, C matcher) and its Python fallback
         wv = index.lookup_words(q)
         assert index.lookup_words(words) == wv
@@ -100,6 +100,8 @@ def test_lookup_batch_every_backend(index: ChunkIndex) -> None:
     index.add("gpu/1", GPU, k[:2])
     index.add("l1/1", L1, k[:4])
     index.add("deep/1", GPU, k[:6])
+    index.add("disk/1", L2, k[:5])
+    index.add("disk/1", L1, k[1:2])  # in L1 too: counts there (the faster tier)
     index.add_speculative("spec/1", k[:1], 60_000)
     queries = [k, k[:3], [rand_keys(1)[0], *k], []]
     view = index.lookup_batch(queries)
@@ -109,17 +111,25 @@ def test_lookup_batch_every_backend(index: ChunkIndex) -> None:
     m = match_batch(view.words, eligible)
     got = _named(m, view.holders, 0)
     assert got == (
+        # own L2 continues past the peers' L1 (chunk 4: disk/1 reads it back, the others stop);
         # equal totals (4): more GPU first, so the speculative GPU chunk beats own L1
-        [("deep/1", 6, 0, 0), ("gpu/1", 2, 0, 2), ("spec/1", 1, 0, 3), ("l1/1", 0, 4, 0)],
+        [
+            ("deep/1", 6, 0, 0, 0),
+            ("disk/1", 0, 1, 0, 4),
+            ("gpu/1", 2, 0, 2, 0),
+            ("spec/1", 1, 0, 3, 0),
+            ("l1/1", 0, 4, 0, 0),
+        ],
         4,
     )
-    assert _named(m, view.holders, 1)[0][0] == ("deep/1", 3, 0, 0)
+    assert _named(m, view.holders, 1)[0][0] == ("deep/1", 3, 0, 0, 0)
     assert _named(m, view.holders, 2) == ([], 0)  # first chunk held by nobody
     assert _named(m, view.holders, 3) == ([], 0)
-    assert m.offsets.tolist() == [0, 4, 8, 8, 8] and len(m.pod_index) == 8
+    assert m.offsets.tolist() == [0, 5, 10, 10, 10] and len(m.pod_index) == 10
     for b, q in enumerate(queries):  # the single-query path gives the same answers on every backend
         one = index.lookup_one(q)
-        assert _named(match_one(one.l1, one.gpu, (1 << 64 * one.nwords) - 1), one.holders, 0) == _named(
+        every = (1 << 64 * one.nwords) - 1
+        assert _named(match_one(one.l1, one.gpu, every, 0, one.l2), one.holders, 0) == _named(
             m, view.holders, b
         )
         wv = index.lookup_words(q)
@@ -128,19 +138,21 @@ def test_lookup_batch_every_backend(index: ChunkIndex) -> None:
 
 
 def test_match_batch_rules() -> None:
-    # Hand-made words: 3 chunks, 2 queries, slots 0..2.
-    words = np.zeros((3, 2, 2), dtype=np.uint64)
+    # Hand-made words: 3 chunks, 2 queries, slots 0..3 (words: L1, GPU, L2 per chunk).
+    words = np.zeros((3, 2, 3), dtype=np.uint64)
     words[:, 0, 1] = [0b011, 0b001, 0b001]  # query 0: GPU of slot 0 (3 chunks), slot 1 (1 chunk)
     words[:, 0, 0] = [0, 0b100, 0]  # slot 2 holds chunk 1 in L1 (peers may fetch it)
+    words[:, 0, 2] = [0b1000, 0b1000, 0b1001]  # slot 3 holds all 3 in L2; slot 0's L2 copy is hidden
     words[0, 1, 0] = 0b010  # query 1: one L1 chunk on slot 1
     eligible = np.ones((2, 64), dtype=bool)
     m = match_batch(words, eligible)
-    assert m.query(0).pods == [PodPrefix(0, 3, 0, 0), PodPrefix(1, 1, 0, 1)]
+    # equal totals: more GPU first, then more own L1, then more own L2
+    assert m.query(0).pods == [PodPrefix(0, 3, 0, 0), PodPrefix(3, 0, 0, 0, 3), PodPrefix(1, 1, 0, 1)]
     assert m.query(0).peer_fetchable == 0
     assert m.query(1).pods == [PodPrefix(1, 0, 1, 0)] and m.query(1).peer_fetchable == 1
     eligible[0, 0] = False
-    assert [p.slot for p in match_batch(words, eligible, [1, 0]).query(0).pods] == [1]
-    assert match_batch(words, eligible, [1, 0]).pods.tolist() == [1]
+    assert [p.slot for p in match_batch(words, eligible, [1, 0]).query(0).pods] == [3]
+    assert match_batch(words, eligible, [1, 0]).pods.tolist() == [1, 3]
     with pytest.raises(ValueError, match=r"eligible: shape \(2, 63\), expected \(2, 64\)"):
         match_batch(words, np.ones((2, 63), dtype=bool))
     with pytest.raises(ValueError, match="max_pods: 1 limits, expected one per query"):
@@ -155,20 +167,20 @@ def test_long_queries_use_wide_counters() -> None:
     view = index.lookup_batch([keys])
     m = match_batch(view.words, np.ones((1, 64), dtype=bool))
     got = _named(m, view.holders, 0)
-    assert got == ([("a/1", 300, 0, 0), ("b/1", 0, 299, 0)], 299)  # chunk 299: a's GPU only
+    assert got == ([("a/1", 300, 0, 0, 0), ("b/1", 0, 299, 0, 0)], 299)  # chunk 299: a's GPU only
 
 
 @pytest.mark.parametrize("npods", [5, 40, 130])  # few distinct counts, and more than the C path's 32
 @pytest.mark.parametrize("max_pods", [0, 3, 37])
 def test_match_words_many_distinct_counts(npods: int, max_pods: int) -> None:
-    # pod s holds chunks 0..s on GPU (s even) or in its own L1 (s odd): every pod a different count
+    # pod s holds chunks 0..s on GPU (s % 3 == 0), in its own L1 (1) or L2 (2): every pod a
+    # different count
     nwords = max(1, -(-npods // 64))
     n = npods + 2
     rows = []
     for c in range(n):
-        l1 = sum(1 << s for s in range(npods) if s % 2 and c <= s)
-        gpu = sum(1 << s for s in range(npods) if not s % 2 and c <= s)
-        rows.append(l1.to_bytes(8 * nwords, "little") + gpu.to_bytes(8 * nwords, "little"))
+        gpu, l1, l2 = (sum(1 << s for s in range(npods) if s % 3 == t and c <= s) for t in range(3))
+        rows.append(b"".join(m.to_bytes(8 * nwords, "little") for m in (l1, gpu, l2)))
     words = b"".join(rows)
     eligible = (1 << 64 * nwords) - 1 ^ (1 << 3)  # slot 3 not eligible
     want = match_words(words, nwords, eligible, max_pods, native=False)

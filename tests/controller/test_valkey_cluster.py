@@ -45,6 +45,7 @@ def index(cluster: ValkeyCluster) -> Iterator[ChunkIndex]:
 
 # The backend conformance suite (tests/controller/test_index.py), run against the cluster index.
 test_add_lookup_per_tier = conformance.test_add_lookup_per_tier
+test_l2_is_a_stored_tier = conformance.test_l2_is_a_stored_tier
 test_lookup_stops_at_first_unheld_chunk = conformance.test_lookup_stops_at_first_unheld_chunk
 test_remove = conformance.test_remove
 test_replace_is_exact = conformance.test_replace_is_exact

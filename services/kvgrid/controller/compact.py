@@ -8,6 +8,9 @@ written as protobuf wire bytes with a few numpy calls per batch and parsed once 
 it is built field by field with ``extend``. Both produce the same message (tested), which is the
 wire format: readers need nothing but the generated classes.
 
+``l2_chunks`` (field 7) is written for a query only when one of its listed pods has L2 chunks, so
+answers without lower tiers are byte for byte what they were before the field existed.
+
 Client side, :func:`read_compact` gives each query's matches as ``PodMatch`` messages, the
 readable form, for callers that want it.
 """
@@ -15,6 +18,7 @@ readable form, for callers that want it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
 
 import numpy as np
 
@@ -24,11 +28,12 @@ from kvgrid.controller.matching import BatchMatch
 __all__ = ["compact_response", "read_compact"]
 
 # Wire tags (field number << 3 | wire type): BatchMatchPrefixResponse.pods = 2, .compact = 3;
-# CompactMatch: num_query_chunks = 1, peer_fetchable_chunks = 2 (varints), the arrays 3..6 (packed).
+# CompactMatch: num_query_chunks = 1, peer_fetchable_chunks = 2 (varints), the arrays 3..7 (packed).
 _TAG_POD = b"\x12"
 _TAG_COMPACT = b"\x1a"
 _TAG_CHUNKS, _TAG_PEER_FETCHABLE = b"\x08", b"\x10"
 _TAG_ARRAYS = (b"\x1a", b"\x22", b"\x2a", b"\x32")
+_TAG_L2 = b"\x3a"
 
 
 def _varint(x: int) -> bytes:
@@ -57,11 +62,14 @@ def compact_response(
     m: BatchMatch, num_query_chunks: Sequence[int], pod_refs: Sequence[bytes]
 ) -> controller_pb2.BatchMatchPrefixResponse:
     """The compact answer of ``m``; ``pod_refs[slot]`` is :func:`pod_ref_bytes` of each slot's pod."""
-    arrays = (m.pod_index, m.gpu, m.l1, m.peer)
+    arrays = (m.pod_index, m.gpu, m.l1, m.peer, m.l2)
     small = all(int(a.max(initial=0)) < 0x80 for a in arrays)
     if not small:
         return _built(m, num_query_chunks, pod_refs)
     packed = [a.astype(np.uint8).tobytes() for a in arrays]  # a packed varint < 128 is one byte
+    l2 = packed.pop()
+    if not m.l2.any():
+        l2 = b""
     out = [pod_refs[s] for s in m.pods.tolist()]
     offsets, fetchable = m.offsets.tolist(), m.peer_fetchable.tolist()
     for b, nc in enumerate(num_query_chunks):
@@ -75,6 +83,8 @@ def compact_response(
             n = _SMALL[hi - lo]  # <= 128 pods here
             for tag, raw in zip(_TAG_ARRAYS, packed, strict=True):
                 body += (tag, n, raw[lo:hi])
+            if l2 and l2[lo:hi].count(0) != hi - lo:
+                body += (_TAG_L2, n, l2[lo:hi])
         msg = b"".join(body)
         out += (_TAG_COMPACT, _v(len(msg)), msg)
     return controller_pb2.BatchMatchPrefixResponse.FromString(b"".join(out))
@@ -86,7 +96,7 @@ def _built(
     """Field-by-field construction (any sizes)."""
     resp = controller_pb2.BatchMatchPrefixResponse.FromString(b"".join(pod_refs[s] for s in m.pods.tolist()))
     offsets, fetchable = m.offsets.tolist(), m.peer_fetchable.tolist()
-    pod_index, gpu, l1, peer = (a.tolist() for a in (m.pod_index, m.gpu, m.l1, m.peer))
+    pod_index, gpu, l1, peer, l2 = (a.tolist() for a in (m.pod_index, m.gpu, m.l1, m.peer, m.l2))
     add = resp.compact.add
     for b, nc in enumerate(num_query_chunks):
         lo, hi = offsets[b], offsets[b + 1]
@@ -95,6 +105,8 @@ def _built(
         c.gpu_chunks.extend(gpu[lo:hi])
         c.l1_chunks.extend(l1[lo:hi])
         c.peer_chunks.extend(peer[lo:hi])
+        if any(l2[lo:hi]):
+            c.l2_chunks.extend(l2[lo:hi])
     return resp
 
 
@@ -106,9 +118,15 @@ def read_compact(resp: controller_pb2.BatchMatchPrefixResponse) -> list[controll
         r = controller_pb2.MatchPrefixResponse(
             num_query_chunks=c.num_query_chunks, peer_fetchable_chunks=c.peer_fetchable_chunks
         )
-        for i, g, lo, p in zip(c.pod_index, c.gpu_chunks, c.l1_chunks, c.peer_chunks, strict=True):
+        l2 = c.l2_chunks or repeat(0)  # absent: no listed pod has L2 chunks
+        for i, g, lo, p, d in zip(c.pod_index, c.gpu_chunks, c.l1_chunks, c.peer_chunks, l2, strict=False):
             r.matches.add(
-                pod_uid=pods[i].pod_uid, pod_name=pods[i].pod_name, gpu_chunks=g, l1_chunks=lo, peer_chunks=p
+                pod_uid=pods[i].pod_uid,
+                pod_name=pods[i].pod_name,
+                gpu_chunks=g,
+                l1_chunks=lo,
+                peer_chunks=p,
+                l2_chunks=d,
             )
         out.append(r)
     return out

@@ -116,6 +116,29 @@ class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
         10.0
     )
     peer_latency_ms: Annotated[float, msgspec.Meta(ge=0, description="fixed cost of a peer fetch, ms")] = 1.0
+    l2_disk_gbps: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0,
+            description="agent disk tier -> L1 read bandwidth, GB/s (default: kvgrid bench tier's verified "
+            "read-back on the H200 host, docs/benchmarks.md)",
+        ),
+    ] = 4.8
+    l2_object_store_gbps: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0,
+            description="agent object-store (S3) tier -> L1 read bandwidth, GB/s (default: minio gets from a "
+            "local SeaweedFS, docs/benchmarks.md; measure your store)",
+        ),
+    ] = 0.5
+    l2_tier: Annotated[
+        Literal["disk", "object_store"],
+        msgspec.Meta(
+            description="which read bandwidth prices L2 chunks in Score: the agents' fastest lower tier "
+            "(disk when they have one, else object_store)"
+        ),
+    ] = "disk"
     prefill_tokens_per_s: Annotated[
         float, msgspec.Meta(gt=0, description="prefill throughput of one pod, tokens/s")
     ] = 10_000.0

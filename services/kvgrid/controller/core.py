@@ -657,7 +657,7 @@ class Controller:
             uid = table.uids[p.slot]
             assert uid is not None  # only eligible (answerable) slots are listed
             by_uid[uid] = Candidate(
-                uid, table.names[p.slot], p.gpu, p.l1, p.peer, rec.load if rec else AgentLoad()
+                uid, table.names[p.slot], p.gpu, p.l1, p.peer, rec.load if rec else AgentLoad(), p.l2
             )
             holder_by_uid[uid] = table.holders[p.slot]
             if rec is not None:

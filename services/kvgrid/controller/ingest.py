@@ -3,8 +3,9 @@
 Per pod incarnation (holder) the ingestor keeps the last applied sequence. Events are applied in
 order; a duplicate (sequence <= last) is skipped; a gap, a new stream (reconnect) or an unknown
 incarnation starts a *resync*: a background pull of ``AgentService.Snapshot`` from the agent.
-While it runs, arriving events are buffered; when the snapshot lands, the holder's L1 entries are
-replaced by the snapshot in one atomic index operation and the buffered events with sequence >
+While it runs, arriving events are buffered; when the snapshot lands, the holder's L1 entries (and
+its L2 entries, when the snapshot lists them) are replaced by the snapshot, one atomic index
+operation per tier, and the buffered events with sequence >
 ``snapshot.last_sequence`` are applied in order. After that the index equals the agent's truth
 (or, for a pod over its index-entry cap, a subset of it: :mod:`kvgrid.controller.limits`).
 
@@ -73,6 +74,9 @@ class AgentSnapshot(msgspec.Struct, frozen=True):
     keys: list[bytes]
     last_sequence: int
     namespaces: list[str] = []
+    l2_keys: list[bytes] | None = None
+    """Its lower tiers' keys as of ``last_sequence``; None: the snapshot does not list them (the
+    holder's L2 entries are left as they are; TIER_L2 events keep them current)."""
 
 
 class _PodState:
@@ -287,6 +291,8 @@ class Ingestor:
                         f"expected {rec.holder}"
                     )
                 check_keys(snap.keys, "snapshot.chunk_keys")
+                if snap.l2_keys is not None:
+                    check_keys(snap.l2_keys, "snapshot.l2_chunk_keys")
             except (KvgridError, ValueError) as exc:
                 log.warning("snapshot pull from %s failed: %s", rec.holder, exc)
                 if self._closed.wait(self._retry):
@@ -323,13 +329,18 @@ class Ingestor:
                     return
 
     def _install_locked(self, st: _PodState, snap: AgentSnapshot, pending: list[ChunkEvent]) -> bool:
-        """Replace the pod's L1 entries by ``snap`` and apply the buffered events after it. True when
-        the pod is in sync; False on a gap inside the buffer (a new pull is needed)."""
+        """Replace the pod's L1 (and listed L2) entries by ``snap`` and apply the buffered events
+        after it. True when the pod is in sync; False on a gap inside the buffer (a new pull is
+        needed)."""
         rec = st.record
-        if self.caps is not None:
-            self.caps.replace(rec.holder, IndexTier.L1, snap.keys)
-        else:
-            self.index.replace(rec.holder, IndexTier.L1, snap.keys)
+        tiers = [(IndexTier.L1, snap.keys)]
+        if snap.l2_keys is not None:
+            tiers.append((IndexTier.L2, snap.l2_keys))
+        for tier, keys in tiers:
+            if self.caps is not None:
+                self.caps.replace(rec.holder, tier, keys)
+            else:
+                self.index.replace(rec.holder, tier, keys)
         last = snap.last_sequence
         for j, e in enumerate(pending):
             if e.sequence <= last:

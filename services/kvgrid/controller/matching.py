@@ -1,10 +1,12 @@
 """Prefix matching (pure functions, no storage): a batch of queries at once, or one PrefixView.
 
-Semantics (docs/controller.md): for pod ``P`` chunk ``i`` is *available* when ``P`` holds it in GPU
-or in its own L1, or some other pod holds it in L1 (peer-fetchable). ``P``'s match is the longest
-run of available leading chunks, and each matched chunk counts in the fastest tier that has it:
-GPU, then own L1, then peer. Because any L1 holder makes a chunk available to *every* pod, a chunk
-is available to all pods when its L1 mask is non-zero, and only to its GPU holders otherwise.
+Semantics (docs/controller.md): for pod ``P`` chunk ``i`` is *available* when ``P`` holds it in GPU,
+in its own L1 or in its own lower tiers (L2: disk, object store), or some other pod holds it in L1
+(peer-fetchable; a peer's L2 is not: peers serve from L1 only). ``P``'s match is the longest run of
+available leading chunks, and each matched chunk counts in the fastest tier that has it: GPU, then
+own L1, then own L2, then peer. Because any L1 holder makes a chunk available to *every* pod, a
+chunk is available to all pods when its L1 mask is non-zero, and only to its GPU and L2 holders
+otherwise.
 
 :func:`match_batch` (the service's path) does this for a whole batch with one fixed set of numpy
 calls over the holder bitmasks as uint64 words ``[chunk, query, word]``: the per-pod "still
@@ -21,12 +23,12 @@ counters); it is the reference both are tested against.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import groupby
+from itertools import groupby, repeat
 
 import msgspec
 import numpy as np
 
-from kvgrid.controller.index import PrefixView
+from kvgrid.controller.index import NUM_TIERS, PrefixView
 
 try:  # the compiled single-query matcher (index/_probe.c), where it was built
     import kvgrid.controller.index._probe as _native
@@ -51,10 +53,11 @@ class PodPrefix(msgspec.Struct, frozen=True):
     gpu: int
     l1: int
     peer: int
+    l2: int = 0
 
     @property
     def total(self) -> int:
-        return self.gpu + self.l1 + self.peer
+        return self.gpu + self.l1 + self.l2 + self.peer
 
 
 class PrefixMatch(msgspec.Struct, frozen=True):
@@ -94,7 +97,7 @@ def _per_slot(planes: list[int], nbytes: int) -> np.ndarray:
 
 def match_prefix(view: PrefixView, eligible: int) -> PrefixMatch:
     """Match of every slot in the bitmask ``eligible`` (see the module docstring)."""
-    l1s, gpus = view.l1, view.gpu
+    l1s, gpus, l2s = view.l1, view.gpu, view.l2_masks()
     n = len(l1s)
     peer_fetchable = n
     for i, m in enumerate(l1s):
@@ -102,8 +105,8 @@ def match_prefix(view: PrefixView, eligible: int) -> PrefixMatch:
             peer_fetchable = i
             break
     owners = 0
-    for a, b in zip(l1s, gpus, strict=True):
-        owners |= a | b
+    for a, b, c in zip(l1s, gpus, l2s, strict=True):
+        owners |= a | b | c
     owners &= eligible
     if not owners:
         return PrefixMatch(pods=[], peer_fetchable=peer_fetchable)
@@ -111,20 +114,22 @@ def match_prefix(view: PrefixView, eligible: int) -> PrefixMatch:
     ends: dict[int, int] = {}
     gplanes: list[int] = []
     lplanes: list[int] = []
+    dplanes: list[int] = []
     for i in range(n):
-        l1, g = l1s[i], gpus[i]
+        l1, g, d = l1s[i], gpus[i], l2s[i]
         if not l1:
-            dead = alive & ~g
+            dead = alive & ~g & ~d
             if dead:
                 while dead:
                     b = dead & -dead
                     ends[b.bit_length() - 1] = i
                     dead ^= b
-                alive &= g
+                alive &= g | d
                 if not alive:
                     break
         _add(gplanes, alive & g)
         _add(lplanes, alive & l1 & ~g)
+        _add(dplanes, alive & d & ~l1 & ~g)
     while alive:
         b = alive & -alive
         ends[b.bit_length() - 1] = n
@@ -132,12 +137,13 @@ def match_prefix(view: PrefixView, eligible: int) -> PrefixMatch:
     nbytes = (owners.bit_length() + 7) // 8
     gc = _per_slot(gplanes, nbytes)
     lc = _per_slot(lplanes, nbytes)
+    dc = _per_slot(dplanes, nbytes)
     pods = []
     for slot, end in ends.items():
-        g, lo = int(gc[slot]), int(lc[slot])
-        if g or lo:
-            pods.append(PodPrefix(slot=slot, gpu=g, l1=lo, peer=end - g - lo))
-    pods.sort(key=lambda p: (-p.total, -p.gpu, -p.l1, p.slot))
+        g, lo, d = int(gc[slot]), int(lc[slot]), int(dc[slot])
+        if g or lo or d:
+            pods.append(PodPrefix(slot=slot, gpu=g, l1=lo, peer=end - g - lo - d, l2=d))
+    pods.sort(key=lambda p: (-p.total, -p.gpu, -p.l1, -p.l2, p.slot))
     return PrefixMatch(pods=pods, peer_fetchable=peer_fetchable)
 
 
@@ -145,8 +151,9 @@ class BatchMatch(msgspec.Struct, frozen=True):
     """Matches of a batch of queries, flattened into parallel int64 arrays (cheap to slice and encode).
 
     ``pods``: the slots listed in any answer of the batch, ascending. Query ``b``'s answer is entries
-    ``offsets[b]:offsets[b + 1]`` of ``pod_index`` (index into ``pods``), ``gpu``, ``l1``, ``peer``,
-    ordered as :attr:`PrefixMatch.pods`; ``peer_fetchable[b]`` as :attr:`PrefixMatch.peer_fetchable`.
+    ``offsets[b]:offsets[b + 1]`` of ``pod_index`` (index into ``pods``), ``gpu``, ``l1``, ``l2``,
+    ``peer``, ordered as :attr:`PrefixMatch.pods`; ``peer_fetchable[b]`` as
+    :attr:`PrefixMatch.peer_fetchable`.
     """
 
     pods: np.ndarray
@@ -156,15 +163,21 @@ class BatchMatch(msgspec.Struct, frozen=True):
     l1: np.ndarray
     peer: np.ndarray
     peer_fetchable: np.ndarray
+    l2: np.ndarray
 
     def query(self, b: int) -> PrefixMatch:
         """Query ``b``'s answer as a :class:`PrefixMatch`."""
         lo, hi = int(self.offsets[b]), int(self.offsets[b + 1])
         slots = self.pods[self.pod_index[lo:hi]].tolist()
         rows = zip(
-            slots, self.gpu[lo:hi].tolist(), self.l1[lo:hi].tolist(), self.peer[lo:hi].tolist(), strict=True
+            slots,
+            self.gpu[lo:hi].tolist(),
+            self.l1[lo:hi].tolist(),
+            self.l2[lo:hi].tolist(),
+            self.peer[lo:hi].tolist(),
+            strict=True,
         )
-        pods = [PodPrefix(slot=s, gpu=g, l1=lo1, peer=p) for s, g, lo1, p in rows]
+        pods = [PodPrefix(slot=s, gpu=g, l1=lo1, peer=p, l2=d) for s, g, lo1, d, p in rows]
         return PrefixMatch(pods=pods, peer_fetchable=int(self.peer_fetchable[b]))
 
 
@@ -174,12 +187,12 @@ _ALL = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 def match_batch(words: np.ndarray, eligible: np.ndarray, max_pods: Sequence[int] = ()) -> BatchMatch:
     """Match every query of a batch (see the module docstring).
 
-    ``words``: uint64 ``[n, B, 2 * W]`` as :attr:`kvgrid.controller.index.BatchView.words` (L1 words,
-    then GPU words, per chunk and query). ``eligible``: bool ``[B, 64 * W]``, the slots each query
+    ``words``: uint64 ``[n, B, 3 * W]`` as :attr:`kvgrid.controller.index.BatchView.words` (L1, GPU,
+    then L2 words, per chunk and query). ``eligible``: bool ``[B, 64 * W]``, the slots each query
     may list. ``max_pods``: per query, at most this many pods (0 = all); empty = all for every query.
     """
-    n, nq, w2 = words.shape
-    nw = w2 // 2
+    n, nq, wt = words.shape
+    nw = wt // NUM_TIERS
     ns = 64 * nw
     if eligible.shape != (nq, ns):
         raise ValueError(f"eligible: shape {eligible.shape}, expected {(nq, ns)} (queries, 64 * words)")
@@ -188,28 +201,31 @@ def match_batch(words: np.ndarray, eligible: np.ndarray, max_pods: Sequence[int]
     if n == 0 or nq == 0:
         none = np.zeros(0, dtype=np.int64)
         return BatchMatch(
-            none, np.zeros(nq + 1, dtype=np.int64), none, none, none, none, np.zeros(nq, np.int64)
+            none, np.zeros(nq + 1, dtype=np.int64), none, none, none, none, np.zeros(nq, np.int64), none
         )
-    l1, gpu = words[:, :, :nw], words[:, :, nw:]
+    l1, gpu, l2 = words[:, :, :nw], words[:, :, nw : 2 * nw], words[:, :, 2 * nw :]
     # [n, B]: someone holds the chunk in L1, so every pod may fetch it
     l1_any = np.not_equal(l1[:, :, 0], 0) if nw == 1 else np.any(l1, axis=2)
-    planes = np.empty((n, 3, nq, nw), dtype="<u8")  # per chunk: still matching, of them GPU, own L1
+    own = gpu | l2  # held by the pod itself outside L1
+    # per chunk: still matching, of them GPU, own L1, own L2
+    planes = np.empty((n, 4, nq, nw), dtype="<u8")
     alive = planes[:, 0]
-    np.bitwise_and.accumulate(np.where(l1_any[:, :, None], _ALL, gpu), axis=0, out=alive)
+    np.bitwise_and.accumulate(np.where(l1_any[:, :, None], _ALL, own), axis=0, out=alive)
     np.bitwise_and(alive, gpu, out=planes[:, 1])
     np.bitwise_and(alive, l1 & ~gpu, out=planes[:, 2])
+    np.bitwise_and(alive, l2 & ~(l1 | gpu), out=planes[:, 3])
     peer_fetchable = np.logical_and.accumulate(l1_any, axis=0).sum(axis=0)
-    bits = np.unpackbits(planes.view(np.uint8), axis=-1, bitorder="little")  # [n, 3, B, slots]
-    counts = bits.sum(axis=0, dtype=np.uint8 if n < 256 else np.int64)  # [3, B, slots]
-    end, g, lo = counts  # per (query, slot): matched chunks, of them GPU, of them own L1
-    listed = eligible & (g + lo > 0)
-    # Longest first, then more GPU, then more own L1, then lower slot (stable sort), unlisted last.
-    if n < 256:  # one uint32 key per pod: bytes (own L1, GPU, matched, listed), compared descending
-        key = np.empty((nq, ns, 4), dtype=np.uint8)
-        key[:, :, 0], key[:, :, 1], key[:, :, 2], key[:, :, 3] = lo, g, end, listed
-        order = np.argsort(~key.view("<u4")[:, :, 0], axis=1, kind="stable")
+    bits = np.unpackbits(planes.view(np.uint8), axis=-1, bitorder="little")  # [n, 4, B, slots]
+    counts = bits.sum(axis=0, dtype=np.uint8 if n < 256 else np.int64)  # [4, B, slots]
+    end, g, lo, d = counts  # per (query, slot): matched chunks, of them GPU, own L1, own L2
+    listed = eligible & ((g | lo | d) > 0)
+    # Longest first, then more GPU, own L1, own L2, then lower slot (stable sort), unlisted last.
+    if n < 256:  # one uint64 key per pod: bytes (own L2, own L1, GPU, matched, listed), descending
+        key = np.zeros((nq, ns, 8), dtype=np.uint8)
+        key[:, :, 0], key[:, :, 1], key[:, :, 2], key[:, :, 3], key[:, :, 4] = d, lo, g, end, listed
+        order = np.argsort(~key.view("<u8")[:, :, 0], axis=1, kind="stable")
     else:
-        order = np.lexsort((-lo, -g, -end, ~listed), axis=-1)
+        order = np.lexsort((-d, -lo, -g, -end, ~listed), axis=-1)
     per_query = listed.sum(axis=1)
     if max_pods:
         limits = np.asarray(max_pods, dtype=np.int64)
@@ -217,7 +233,7 @@ def match_batch(words: np.ndarray, eligible: np.ndarray, max_pods: Sequence[int]
     keep = np.arange(ns) < per_query[:, None]
     slot = order[keep]
     flat = (order + np.arange(0, nq * ns, ns)[:, None])[keep]  # listed pods as (query, slot) indices
-    egl = counts.reshape(3, nq * ns)[:, flat].astype(np.int64)  # [3, K]: matched, GPU, own L1
+    egld = counts.reshape(4, nq * ns)[:, flat].astype(np.int64)  # [4, K]: matched, GPU, own L1, own L2
     used = np.zeros(ns, dtype=bool)
     used[slot] = True
     pod_index = (np.cumsum(used) - 1)[slot]
@@ -227,10 +243,11 @@ def match_batch(words: np.ndarray, eligible: np.ndarray, max_pods: Sequence[int]
         pods=np.flatnonzero(used),
         offsets=offsets,
         pod_index=pod_index,
-        gpu=egl[1],
-        l1=egl[2],
-        peer=egl[0] - egl[1] - egl[2],
+        gpu=egld[1],
+        l1=egld[2],
+        peer=egld[0] - egld[1] - egld[2] - egld[3],
         peer_fetchable=peer_fetchable.astype(np.int64, copy=False),
+        l2=egld[3],
     )
 
 
@@ -246,63 +263,77 @@ def _byte_slots(byte_index: int) -> list[list[int]]:
     return _BYTE_SLOTS[byte_index]
 
 
-def match_one(l1s: Sequence[int], gpus: Sequence[int], eligible: int, max_pods: int = 0) -> BatchMatch:
+def match_one(
+    l1s: Sequence[int],
+    gpus: Sequence[int],
+    eligible: int,
+    max_pods: int = 0,
+    l2s: Sequence[int] | None = None,
+) -> BatchMatch:
     """One query's match (as :func:`match_batch` of a batch of one) from per-chunk holder bitmasks.
 
-    ``l1s[i]`` / ``gpus[i]``: the L1 / GPU holder bitmasks of chunk ``i`` (Python ints, as
-    :attr:`PrefixView.l1` / ``.gpu``; they may stop at the first chunk nobody holds). ``eligible``:
-    bitmask of the slots that may be listed. Pods are grouped by identical counts so far: a run of
-    chunks with the same masks splits each group at most three ways (GPU, own L1, neither), and
-    groups with equal counts merge again, so a query costs runs x groups big-int operations. Runs
-    are found at C speed (``groupby``) and the answer is one numpy array built from a Python list
-    (numpy's per-call cost, not the arithmetic, was most of a single query's match).
+    ``l1s[i]`` / ``gpus[i]`` / ``l2s[i]``: the L1 / GPU / L2 holder bitmasks of chunk ``i`` (Python
+    ints, as :attr:`PrefixView.l1` / ``.gpu`` / ``.l2``; they may stop at the first chunk nobody
+    holds; ``l2s`` None = all zeros). ``eligible``: bitmask of the slots that may be listed. Pods
+    are grouped by identical counts so far: a run of chunks with the same masks splits each group at
+    most four ways (GPU, own L1, own L2, neither), and groups with equal counts merge again, so a
+    query costs runs x groups big-int operations. Runs are found at C speed (``groupby``) and the
+    answer is one numpy array built from a Python list (numpy's per-call cost, not the arithmetic,
+    was most of a single query's match).
     """
     n = len(l1s)
     try:
         peer_fetchable = l1s.index(0) if isinstance(l1s, list) else list(l1s).index(0)
     except ValueError:
         peer_fetchable = n
-    runs = [(l1, g, len(list(grp))) for (l1, g), grp in groupby(zip(l1s, gpus, strict=True))]
+    masks = zip(l1s, gpus, repeat(0, n) if l2s is None else l2s, strict=False)
+    runs = [(l1, g, d, len(list(grp))) for (l1, g, d), grp in groupby(masks)]
     owners = 0
-    for l1, g, _ in runs:
-        owners |= l1 | g
+    for l1, g, d, _ in runs:
+        owners |= l1 | g | d
     owners &= eligible
-    alive: dict[tuple[int, int], int] = {(0, 0): owners} if owners else {}  # (gpu, own L1) -> pods
-    ended: dict[tuple[int, int, int], int] = {}  # (matched, gpu, own L1) -> pods that stopped there
+    Counts = tuple[int, int, int]  # (gpu, own L1, own L2)
+    alive: dict[Counts, int] = {(0, 0, 0): owners} if owners else {}
+    ended: dict[tuple[int, int, int, int], int] = {}  # (matched, gpu, own L1, own L2) -> pods that stopped
     i = 0
-    for l1, g, run in runs:
+    for l1, g, d, run in runs:
         if not alive:
             break
-        nxt: dict[tuple[int, int], int] = {}
-        parts: tuple[tuple[tuple[int, int], int], ...]
-        for (gc, lc), pods in alive.items():
-            if not l1:  # available only to its GPU holders: the others stop before this run
-                dead = pods & ~g
+        nxt: dict[Counts, int] = {}
+        for (gc, lc, dc), pods in alive.items():
+            own_d = pods & d & ~g & ~l1
+            if not l1:  # available only to its GPU and L2 holders: the others stop before this run
+                dead = pods & ~g & ~own_d
                 if dead:
-                    ended[(i, gc, lc)] = ended.get((i, gc, lc), 0) | dead
-                parts = (((gc + run, lc), pods & g),)
+                    ended[(i, gc, lc, dc)] = ended.get((i, gc, lc, dc), 0) | dead
+                parts: tuple[tuple[Counts, int], ...] = (
+                    ((gc + run, lc, dc), pods & g),
+                    ((gc, lc, dc + run), own_d),
+                )
             else:  # some L1 holds it: every pod continues, counting its own tier
                 own_l1 = pods & l1 & ~g
                 parts = (
-                    ((gc + run, lc), pods & g),
-                    ((gc, lc + run), own_l1),
-                    ((gc, lc), pods & ~g & ~own_l1),
+                    ((gc + run, lc, dc), pods & g),
+                    ((gc, lc + run, dc), own_l1),
+                    ((gc, lc, dc + run), own_d),
+                    ((gc, lc, dc), pods & ~g & ~own_l1 & ~own_d),
                 )
             for key, m in parts:
                 if m:
                     nxt[key] = nxt.get(key, 0) | m
         alive = nxt
         i += run
-    for (gc, lc), pods in alive.items():
-        ended[(i, gc, lc)] = ended.get((i, gc, lc), 0) | pods
-    # Longest first, then more GPU, then more own L1, then lower slot; pods with nothing of their own
+    for (gc, lc, dc), pods in alive.items():
+        ended[(i, gc, lc, dc)] = ended.get((i, gc, lc, dc), 0) | pods
+    # Longest first, then more GPU, own L1, own L2, then lower slot; pods with nothing of their own
     # are not listed.
     slots: list[int] = []
     gpu: list[int] = []
     l1c: list[int] = []
+    l2c: list[int] = []
     peer: list[int] = []
-    for (end, gc, lc), pods in sorted(ended.items(), reverse=True):
-        if not (gc or lc):
+    for (end, gc, lc, dc), pods in sorted(ended.items(), reverse=True):
+        if not (gc or lc or dc):
             continue
         raw = pods.to_bytes((pods.bit_length() + 7) // 8, "little")
         for byte_index, byte in enumerate(raw):
@@ -311,9 +342,10 @@ def match_one(l1s: Sequence[int], gpus: Sequence[int], eligible: int, max_pods: 
         k = len(slots) - len(gpu)
         gpu += [gc] * k
         l1c += [lc] * k
-        peer += [end - gc - lc] * k
+        l2c += [dc] * k
+        peer += [end - gc - lc - dc] * k
     if max_pods and len(slots) > max_pods:
-        del slots[max_pods:], gpu[max_pods:], l1c[max_pods:], peer[max_pods:]
+        del slots[max_pods:], gpu[max_pods:], l1c[max_pods:], l2c[max_pods:], peer[max_pods:]
     # one array, sliced: pods ascending, each listed slot's index into them, the counts, then
     # offsets and peer_fetchable
     k = len(slots)
@@ -324,22 +356,23 @@ def match_one(l1s: Sequence[int], gpus: Sequence[int], eligible: int, max_pods: 
         rank = {s: r for r, s in enumerate(pods_sorted)}
         pod_index = [rank[s] for s in slots]
     return _from_flat(
-        np.array([*pods_sorted, *pod_index, *gpu, *l1c, *peer, 0, k, peer_fetchable], dtype=np.int64)
+        np.array([*pods_sorted, *pod_index, *gpu, *l1c, *l2c, *peer, 0, k, peer_fetchable], dtype=np.int64)
     )
 
 
 def _from_flat(flat: np.ndarray) -> BatchMatch:
-    """A batch-of-one :class:`BatchMatch` from ``[pods, pod_index, gpu, l1, peer]`` (k each) then
+    """A batch-of-one :class:`BatchMatch` from ``[pods, pod_index, gpu, l1, l2, peer]`` (k each) then
     ``[0, k, peer_fetchable]`` in one int64 array (views, no copies)."""
-    k = (len(flat) - 3) // 5
+    k = (len(flat) - 3) // 6
     return BatchMatch(
         pods=flat[:k],
-        offsets=flat[5 * k : 5 * k + 2],
+        offsets=flat[6 * k : 6 * k + 2],
         pod_index=flat[k : 2 * k],
         gpu=flat[2 * k : 3 * k],
         l1=flat[3 * k : 4 * k],
-        peer=flat[4 * k : 5 * k],
-        peer_fetchable=flat[5 * k + 2 :],
+        peer=flat[5 * k : 6 * k],
+        peer_fetchable=flat[6 * k + 2 :],
+        l2=flat[4 * k : 5 * k],
     )
 
 
@@ -347,12 +380,15 @@ def match_words(
     words: bytes, nwords: int, eligible: int, max_pods: int = 0, native: bool = True
 ) -> BatchMatch:
     """:func:`match_one` of raw mask rows (:class:`~kvgrid.controller.index.base.WordsView`'s
-    ``words``: per chunk ``nwords`` L1 then ``nwords`` GPU little-endian uint64). In C where the
-    extension is built (``native=False`` forces the Python path; the answers are equal, tested)."""
+    ``words``: per chunk ``nwords`` L1, ``nwords`` GPU then ``nwords`` L2 little-endian uint64). In C
+    where the extension is built (``native=False`` forces the Python path; the answers are equal,
+    tested)."""
     elig = (eligible & ((1 << 64 * nwords) - 1)).to_bytes(8 * nwords, "little")
     if native and _native is not None:
         return _from_flat(np.frombuffer(_native.match_words(words, nwords, elig, max_pods), dtype=np.int64))
     nb = 8 * nwords
-    l1s = [int.from_bytes(words[i : i + nb], "little") for i in range(0, len(words), 2 * nb)]
-    gpus = [int.from_bytes(words[i + nb : i + 2 * nb], "little") for i in range(0, len(words), 2 * nb)]
-    return match_one(l1s, gpus, eligible, max_pods)
+    rb = NUM_TIERS * nb
+    l1s = [int.from_bytes(words[i : i + nb], "little") for i in range(0, len(words), rb)]
+    gpus = [int.from_bytes(words[i + nb : i + 2 * nb], "little") for i in range(0, len(words), rb)]
+    l2s = [int.from_bytes(words[i + 2 * nb : i + rb], "little") for i in range(0, len(words), rb)]
+    return match_one(l1s, gpus, eligible, max_pods, l2s)

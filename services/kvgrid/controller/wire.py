@@ -59,7 +59,22 @@ __all__ = [
 ]
 
 _NO_CANDIDATES: frozenset[str] = frozenset()
-_TIERS = {common_pb2.TIER_L1: IndexTier.L1, common_pb2.TIER_GPU: IndexTier.GPU}
+_TIERS = {
+    common_pb2.TIER_L1: IndexTier.L1,
+    common_pb2.TIER_GPU: IndexTier.GPU,
+    common_pb2.TIER_L2: IndexTier.L2,
+}
+_STORED_TIERS = "TIER_L1, TIER_GPU or TIER_L2"
+
+
+def _tier_name(t: int) -> str:
+    """``t`` as the message names it: the number, and the enum name when it has one."""
+    try:
+        return f"{t} ({common_pb2.Tier.Name(t)})"  # type: ignore[arg-type]
+    except ValueError:
+        return str(t)
+
+
 _KEY_LEN = {CHUNK_KEY_BYTES}
 _SNAPSHOT_TIERS = {common_pb2.TIER_UNSPECIFIED: IndexTier.L1, **_TIERS}
 _PACKED_FIELDS = (
@@ -127,7 +142,7 @@ def events_from_proto(msgs: Sequence[controller_pb2.ChunkEvent]) -> list[ChunkEv
         t = e.tier
         tier = tiers.get(t)
         if tier is None and not (t == unspecified and kind is clear):
-            raise InvalidArgument(f"events[{i}].tier={t}: expected TIER_L1 or TIER_GPU")
+            raise InvalidArgument(f"events[{i}].tier={_tier_name(t)}: expected {_STORED_TIERS}")
         out.append(ChunkEvent(seq, kind, tier, tuple(e.chunk_keys), e.namespace))
     # protobuf gives bytes: only lengths can be wrong
     if set(map(len, chain.from_iterable(ev.keys for ev in out))) - _KEY_LEN:
@@ -153,7 +168,7 @@ def tier_from_proto(tier: common_pb2.Tier.ValueType) -> IndexTier:
     """SnapshotIndex's tier: unset means L1."""
     found = _SNAPSHOT_TIERS.get(tier)
     if found is None:
-        raise InvalidArgument(f"tier={tier}: expected TIER_L1 or TIER_GPU")
+        raise InvalidArgument(f"tier={_tier_name(tier)}: expected {_STORED_TIERS} (unset = TIER_L1)")
     return found
 
 
@@ -234,7 +249,7 @@ def _readable(r: MatchResult) -> list[controller_pb2.MatchPrefixResponse]:
     m, table = r.match, r.table
     uids, names = table.uids, table.names
     slots = m.pods[m.pod_index].tolist()
-    gpu, l1, peer = m.gpu.tolist(), m.l1.tolist(), m.peer.tolist()
+    gpu, l1, peer, l2 = m.gpu.tolist(), m.l1.tolist(), m.peer.tolist(), m.l2.tolist()
     offsets, fetchable = m.offsets.tolist(), m.peer_fetchable.tolist()
     out = []
     for b, nc in enumerate(r.num_chunks):
@@ -242,7 +257,14 @@ def _readable(r: MatchResult) -> list[controller_pb2.MatchPrefixResponse]:
         add = resp.matches.add
         for i in range(offsets[b], offsets[b + 1]):
             s = slots[i]
-            add(pod_uid=uids[s], pod_name=names[s], gpu_chunks=gpu[i], l1_chunks=l1[i], peer_chunks=peer[i])
+            add(
+                pod_uid=uids[s],
+                pod_name=names[s],
+                gpu_chunks=gpu[i],
+                l1_chunks=l1[i],
+                peer_chunks=peer[i],
+                l2_chunks=l2[i],
+            )
         out.append(resp)
     return out
 
@@ -274,10 +296,16 @@ def score_to_proto(r: ScoreResult) -> controller_pb2.ScoreResponse:
         c = e.candidate
         resp.scores.add(
             match=controller_pb2.PodMatch(
-                pod_uid=c.pod_uid, pod_name=c.pod_name, gpu_chunks=c.gpu, l1_chunks=c.l1, peer_chunks=c.peer
+                pod_uid=c.pod_uid,
+                pod_name=c.pod_name,
+                gpu_chunks=c.gpu,
+                l1_chunks=c.l1,
+                peer_chunks=c.peer,
+                l2_chunks=c.l2,
             ),
             estimated_ttft_ms=e.ttft_ms,
             l1_transfer_ms=e.l1_transfer_ms,
+            l2_transfer_ms=e.l2_transfer_ms,
             peer_transfer_ms=e.peer_transfer_ms,
             prefill_ms=e.prefill_ms,
             queue_ms=e.queue_ms,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvgrid.controller.index.base import (
+    NUM_TIERS,
     BatchView,
     ChunkIndex,
     IndexTier,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKENDS",
+    "NUM_TIERS",
     "BatchView",
     "ChunkIndex",
     "IndexTier",

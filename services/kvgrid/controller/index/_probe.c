@@ -2,6 +2,8 @@
  * inserting one event's keys and placing rows on a rehash in the open-addressing table, over the same numpy buffers the
  * Python code uses (the table layout is documented there; this file only walks it).
  *
+ * Row layout: key (2 words), then TIERS blocks of w mask words (L1, GPU, L2).
+ *
  * Invariants: the caller holds the index lock (and the GIL: nothing here releases it), passes the
  * table's current buffers and shape, and made room before an insert (a free row always exists, so
  * every probe chain ends). Keys are 16-byte little-endian (lo, hi) pairs. Little-endian hosts only:
@@ -48,83 +50,91 @@ static int check_shape(bufs_t *b, Py_ssize_t stride, int shift) {
     return 0;
 }
 
-/* probe(state, tab, stride, shift, w, keys, stop) -> (l1 list, gpu list)
- * Per key the L1 and GPU holder masks (Python ints); with stop, the lists end before the first key
- * that is absent or has empty masks (a prefix cannot continue past it). */
+/* Mask blocks per row: L1, GPU, L2 words (kvgrid.controller.index.base.NUM_TIERS; IndexTier order). */
+#define TIERS 3
+
+/* The row of key (lo, hi), or NULL: one linear probe chain, ending at the key or an empty row. */
+static inline const uint64_t *find_row(const uint8_t *st, const uint64_t *tab, Py_ssize_t stride, int shift,
+                                       uint64_t mask, uint64_t lo, uint64_t hi) {
+    uint64_t i = (lo ^ (hi >> 1)) >> shift;
+    for (;;) {
+        uint8_t s = st[i];
+        if (s == ST_FULL) {
+            const uint64_t *r = tab + i * stride;
+            if (r[0] == lo && r[1] == hi) return r;
+        } else if (s == ST_EMPTY) {
+            return NULL;
+        }
+        i = (i + 1) & mask;
+    }
+}
+
+/* Request every key's home row before any is read: the cache misses overlap. */
+static inline void prefetch_homes(const uint8_t *st, const uint64_t *tab, Py_ssize_t stride, int shift,
+                                  const unsigned char *k, Py_ssize_t n, int write) {
+    for (Py_ssize_t q = 0; q < n; q++) {
+        uint64_t i = (load_u64(k + 16 * q) ^ (load_u64(k + 16 * q + 8) >> 1)) >> shift;
+        if (write) {
+            __builtin_prefetch(st + i, 1);
+            __builtin_prefetch(tab + i * stride, 1);
+        } else {
+            __builtin_prefetch(st + i);
+            __builtin_prefetch(tab + i * stride);
+        }
+    }
+}
+
+/* Parse the (state, tab, stride, shift, w, keys, stop) arguments of probe / probe_words. */
+static int probe_args(PyObject *args, bufs_t *b, Py_ssize_t *stride, int *shift, Py_ssize_t *w, int *stop) {
+    if (!PyArg_ParseTuple(args, "y*y*nily*p", &b->st, &b->tab, stride, shift, w, &b->keys, stop)) return -1;
+    if (check_shape(b, *stride, *shift) < 0) return -1;
+    if (*w < 1 || 2 + TIERS * *w > *stride) {
+        PyErr_SetString(PyExc_ValueError, "_probe: mask words do not fit the row");
+        return -1;
+    }
+    return 0;
+}
+
+/* probe(state, tab, stride, shift, w, keys, stop) -> (l1 list, gpu list, l2 list)
+ * Per key the L1, GPU and L2 holder masks (Python ints); with stop, the lists end before the first
+ * key that is absent or has empty masks (a prefix cannot continue past it). */
 static PyObject *probe(PyObject *Py_UNUSED(self), PyObject *args) {
     bufs_t b = {0};
     Py_ssize_t stride, w;
     int shift, stop;
-    if (!PyArg_ParseTuple(args, "y*y*nily*p", &b.st, &b.tab, &stride, &shift, &w, &b.keys, &stop))
-        return NULL;
-    PyObject *l1 = NULL, *gpu = NULL, *out = NULL;
-    if (check_shape(&b, stride, shift) < 0) goto done;
-    if (w < 1 || 2 + 2 * w > stride) {
-        PyErr_SetString(PyExc_ValueError, "_probe: mask words do not fit the row");
-        goto done;
-    }
+    PyObject *lists[TIERS] = {NULL}, *out = NULL;
+    if (probe_args(args, &b, &stride, &shift, &w, &stop) < 0) goto done;
     const uint8_t *st = b.st.buf;
     const uint64_t *tab = b.tab.buf;
     const unsigned char *k = b.keys.buf;
     const uint64_t mask = (uint64_t)b.st.len - 1;
     const Py_ssize_t n = b.keys.len / 16;
-    static const uint64_t zeros[2] = {0, 0};
-    l1 = PyList_New(0);
-    gpu = PyList_New(0);
-    if (!l1 || !gpu) goto done;
-    /* every key's home row is requested before any is read: the cache misses overlap */
+    static const uint64_t zeros[1] = {0};
+    for (int t = 0; t < TIERS; t++)
+        if (!(lists[t] = PyList_New(0))) goto done;
+    prefetch_homes(st, tab, stride, shift, k, n, 0);
     for (Py_ssize_t q = 0; q < n; q++) {
-        uint64_t i = (load_u64(k + 16 * q) ^ (load_u64(k + 16 * q + 8) >> 1)) >> shift;
-        __builtin_prefetch(st + i);
-        __builtin_prefetch(tab + i * stride);
-    }
-    for (Py_ssize_t q = 0; q < n; q++) {
-        uint64_t lo = load_u64(k + 16 * q), hi = load_u64(k + 16 * q + 8);
-        uint64_t i = (lo ^ (hi >> 1)) >> shift;
-        const uint64_t *row = NULL;
-        for (;;) {
-            uint8_t s = st[i];
-            if (s == ST_FULL) {
-                const uint64_t *r = tab + i * stride;
-                if (r[0] == lo && r[1] == hi) {
-                    row = r;
-                    break;
-                }
-            } else if (s == ST_EMPTY) {
-                break;
-            }
-            i = (i + 1) & mask;
-        }
+        const uint64_t *row = find_row(st, tab, stride, shift, mask, load_u64(k + 16 * q), load_u64(k + 16 * q + 8));
         int empty = 1;
-        if (row) {
-            for (Py_ssize_t x = 0; x < 2 * w; x++) {
-                if (row[2 + x]) {
-                    empty = 0;
-                    break;
-                }
+        for (Py_ssize_t x = 0; row && x < TIERS * w; x++) {
+            if (row[2 + x]) {
+                empty = 0;
+                break;
             }
         }
         if (empty && stop) break;
-        PyObject *m, *g;
-        if (row) {
-            m = mask_int(row + 2, w);
-            g = mask_int(row + 2 + w, w);
-        } else {
-            m = mask_int(zeros, 1);
-            g = mask_int(zeros, 1);
+        for (int t = 0; t < TIERS; t++) {
+            PyObject *m = row ? mask_int(row + 2 + t * w, w) : mask_int(zeros, 1);
+            if (!m || PyList_Append(lists[t], m) < 0) {
+                Py_XDECREF(m);
+                goto done;
+            }
+            Py_DECREF(m);
         }
-        if (!m || !g || PyList_Append(l1, m) < 0 || PyList_Append(gpu, g) < 0) {
-            Py_XDECREF(m);
-            Py_XDECREF(g);
-            goto done;
-        }
-        Py_DECREF(m);
-        Py_DECREF(g);
     }
-    out = PyTuple_Pack(2, l1, gpu);
+    out = PyTuple_Pack(TIERS, lists[0], lists[1], lists[2]);
 done:
-    Py_XDECREF(l1);
-    Py_XDECREF(gpu);
+    for (int t = 0; t < TIERS; t++) Py_XDECREF(lists[t]);
     release(&b);
     return out;
 }
@@ -151,11 +161,7 @@ static PyObject *insert(PyObject *Py_UNUSED(self), PyObject *args) {
     const uint64_t mask = (uint64_t)b.st.len - 1;
     const Py_ssize_t n = b.keys.len / 16;
     Py_ssize_t added = 0, fresh = 0, used = 0;
-    for (Py_ssize_t q = 0; q < n; q++) { /* overlap the home rows' cache misses */
-        uint64_t i = (load_u64(k + 16 * q) ^ (load_u64(k + 16 * q + 8) >> 1)) >> shift;
-        __builtin_prefetch(st + i, 1);
-        __builtin_prefetch(tab + i * stride, 1);
-    }
+    prefetch_homes(st, tab, stride, shift, k, n, 1);
     for (Py_ssize_t q = 0; q < n; q++) {
         uint64_t lo = load_u64(k + 16 * q), hi = load_u64(k + 16 * q + 8);
         uint64_t i = (lo ^ (hi >> 1)) >> shift;
@@ -200,73 +206,50 @@ done:
 
 
 /* probe_words(state, tab, stride, shift, w, keys, stop) -> bytes
- * As probe, but the masks as raw rows: per key 2w native uint64 words (L1 words, then GPU words),
- * zeros where absent; with stop, the rows end before the first key with no holder. */
+ * As probe, but the masks as raw rows: per key TIERS * w native uint64 words (L1 words, then GPU
+ * words, then L2 words), zeros where absent; with stop, the rows end before the first key with no
+ * holder. */
 static PyObject *probe_words(PyObject *Py_UNUSED(self), PyObject *args) {
     bufs_t b = {0};
     Py_ssize_t stride, w;
     int shift, stop;
-    if (!PyArg_ParseTuple(args, "y*y*nily*p", &b.st, &b.tab, &stride, &shift, &w, &b.keys, &stop))
-        return NULL;
     PyObject *out = NULL;
-    if (check_shape(&b, stride, shift) < 0) goto done;
-    if (w < 1 || 2 + 2 * w > stride) {
-        PyErr_SetString(PyExc_ValueError, "_probe: mask words do not fit the row");
-        goto done;
-    }
+    if (probe_args(args, &b, &stride, &shift, &w, &stop) < 0) goto done;
     const uint8_t *st = b.st.buf;
     const uint64_t *tab = b.tab.buf;
     const unsigned char *k = b.keys.buf;
     const uint64_t mask = (uint64_t)b.st.len - 1;
-    const Py_ssize_t n = b.keys.len / 16;
-    for (Py_ssize_t q = 0; q < n; q++) { /* overlap the home rows' cache misses */
-        uint64_t i = (load_u64(k + 16 * q) ^ (load_u64(k + 16 * q + 8) >> 1)) >> shift;
-        __builtin_prefetch(st + i);
-        __builtin_prefetch(tab + i * stride);
-    }
-    out = PyBytes_FromStringAndSize(NULL, n * 16 * w);
+    const Py_ssize_t n = b.keys.len / 16, rw = TIERS * w;
+    prefetch_homes(st, tab, stride, shift, k, n, 0);
+    out = PyBytes_FromStringAndSize(NULL, n * 8 * rw);
     if (!out) goto done;
     uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
     Py_ssize_t rows = 0;
     for (Py_ssize_t q = 0; q < n; q++) {
-        uint64_t lo = load_u64(k + 16 * q), hi = load_u64(k + 16 * q + 8);
-        uint64_t i = (lo ^ (hi >> 1)) >> shift;
-        const uint64_t *row = NULL;
-        for (;;) {
-            uint8_t s = st[i];
-            if (s == ST_FULL) {
-                const uint64_t *r = tab + i * stride;
-                if (r[0] == lo && r[1] == hi) {
-                    row = r;
-                    break;
-                }
-            } else if (s == ST_EMPTY) {
-                break;
-            }
-            i = (i + 1) & mask;
-        }
-        uint64_t *d = dst + rows * 2 * w, any = 0;
-        for (Py_ssize_t x = 0; x < 2 * w; x++) any |= d[x] = row ? row[2 + x] : 0;
+        const uint64_t *row = find_row(st, tab, stride, shift, mask, load_u64(k + 16 * q), load_u64(k + 16 * q + 8));
+        uint64_t *d = dst + rows * rw, any = 0;
+        for (Py_ssize_t x = 0; x < rw; x++) any |= d[x] = row ? row[2 + x] : 0;
         if (!any && stop) break;
         rows++;
     }
-    if (rows < n) _PyBytes_Resize(&out, rows * 16 * w);
+    if (rows < n) _PyBytes_Resize(&out, rows * 8 * rw);
 done:
     release(&b);
     return out;
 }
 
 typedef struct {
-    int64_t slot, matched, gpu, l1, gen; /* gen: position in slot order */
+    int64_t slot, matched, gpu, l1, l2, gen; /* gen: position in slot order */
 } entry_t;
 
-#define SAME_KEY(a, b) ((a).matched == (b).matched && (a).gpu == (b).gpu && (a).l1 == (b).l1)
+#define SAME_KEY(a, b) ((a).matched == (b).matched && (a).gpu == (b).gpu && (a).l1 == (b).l1 && (a).l2 == (b).l2)
 
 static int by_rank(const void *a, const void *b) {
     const entry_t *x = a, *y = b;
     if (x->matched != y->matched) return x->matched > y->matched ? -1 : 1;
     if (x->gpu != y->gpu) return x->gpu > y->gpu ? -1 : 1;
     if (x->l1 != y->l1) return x->l1 > y->l1 ? -1 : 1;
+    if (x->l2 != y->l2) return x->l2 > y->l2 ? -1 : 1;
     return x->slot < y->slot ? -1 : (x->slot > y->slot);
 }
 
@@ -274,9 +257,9 @@ static int by_rank(const void *a, const void *b) {
 
 /* match_words(words, w, eligible, max_pods) -> bytes of int64
  * One query's match from probe_words' rows (see kvgrid.controller.matching.match_one for the
- * rules): per listed pod, longest first, then more GPU, more own L1, lower slot. The result is
- * [pods ascending (k), pod_index (k), gpu (k), l1 (k), peer (k), 0, k, peer_fetchable]. Rows are
- * grouped into runs of identical masks first, so the work is runs x pods. */
+ * rules): per listed pod, longest first, then more GPU, more own L1, more own L2, lower slot. The
+ * result is [pods ascending (k), pod_index (k), gpu (k), l1 (k), l2 (k), peer (k), 0, k,
+ * peer_fetchable]. Rows are grouped into runs of identical masks first, so the work is runs x pods. */
 static PyObject *match_words(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer wb = {0}, eb = {0};
     Py_ssize_t w, max_pods;
@@ -286,12 +269,12 @@ static PyObject *match_words(PyObject *Py_UNUSED(self), PyObject *args) {
     int64_t *pods = NULL;
     entry_t *rk = NULL;
     if (!PyArg_ParseTuple(args, "y*ny*n", &wb, &w, &eb, &max_pods)) return NULL;
-    if (w < 1 || wb.len % (16 * w) || eb.len != 8 * w) {
+    if (w < 1 || wb.len % (8 * TIERS * w) || eb.len != 8 * w) {
         PyErr_SetString(PyExc_ValueError, "_probe.match_words: buffers do not match the word count");
         goto done;
     }
     const uint64_t *rows = wb.buf, *elig = eb.buf;
-    const Py_ssize_t n = wb.len / (16 * w), ns = 64 * w, rw = 2 * w;
+    const Py_ssize_t n = wb.len / (8 * TIERS * w), ns = 64 * w, rw = TIERS * w;
     Py_ssize_t pf = n, nruns = 0;
     run_start = PyMem_Malloc((n + 1) * sizeof(Py_ssize_t));
     ent = PyMem_Malloc((ns ? ns : 1) * sizeof(entry_t));
@@ -314,7 +297,7 @@ static PyObject *match_words(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t k = 0;
     for (Py_ssize_t s = 0; s < ns; s++) {
         if (!HAS(elig, s)) continue;
-        int64_t matched = 0, gc = 0, lc = 0;
+        int64_t matched = 0, gc = 0, lc = 0, dc = 0;
         for (Py_ssize_t r = 0; r < nruns; r++) {
             const uint64_t *row = rows + run_start[r] * rw;
             int64_t len = run_start[r + 1] - run_start[r];
@@ -322,6 +305,8 @@ static PyObject *match_words(PyObject *Py_UNUSED(self), PyObject *args) {
                 gc += len;
             } else if (HAS(row, s)) {
                 lc += len;
+            } else if (HAS(row + 2 * w, s)) {
+                dc += len;
             } else {
                 uint64_t l1any = 0;
                 for (Py_ssize_t x = 0; x < w; x++) l1any |= row[x];
@@ -329,12 +314,12 @@ static PyObject *match_words(PyObject *Py_UNUSED(self), PyObject *args) {
             }
             matched += len;
         }
-        if (gc || lc) {
-            ent[k] = (entry_t){s, matched, gc, lc, k};
+        if (gc || lc || dc) {
+            ent[k] = (entry_t){s, matched, gc, lc, dc, k};
             k++;
         }
     }
-    /* Rank order. Entries were made in slot order; the distinct (matched, gpu, l1) keys are few
+    /* Rank order. Entries were made in slot order; the distinct (matched, gpu, l1, l2) keys are few
      * (a conversation's pods share a handful of histories), so the keys are sorted and each key's
      * entries copied out in slot order; past 32 distinct keys qsort gives the same order. */
     entry_t keys[32];
@@ -357,7 +342,7 @@ static PyObject *match_words(PyObject *Py_UNUSED(self), PyObject *args) {
         qsort(rk, k, sizeof(entry_t), by_rank);
     }
     Py_ssize_t kept = (max_pods > 0 && k > max_pods) ? max_pods : k;
-    out = PyBytes_FromStringAndSize(NULL, (5 * kept + 3) * 8);
+    out = PyBytes_FromStringAndSize(NULL, (6 * kept + 3) * 8);
     if (!out) goto done;
     int64_t *o = (int64_t *)PyBytes_AS_STRING(out);
     /* pods: the kept slots ascending (= their order in ent); pod_index: position among them */
@@ -373,12 +358,13 @@ static PyObject *match_words(PyObject *Py_UNUSED(self), PyObject *args) {
         o[kept + j] = pods[rk[j].gen];
         o[2 * kept + j] = rk[j].gpu;
         o[3 * kept + j] = rk[j].l1;
-        o[4 * kept + j] = rk[j].matched - rk[j].gpu - rk[j].l1;
+        o[4 * kept + j] = rk[j].l2;
+        o[5 * kept + j] = rk[j].matched - rk[j].gpu - rk[j].l1 - rk[j].l2;
     }
     k = kept;
-    o[5 * k] = 0;
-    o[5 * k + 1] = k;
-    o[5 * k + 2] = pf;
+    o[6 * k] = 0;
+    o[6 * k + 1] = k;
+    o[6 * k + 2] = pf;
 done:
     PyMem_Free(run_start);
     PyMem_Free(ent);

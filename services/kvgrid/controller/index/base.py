@@ -9,9 +9,9 @@ passes the same conformance suite (``tests/controller/test_index.py``).
 The index stores facts and answers lookups; it never scores (``scoring.py`` does) and never
 decides who is alive (``registry.py`` does). A *holder* is the text ``<pod_uid>/<epoch>``
 (:attr:`kvgrid.common.identity.PodIdentity.holder_id`); inside a backend each live holder gets a
-small integer *slot*, and a lookup returns per chunk two bitmasks over slots (GPU holders, L1
-holders), so prefix matching (:mod:`kvgrid.controller.matching`) is a handful of integer ops per
-chunk whatever the number of pods.
+small integer *slot*, and a lookup returns per chunk three bitmasks over slots (L1, GPU and L2
+holders, in :class:`IndexTier` order), so prefix matching (:mod:`kvgrid.controller.matching`) is a
+handful of integer ops per chunk whatever the number of pods.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 from kvgrid.common.hashing import CHUNK_KEY_BYTES, check_chunk_keys
 
 __all__ = [
+    "NUM_TIERS",
     "BatchView",
     "ChunkIndex",
     "IndexTier",
@@ -34,36 +35,50 @@ __all__ = [
     "WordsView",
     "batch_view_from_prefix_views",
     "check_keys",
+    "mask_rows",
 ]
 
 
 class IndexTier(enum.IntEnum):
-    """Tiers the index stores (peer-fetchable is derived at match time, never stored)."""
+    """Tiers the index stores (peer-fetchable is derived at match time, never stored). The value is
+    the tier's place in a chunk's mask row (L1 words, then GPU words, then L2 words)."""
 
     L1 = 0
     GPU = 1
+    L2 = 2
+    """The pod agent's lower tiers (local disk, object store): readable back into its own L1 only."""
+
+
+NUM_TIERS = len(IndexTier)
+"""Mask blocks per chunk row: ``NUM_TIERS * nwords`` words."""
 
 
 class PrefixView(msgspec.Struct, frozen=True):
     """What the index knows about the leading chunks of one query.
 
-    ``l1[i]`` / ``gpu[i]``: bitmask over slots of the holders of chunk ``i`` in that tier
-    (speculative entries are folded into ``gpu``). The lists stop at the first chunk nobody holds:
-    a prefix cannot continue past it. ``slots`` maps slot number -> holder id for every slot set
+    ``l1[i]`` / ``gpu[i]`` / ``l2[i]``: bitmask over slots of the holders of chunk ``i`` in that
+    tier (speculative entries are folded into ``gpu``). The lists stop at the first chunk nobody
+    holds: a prefix cannot continue past it. ``slots`` maps slot number -> holder id for every slot set
     in any mask.
     """
 
     l1: list[int]
     gpu: list[int]
     slots: dict[int, str]
+    l2: list[int] | None = None
+    """None: nobody holds any of the chunks in L2 (all zeros)."""
+
+    def l2_masks(self) -> list[int]:
+        return self.l2 if self.l2 is not None else [0] * len(self.l1)
 
 
 class BatchView(msgspec.Struct, frozen=True):
     """What the index knows about the chunks of a batch of queries, as machine words.
 
-    ``words[j, b]`` (uint64, shape ``[n, B, 2 * nwords]``, ``n`` = longest query): the L1 holder
-    bitmask of chunk ``j`` of query ``b`` in words ``[0, nwords)`` (little-endian: slot ``s`` is bit
-    ``s % 64`` of word ``s // 64``), then its GPU holder bitmask (speculative entries folded in).
+    ``words[j, b]`` (uint64, shape ``[n, B, NUM_TIERS * nwords]``, ``n`` = longest query): the L1
+    holder bitmask of chunk ``j`` of query ``b`` in words ``[0, nwords)`` (little-endian: slot ``s``
+    is bit ``s % 64`` of word ``s // 64``), then its GPU holder bitmask (speculative entries folded
+    in), then its L2 holder bitmask.
     Chunks past a query's end, or that nobody holds, are all zeros (a prefix cannot continue past
     them, so rows after the first zero row are irrelevant and may be zero too).
     ``holders``: slot -> holder id for every slot that may be set. ``slots_version``: a number that
@@ -77,13 +92,13 @@ class BatchView(msgspec.Struct, frozen=True):
 
     @property
     def nwords(self) -> int:
-        return int(self.words.shape[2]) // 2
+        return int(self.words.shape[2]) // NUM_TIERS
 
 
 class MaskView(msgspec.Struct, frozen=True):
     """One query's holder masks as Python ints (:meth:`ChunkIndex.lookup_one`, the single-query path).
 
-    ``l1`` / ``gpu`` as in :class:`PrefixView` (stopping at the first chunk nobody holds);
+    ``l1`` / ``gpu`` / ``l2`` as in :class:`PrefixView` (stopping at the first chunk nobody holds);
     ``holders``, ``slots_version`` and ``nwords`` as in :class:`BatchView`, so the same
     slot table serves both.
     """
@@ -93,13 +108,16 @@ class MaskView(msgspec.Struct, frozen=True):
     holders: dict[int, str]
     slots_version: int | None
     nwords: int
+    l2: list[int] | None = None
+    """None: all zeros (as :attr:`PrefixView.l2`)."""
 
 
 class WordsView(msgspec.Struct, frozen=True):
     """One query's holder masks as raw machine words (:meth:`ChunkIndex.lookup_words`, the compiled
-    single-query path): ``words`` holds per chunk ``2 * nwords`` little-endian uint64 (L1 words, then
-    GPU words, speculative entries folded in), as one row of :attr:`BatchView.words`; the rows may
-    stop at the first chunk nobody holds (an all-zero row ends every prefix anyway). ``holders``,
+    single-query path): ``words`` holds per chunk ``NUM_TIERS * nwords`` little-endian uint64 (L1
+    words, then GPU words, speculative entries folded in, then L2 words), as one row of
+    :attr:`BatchView.words`; the rows may stop at the first chunk nobody holds (an all-zero row ends
+    every prefix anyway). ``holders``,
     ``slots_version`` and ``nwords`` as in :class:`MaskView`.
     """
 
@@ -115,16 +133,26 @@ def batch_view_from_prefix_views(views: Sequence[PrefixView]) -> BatchView:
     for v in views:
         holders.update(v.slots)
     nwords = max(1, -(-(max(holders, default=0) + 1) // 64))
-    nb = 8 * nwords
     n = max((len(v.l1) for v in views), default=0)
-    words = np.zeros((len(views), n, 2 * nwords), dtype=np.uint64)
+    words = np.zeros((len(views), n, NUM_TIERS * nwords), dtype=np.uint64)
     for b, v in enumerate(views):
         if v.l1:
-            raw = b"".join(
-                m.to_bytes(nb, "little") + g.to_bytes(nb, "little") for m, g in zip(v.l1, v.gpu, strict=True)
-            )
-            words[b, : len(v.l1)] = np.frombuffer(raw, dtype="<u8").reshape(len(v.l1), 2 * nwords)
+            raw = mask_rows(v.l1, v.gpu, v.l2, nwords)
+            words[b, : len(v.l1)] = np.frombuffer(raw, dtype="<u8").reshape(len(v.l1), NUM_TIERS * nwords)
     return BatchView(words=np.ascontiguousarray(words.transpose(1, 0, 2)), holders=holders)
+
+
+def mask_rows(l1: Sequence[int], gpu: Sequence[int], l2: Sequence[int] | None, nwords: int) -> bytes:
+    """Per-chunk masks (Python ints) as raw rows of ``NUM_TIERS * nwords`` little-endian words."""
+    nb = 8 * nwords
+    if l2 is None:
+        zero = bytes(nb)
+        pairs = zip(l1, gpu, strict=True)
+        return b"".join(m.to_bytes(nb, "little") + g.to_bytes(nb, "little") + zero for m, g in pairs)
+    rows = zip(l1, gpu, l2, strict=True)
+    return b"".join(
+        m.to_bytes(nb, "little") + g.to_bytes(nb, "little") + d.to_bytes(nb, "little") for m, g, d in rows
+    )
 
 
 def check_keys(keys: Sequence[bytes], what: str = "chunk_keys") -> None:
@@ -174,15 +202,13 @@ class ChunkIndex(ABC):
             keys = [raw[i : i + CHUNK_KEY_BYTES] for i in range(0, len(raw), CHUNK_KEY_BYTES)]
         v = self.lookup(keys)
         nwords = max(1, -(-(max(v.slots, default=0) + 1) // 64))
-        return MaskView(l1=v.l1, gpu=v.gpu, holders=v.slots, slots_version=None, nwords=nwords)
+        return MaskView(l1=v.l1, gpu=v.gpu, holders=v.slots, slots_version=None, nwords=nwords, l2=v.l2)
 
     def lookup_words(self, keys: Sequence[bytes] | np.ndarray) -> WordsView:
         """:meth:`lookup_one` as raw words (:class:`WordsView`), for the compiled matcher. The default
         packs :meth:`lookup_one`'s ints; backends with word rows override it."""
         v = self.lookup_one(keys)
-        nb = 8 * v.nwords
-        rows = zip(v.l1, v.gpu, strict=True)
-        words = b"".join(m.to_bytes(nb, "little") + g.to_bytes(nb, "little") for m, g in rows)
+        words = mask_rows(v.l1, v.gpu, v.l2, v.nwords)
         return WordsView(words=words, holders=v.holders, slots_version=v.slots_version, nwords=v.nwords)
 
     def lookup_batch(self, queries: Sequence[Sequence[bytes]]) -> BatchView:

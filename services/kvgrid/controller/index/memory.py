@@ -19,6 +19,7 @@ import numpy as np
 
 from kvgrid.common.hashing import CHUNK_KEY_BYTES
 from kvgrid.controller.index.base import (
+    NUM_TIERS,
     BatchView,
     ChunkIndex,
     IndexTier,
@@ -82,19 +83,20 @@ _WINDOW = 16  # rows probed at once per key after the home row
 class MemoryIndex(ChunkIndex):
     """In-process index: an open-addressing hash table in flat numpy arrays.
 
-    Row ``i`` of the table (``_tab[i]``, uint64) holds a key as two words, then ``2 * W`` mask words
+    Row ``i`` of the table (``_tab[i]``, uint64) holds a key as two words, then ``3 * W`` mask words
     (``_words`` is a view of them): the L1 holders' slots in words ``[0, W)``, the GPU holders' in
-    ``[W, 2W)`` (slot ``s`` is bit ``s % 64`` of word ``s // 64``; ``W`` doubles when slots outgrow
-    it), i.e. the :class:`BatchView` layout. ``_state`` says per row empty, full or tombstone. The
-    capacity is a power of two; a key's home row is the top bits of ``lo ^ (hi >> 1)`` (keys are
-    cryptographic hashes; structured keys still work, with longer chains); collisions probe
-    linearly. Past 3/4 full-or-tombstone rows the table is rebuilt without tombstones at load <= 1/2.
+    ``[W, 2W)``, the L2 holders' in ``[2W, 3W)`` (slot ``s`` is bit ``s % 64`` of word ``s // 64``;
+    ``W`` doubles when slots outgrow it), i.e. the :class:`BatchView` layout. ``_state`` says per row
+    empty, full or tombstone. The capacity is a power of two; a key's home row is the top bits of
+    ``lo ^ (hi >> 1)`` (keys are cryptographic hashes; structured keys still work, with longer
+    chains); collisions probe linearly. Past 3/4 full-or-tombstone rows the table is rebuilt
+    without tombstones at load <= 1/2.
 
     A batch lookup takes every key's home row at once (one cache miss per key, overlapped across
     the batch, unlike per-key dict lookups), then windows of ``_WINDOW`` rows for the few keys not
     settled there. Writes of a few keys (event batches) probe per key (in C, or in Python through
     memoryviews); scans (drop a holder, replace, holder_keys) are vectorized over one mask column.
-    33 B per row (~59 B per entry at the bench's 1M chunks, measured by ``kvgrid bench lookup``).
+    41 B per row with up to 64 slots (``kvgrid bench lookup`` measures bytes per entry).
     """
 
     backend = "memory"
@@ -128,7 +130,7 @@ class MemoryIndex(ChunkIndex):
     # --- table --------------------------------------------------------------------------------
     def _alloc(self, cap: int) -> None:
         self._state = np.zeros(cap, dtype=np.uint8)
-        self._set_tab(np.zeros((cap, 2 + 2 * self._w), dtype=np.uint64))
+        self._set_tab(np.zeros((cap, 2 + NUM_TIERS * self._w), dtype=np.uint64))
         self._used = 0  # full + tombstone rows
         self._shift = 64 - (cap.bit_length() - 1)
 
@@ -147,7 +149,7 @@ class MemoryIndex(ChunkIndex):
 
     def _probe(self, lo: np.ndarray, hi: np.ndarray, words: np.ndarray | None = None) -> np.ndarray:
         """Row of every key (``lo``/``hi`` arrays), -1 where absent; with ``words`` (zeros,
-        ``[len(lo), 2W]``) also copies the found masks. Vectorized over all keys: one round at the
+        ``[len(lo), 3W]``) also copies the found masks. Vectorized over all keys: one round at the
         home rows (most keys end there), then windows of the next ``_WINDOW`` rows per unfinished key
         (a chain ends at its key or at an empty row). ``np.take`` of whole rows: key and masks share
         a cache line, and take is several times faster than fancy indexing of a 2-D array."""
@@ -220,9 +222,10 @@ class MemoryIndex(ChunkIndex):
         nw = w
         while 64 * nw < need_slots:
             nw *= 2
-        tab = np.zeros((len(self._state), 2 + 2 * nw), dtype=np.uint64)
-        tab[:, : 2 + w] = self._tab[:, : 2 + w]
-        tab[:, 2 + nw : 2 + nw + w] = self._tab[:, 2 + w :]
+        tab = np.zeros((len(self._state), 2 + NUM_TIERS * nw), dtype=np.uint64)
+        tab[:, :2] = self._tab[:, :2]
+        for t in range(NUM_TIERS):  # each tier's words move to the start of its wider block
+            tab[:, 2 + t * nw : 2 + t * nw + w] = self._tab[:, 2 + t * w : 2 + (t + 1) * w]
         self._w = nw
         self._set_tab(tab)
 
@@ -234,7 +237,7 @@ class MemoryIndex(ChunkIndex):
 
     def _col(self, slot: int, tier: IndexTier) -> tuple[int, int]:
         """(word column, bit) of ``slot`` in ``tier``."""
-        return (self._w if tier is IndexTier.GPU else 0) + (slot >> 6), 1 << (slot & 63)
+        return int(tier) * self._w + (slot >> 6), 1 << (slot & 63)
 
     def _row(self, key: bytes) -> int:
         """Row of ``key``, or -1 (one probe chain in Python)."""
@@ -428,7 +431,7 @@ class MemoryIndex(ChunkIndex):
             slot = self._slots.by_holder.get(holder)
             if slot is None:
                 return 0
-            n = self._counts.pop((slot, IndexTier.L1), 0) + self._counts.pop((slot, IndexTier.GPU), 0)
+            n = sum(self._counts.pop((slot, tier), 0) for tier in IndexTier)
             if n:
                 for tier in IndexTier:
                     self._clear_column(*self._col(slot, tier))
@@ -460,9 +463,9 @@ class MemoryIndex(ChunkIndex):
 
     # --- reads --------------------------------------------------------------------------------
     def _gather(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Mask words ``[len(lo), 2W]`` of the keys ``lo``/``hi`` (zeros where absent); caller holds
+        """Mask words ``[len(lo), 3W]`` of the keys ``lo``/``hi`` (zeros where absent); caller holds
         the lock."""
-        out = np.zeros((len(lo), 2 * self._w), dtype=np.uint64)
+        out = np.zeros((len(lo), NUM_TIERS * self._w), dtype=np.uint64)
         if len(lo):
             self._probe(lo, hi, out)
         return out
@@ -470,6 +473,7 @@ class MemoryIndex(ChunkIndex):
     def lookup(self, keys: Sequence[bytes]) -> PrefixView:
         l1: list[int] = []
         gpu: list[int] = []
+        l2: list[int] = []
         with self._lock:
             w = self._w
             words = self._gather(*self._keys_array(keys))
@@ -480,10 +484,12 @@ class MemoryIndex(ChunkIndex):
                 if not row.any():
                     break
                 m = int.from_bytes(row[:w].astype("<u8").tobytes(), "little")
-                g = int.from_bytes(row[w:].astype("<u8").tobytes(), "little")
+                g = int.from_bytes(row[w : 2 * w].astype("<u8").tobytes(), "little")
+                d = int.from_bytes(row[2 * w :].astype("<u8").tobytes(), "little")
                 l1.append(m)
                 gpu.append(g)
-                union |= m | g
+                l2.append(d)
+                union |= m | g | d
             by_slot = self._slots.by_slot
             slots = {}
             while union:
@@ -491,7 +497,7 @@ class MemoryIndex(ChunkIndex):
                 s = b.bit_length() - 1
                 slots[s] = by_slot[s]
                 union ^= b
-        return PrefixView(l1=l1, gpu=gpu, slots=slots)
+        return PrefixView(l1=l1, gpu=gpu, slots=slots, l2=l2 if any(l2) else None)
 
     def lookup_one(self, keys: Sequence[bytes] | np.ndarray) -> MaskView:
         # One query: one probe chain per key (numpy's per-call cost is most of a single query's
@@ -506,43 +512,46 @@ class MemoryIndex(ChunkIndex):
             words = iter(struct.unpack(f"<{2 * n}Q", b"".join(keys)))
         l1: list[int] = []
         gpu: list[int] = []
+        l2: list[int] = []
         with self._lock:
             mask, shift, w = len(self._state) - 1, self._shift, self._w
             st, mt, stride = self._mst, self._mt, self._stride
             spec, now = self._spec, time.monotonic()
             for lo, hi in zip(words, words, strict=True):
                 i = (lo ^ hi >> 1) >> shift
-                m = g = 0
+                m = g = d = 0
                 while True:
                     s = st[i]
                     if s == _FULL:
                         j = i * stride
                         if mt[j] == lo and mt[j + 1] == hi:
                             if w == 1:
-                                m, g = mt[j + 2], mt[j + 3]
+                                m, g, d = mt[j + 2], mt[j + 3], mt[j + 4]
                             else:
                                 for k in range(w):
                                     m |= mt[j + 2 + k] << (64 * k)
                                     g |= mt[j + 2 + w + k] << (64 * k)
+                                    d |= mt[j + 2 + 2 * w + k] << (64 * k)
                             break
                     elif s == _EMPTY:
                         break
                     i = (i + 1) & mask
                 if spec:
-                    d = spec.get(_KEY.pack(lo, hi))
-                    if d:
-                        for slot, t in d.items():
+                    sp = spec.get(_KEY.pack(lo, hi))
+                    if sp:
+                        for slot, t in sp.items():
                             if t > now:
                                 g |= 1 << slot
-                if not m and not g:
+                if not m and not g and not d:
                     break
                 l1.append(m)
                 gpu.append(g)
+                l2.append(d)
             version = self._slots.version
             if self._holders_copy[0] != version:
                 self._holders_copy = (version, dict(self._slots.by_slot))
             holders = self._holders_copy[1]
-        return MaskView(l1=l1, gpu=gpu, holders=holders, slots_version=version, nwords=w)
+        return MaskView(l1=l1, gpu=gpu, holders=holders, slots_version=version, nwords=w, l2=l2)
 
     def _lookup_one_c(self, keys: Sequence[bytes] | np.ndarray) -> MaskView:
         if isinstance(keys, np.ndarray):
@@ -554,7 +563,7 @@ class MemoryIndex(ChunkIndex):
         with self._lock:
             w, spec = self._w, self._spec
             # with speculative entries every key's masks come back, folded here, then cut
-            l1, gpu = self._c.probe(self._state, self._tab, self._stride, self._shift, w, raw, not spec)
+            l1, gpu, l2 = self._c.probe(self._state, self._tab, self._stride, self._shift, w, raw, not spec)
             if spec:
                 now = time.monotonic()
                 for i in range(len(l1)):
@@ -563,14 +572,14 @@ class MemoryIndex(ChunkIndex):
                         for slot, t in d.items():
                             if t > now:
                                 gpu[i] |= 1 << slot
-                    if not l1[i] and not gpu[i]:
-                        del l1[i:], gpu[i:]
+                    if not l1[i] and not gpu[i] and not l2[i]:
+                        del l1[i:], gpu[i:], l2[i:]
                         break
             version = self._slots.version
             if self._holders_copy[0] != version:
                 self._holders_copy = (version, dict(self._slots.by_slot))
             holders = self._holders_copy[1]
-        return MaskView(l1=l1, gpu=gpu, holders=holders, slots_version=version, nwords=w)
+        return MaskView(l1=l1, gpu=gpu, holders=holders, slots_version=version, nwords=w, l2=l2)
 
     def lookup_words(self, keys: Sequence[bytes] | np.ndarray) -> WordsView:
         if self._c is None:
@@ -602,7 +611,7 @@ class MemoryIndex(ChunkIndex):
             if d:
                 for s, t in d.items():
                     if t > now:
-                        mv[2 * w * i + w + (s >> 6)] |= 1 << (s & 63)
+                        mv[NUM_TIERS * w * i + w + (s >> 6)] |= 1 << (s & 63)
         return bytes(out)
 
     def lookup_batch(self, queries: Sequence[Sequence[bytes]]) -> BatchView:
@@ -685,7 +694,7 @@ class MemoryIndex(ChunkIndex):
             slot = self._slots.by_holder.get(holder)
             if slot is None:
                 return 0
-            return self._counts.get((slot, IndexTier.L1), 0) + self._counts.get((slot, IndexTier.GPU), 0)
+            return sum(self._counts.get((slot, tier), 0) for tier in IndexTier)
 
     def holder_tier_entries(self, holder: str, tier: IndexTier) -> int:
         with self._lock:

@@ -2,7 +2,7 @@
 
 Layout (every name starts with the configured prefix ``P``, default ``kvg:``)::
 
-    P c:<key16>        HASH slot -> tier bits (1 = L1, 2 = GPU)     one per chunk with holders
+    P c:<key16>        HASH slot -> tier bits (1 = L1, 2 = GPU, 4 = L2)     one per chunk with holders
     P s:<key16>        HASH slot -> expiry (unix ms)                 speculative entries, PEXPIRE'd
     P h:<slot>:<tier>  SET of key16                                  a holder's keys per tier
     P slots            HASH holder -> slot;  P owner  HASH slot -> holder;  P slotmap  bitmap
@@ -66,7 +66,7 @@ local function clearbits(slot, bitv, key)
 end
 """
 
-# ARGV: prefix, holder, tier(0|1), key...
+# ARGV: prefix, holder, tier(0|1|2), key...
 _ADD = (
     _SLOT_FN
     + """
@@ -143,7 +143,7 @@ _DROP = (
 local slot = slot_of(ARGV[2], false)
 if not slot then return 0 end
 local removed = 0
-for tier = 0, 1 do
+for tier = 0, 2 do
   local set = P .. 'h:' .. slot .. ':' .. tier
   for _, k in ipairs(redis.call('SMEMBERS', set)) do
     clearbits(slot, bit.lshift(1, tier), k)
@@ -266,11 +266,12 @@ class RedisIndex(ChunkIndex):
         now_ms = time.time() * 1000
         l1: list[int] = []
         gpu: list[int] = []
+        l2: list[int] = []
         union = 0
         for i in range(len(keys)):
             entry: dict[bytes, bytes] = out[2 * i]
             spec: dict[bytes, bytes] = out[2 * i + 1]
-            a = g = 0
+            a = g = d = 0
             for slot_b, bits_b in entry.items():
                 bits = int(bits_b)
                 b = 1 << int(slot_b)
@@ -278,14 +279,17 @@ class RedisIndex(ChunkIndex):
                     a |= b
                 if bits & 2:
                     g |= b
+                if bits & 4:
+                    d |= b
             for slot_b, exp_b in spec.items():
                 if float(exp_b) > now_ms:
                     g |= 1 << int(slot_b)
-            if not a and not g:
+            if not a and not g and not d:
                 break
             l1.append(a)
             gpu.append(g)
-            union |= a | g
+            l2.append(d)
+            union |= a | g | d
         owners: dict[bytes, bytes] = out[-1]
         slots = {}
         for slot_b, holder_b in owners.items():
@@ -302,7 +306,8 @@ class RedisIndex(ChunkIndex):
         if missing:
             l1 = [m & ~missing for m in l1]
             gpu = [m & ~missing for m in gpu]
-        return PrefixView(l1=l1, gpu=gpu, slots=slots)
+            l2 = [m & ~missing for m in l2]
+        return PrefixView(l1=l1, gpu=gpu, slots=slots, l2=l2 if any(l2) else None)
 
     def _slot(self, holder: str) -> str | None:
         s = self._r.hget(self._pb + b"slots", holder)

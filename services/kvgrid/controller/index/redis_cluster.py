@@ -4,7 +4,7 @@ the chunk keys hashed across the cluster's shards, controller replicas sharing i
 Layout (every name starts with the configured prefix ``P``; ``{..}`` is the cluster hash tag;
 ``R`` = :func:`~kvgrid.controller.redis_common.registry_keys`, the agent registry's slot)::
 
-    P c:{b}<key16>     HASH hid -> tier bits (1 = L1, 2 = GPU)    b = bucket_of(key), 0..1023
+    P c:{b}<key16>     HASH hid -> tier bits (1 = L1, 2 = GPU, 4 = L2)    b = bucket_of(key), 0..1023
     P n:{b}            counter: chunk hashes of bucket b (lost with them: stays exact)
     P s:<key16>        HASH hid -> expiry (unix ms), PEXPIRE'd    speculative, spread over shards
     P h:{hid}:<tier>   SET of key16: a holder's keys per tier     P sp:{hid}  its speculative keys
@@ -377,9 +377,10 @@ class RedisClusterIndex(ChunkIndex):
         now_ms = time.time() * 1000
         l1: list[int] = []
         gpu: list[int] = []
+        l2: list[int] = []
         union = 0
         for i in range(len(keys)):
-            a = g = 0
+            a = g = d = 0
             for hid, bits_s in out[2 * i].items():
                 slot = slot_of.get(hid)
                 if slot is None:  # its holder was dropped between commands (or is being dropped)
@@ -389,21 +390,24 @@ class RedisClusterIndex(ChunkIndex):
                     a |= 1 << slot
                 if bits & 2:
                     g |= 1 << slot
+                if bits & 4:
+                    d |= 1 << slot
             for hid, exp_s in out[2 * i + 1].items():
                 slot = slot_of.get(hid)
                 if slot is not None and float(exp_s) > now_ms:
                     g |= 1 << slot
-            if not a and not g:
+            if not a and not g and not d:
                 break
             l1.append(a)
             gpu.append(g)
-            union |= a | g
+            l2.append(d)
+            union |= a | g | d
         slots = {}
         for slot_s, entry in owners.items():
             slot = int(slot_s)
             if union >> slot & 1:
                 slots[slot] = entry[HID_LEN:]
-        return PrefixView(l1=l1, gpu=gpu, slots=slots)
+        return PrefixView(l1=l1, gpu=gpu, slots=slots, l2=l2 if any(l2) else None)
 
     def _hgetall_per_shard(self, names: list[bytes]) -> list[dict[str, str]] | None:
         """HGETALL of every name: one script call per shard (redis-py's cluster pipeline costs
