@@ -101,13 +101,18 @@ def test_fenced_transfers_wait_on_the_gpu_for_the_engine_s_queued_work(gpu_agent
     vLLM's runner does) and a fenced Retrieve. Both copies must see the engine's final bytes."""
     tensors = cuda_kv(seed=6)
     fence = torch.cuda.Event(interprocess=True)
-    spin = 400_000_000  # GPU clock cycles: ~0.2 s on an H200, far longer than a copy
+    spin = 2_000_000_000  # GPU clock cycles: ~1 s on an H200, far longer than an RPC and a copy
     with AgentClient(gpu_agent.uds_path) as c:
         c.register_kv_caches(
             "fenced", tensors, namespace=NAMESPACE, engine_groups=GROUPS, layout_hints=HINTS,
             fence_event=fence,
         )  # fmt: skip
         keys, src, dst = keys_for(13, 4), block_ids(0, 4), block_ids(NUM_BLOCKS // 2, 4)
+        # Warm the agent up (its first copy of a geometry compiles kernels, which takes longer than
+        # the spin): the copies below start within milliseconds of their RPC.
+        c.store("fenced", keys_for(14, 4), dst, after_fence=True)
+        c.lookup("fenced", "w", keys_for(14, 4))
+        c.retrieve("fenced", "w", keys_for(14, 4), src, after_fence=True)
         torch.cuda.synchronize()
         torch.cuda._sleep(spin)
         for layer, t in enumerate(tensors):
