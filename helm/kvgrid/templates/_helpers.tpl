@@ -226,11 +226,83 @@ instead; see docs/deploy.md.
 {{- if $v.metrics.enabled }}
 - {{ printf "--prometheus-port=%s" (include "kvgrid.agentMetricsPort" .) | quote }}
 {{- end }}
+{{- include "kvgrid.agentTierArgs" . }}
 {{- with include "kvgrid.controllerAddress" .root }}
 - {{ printf "--controller-address=%v" . | quote }}
 {{- end }}
 {{- range $v.agent.extraArgs }}
 - {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The lower tiers' flags (agent.tiers): disk and object store when configured. */}}
+{{- define "kvgrid.agentTierArgs" -}}
+{{- $t := .root.Values.agent.tiers }}
+- {{ printf "--tier-promotion=%v" $t.promotion | quote }}
+{{- if $t.disk.path }}
+- {{ printf "--tier-disk-path=%s" (include "kvgrid.agentTierDiskPath" .) | quote }}
+- {{ printf "--tier-disk-size=%v" $t.disk.size | quote }}
+{{- end }}
+{{- if $t.s3.endpoint }}
+- {{ printf "--tier-s3-endpoint=%v" $t.s3.endpoint | quote }}
+- {{ printf "--tier-s3-bucket=%v" $t.s3.bucket | quote }}
+- {{ printf "--tier-s3-prefix=%v" $t.s3.prefix | quote }}
+- {{ printf "--tier-s3-size=%v" $t.s3.size | quote }}
+{{- if $t.s3.region }}
+- {{ printf "--tier-s3-region=%v" $t.s3.region | quote }}
+{{- end }}
+{{- if $t.s3.credentialsSecret }}
+- {{ printf "--tier-s3-credentials-dir=%s" (include "kvgrid.agentTierS3Dir" .root) | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Disk tier directory of sidecar .i: the volume's mount path, or a subdirectory per sidecar. */}}
+{{- define "kvgrid.agentTierDiskPath" -}}
+{{- $p := trimSuffix "/" .root.Values.agent.tiers.disk.path }}
+{{- if include "kvgrid.agentMulti" .root }}{{ printf "%s/agent-%d" $p (int .i) }}{{ else }}{{ $p }}{{ end }}
+{{- end }}
+
+{{- define "kvgrid.agentTierS3Dir" -}}/etc/kvgrid/tier-s3{{- end }}
+
+{{/* Mounts of the tier volumes in a sidecar. */}}
+{{- define "kvgrid.agentTierMounts" -}}
+{{- $t := .Values.agent.tiers }}
+{{- if $t.disk.path }}
+- name: kvgrid-tier-disk
+  mountPath: {{ trimSuffix "/" $t.disk.path }}
+{{- end }}
+{{- if and $t.s3.endpoint $t.s3.credentialsSecret }}
+- name: kvgrid-tier-s3
+  mountPath: {{ include "kvgrid.agentTierS3Dir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The tier volumes of the engine pod: the disk tier's and the object store's credentials. */}}
+{{- define "kvgrid.agentTierVolumes" -}}
+{{- $t := .Values.agent.tiers }}
+{{- if $t.disk.path }}
+- name: kvgrid-tier-disk
+{{- if eq $t.disk.volume.type "hostPath" }}
+  hostPath:
+    path: {{ $t.disk.volume.hostPath }}
+    type: DirectoryOrCreate
+{{- else if eq $t.disk.volume.type "persistentVolumeClaim" }}
+  persistentVolumeClaim:
+    claimName: {{ $t.disk.volume.claimName }}
+{{- else }}
+  {{- /* Room for every sidecar's tier plus file-system blocks and headers. */}}
+  {{- $bytes := mulf (include "kvgrid.bytes" $t.disk.size | float64) (int .Values.agent.sidecarsPerPod) 1.1 }}
+  emptyDir:
+    sizeLimit: {{ $bytes | floor | int64 }}
+{{- end }}
+{{- end }}
+{{- if and $t.s3.endpoint $t.s3.credentialsSecret }}
+- name: kvgrid-tier-s3
+  secret:
+    secretName: {{ $t.s3.credentialsSecret }}
+    defaultMode: 0440
 {{- end }}
 {{- end }}
 
@@ -302,6 +374,9 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
     - name: kvgrid-shm
       mountPath: /dev/shm
     {{- end }}
+    {{- with include "kvgrid.agentTierMounts" $root | trim }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- $tlsVolume := ternary (include "kvgrid.agentVolumeName" (dict "root" $root "i" $i "base" "kvgrid-tls")) "kvgrid-tls" (eq $root.Values.tls.agentIdentity "perPod") }}
     {{- include "kvgrid.tlsVolumeMount" (dict "root" $root "volume" $tlsVolume) | nindent 4 }}
   {{- with $root.Values.agent.resources }}
@@ -326,6 +401,9 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
   emptyDir:
     medium: Memory
     sizeLimit: {{ include "kvgrid.quantity" .Values.agent.shm.sizeLimit }}
+{{- end }}
+{{- with include "kvgrid.agentTierVolumes" . | trim }}
+{{ . }}
 {{- end }}
 {{- include "kvgrid.agentTlsVolumes" . }}
 {{- end }}
@@ -415,6 +493,16 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
+{{- $tiers := .Values.agent.tiers }}
+{{- if and $tiers.s3.endpoint (not $tiers.s3.bucket) }}
+{{- fail (printf "agent.tiers.s3.endpoint=%s needs agent.tiers.s3.bucket: expected the name of an existing bucket" $tiers.s3.endpoint) }}
+{{- end }}
+{{- if and $tiers.disk.path (eq $tiers.disk.volume.type "hostPath") (not $tiers.disk.volume.hostPath) }}
+{{- fail "agent.tiers.disk.volume.type=hostPath needs agent.tiers.disk.volume.hostPath: expected a node directory such as /mnt/nvme/kvgrid" }}
+{{- end }}
+{{- if and $tiers.disk.path (eq $tiers.disk.volume.type "persistentVolumeClaim") (not $tiers.disk.volume.claimName) }}
+{{- fail "agent.tiers.disk.volume.type=persistentVolumeClaim needs agent.tiers.disk.volume.claimName: expected the name of an existing PersistentVolumeClaim" }}
 {{- end }}
 {{- $tls := include "kvgrid.tlsProvider" . }}
 {{- if and (eq .Values.tls.agentIdentity "perPod") (ne $tls "cert-manager") }}
