@@ -13,10 +13,11 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import grpc
 import torch
@@ -168,6 +169,24 @@ def fetch_once(
         )
     finally:
         fetcher.close()
+
+
+def start_controller(
+    address: str, *flags: str, env: Mapping[str, str] | None = None, stdout: IO[bytes] | int | None = None
+) -> subprocess.Popen[bytes]:
+    """``kvgrid controller`` as a real process listening on ``address`` (``--log-level WARNING``,
+    then ``flags``), in this process's environment without ``KVGRID_*`` plus ``env``; its output
+    (stdout and stderr) goes to ``stdout`` when given (a file, ``subprocess.PIPE``).
+
+    Returns once started, not once serving: a plaintext caller waits with
+    ``grpc.channel_ready_future`` on its channel, an mTLS one with a call of its own."""
+    cmd = [sys.executable, "-m", "kvgrid.cli", "controller", "--listen", address, "--log-level", "WARNING"]
+    return subprocess.Popen(
+        [*cmd, *flags],
+        env=kvgrid_env("controller") | dict(env or {}),
+        stdout=stdout,
+        stderr=None if stdout is None else subprocess.STDOUT,
+    )
 
 
 class FakePeer:

@@ -11,8 +11,6 @@ in-process agent and a deliberately faulty gRPC peer on loopback.
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,10 +41,10 @@ from tests.agent.helpers import (
     FakePeer,
     fetch_once,
     keys_for,
-    kvgrid_env,
     layer_shape,
     register_kv,
     start_agent,
+    start_controller,
 )
 
 NS_ID = NAMESPACE.namespace_id()
@@ -97,10 +95,7 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], int]) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("peers")
     address = f"127.0.0.1:{free_port()}"
-    ctrl = subprocess.Popen(
-        [sys.executable, "-m", "kvgrid.cli", "controller", "--listen", address, "--log-level", "WARNING"],
-        env=kvgrid_env("controller"),
-    )
+    ctrl = start_controller(address)
     agents: list[AgentProc] = []
     channel = grpc.insecure_channel(address)
     try:

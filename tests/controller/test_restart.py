@@ -6,7 +6,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -14,27 +13,13 @@ from collections.abc import Callable
 import grpc
 
 from kvgrid.api.v1 import controller_pb2, controller_pb2_grpc
+from tests.agent.helpers import start_controller
 from tests.controller.support import FakeAgent, index_keys, rand_keys, wait_until
 
 
 def _start(port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvgrid.cli",
-            "controller",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--lease-ttl-ms",
-            "3000",
-            "--resync-retry-ms",
-            "100",
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    proc = start_controller(
+        f"127.0.0.1:{port}", "--lease-ttl-ms", "3000", "--resync-retry-ms", "100", stdout=subprocess.PIPE
     )
     assert proc.stdout is not None
     lines = []

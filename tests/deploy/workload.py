@@ -9,8 +9,6 @@ Invariant: everything here is a real process talking real gRPC; nothing is stubb
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,7 +19,15 @@ from pathlib import Path
 import grpc
 
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
-from tests.agent.helpers import BPC, NAMESPACE, AgentProc, keys_for, kvgrid_env, register_kv, start_agent
+from tests.agent.helpers import (
+    BPC,
+    NAMESPACE,
+    AgentProc,
+    keys_for,
+    register_kv,
+    start_agent,
+    start_controller,
+)
 
 NS_ID = NAMESPACE.namespace_id()
 # Every prompt of a workload is new (a repeated one would be a local hit, not a peer fetch).
@@ -61,21 +67,7 @@ def deployment(root: Path, free_port: Callable[[], int]) -> Iterator[Deployment]
     """Controller + agents A and B (both registered) with their metrics ports; stopped on exit."""
     address = f"127.0.0.1:{free_port()}"
     dep = Deployment(address, free_port(), [free_port(), free_port()])
-    ctrl = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvgrid.cli",
-            "controller",
-            "--listen",
-            address,
-            "--log-level",
-            "WARNING",
-            "--prometheus-port",
-            str(dep.controller_metrics_port),
-        ],
-        env=kvgrid_env("controller"),
-    )
+    ctrl = start_controller(address, "--prometheus-port", str(dep.controller_metrics_port))
     channel = grpc.insecure_channel(address)
     try:
         grpc.channel_ready_future(channel).result(timeout=60)

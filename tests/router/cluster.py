@@ -76,16 +76,6 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def start_controller(address: str, log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "kvgrid.cli", "controller", "--listen", address, "--log-level", "WARNING"],
-            env=kvgrid_env("controller"),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-
-
 def start_pod_agent(root: Path, uid: str, controller: str) -> AgentProc:
     directory = root / uid
     directory.mkdir()

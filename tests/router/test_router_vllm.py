@@ -30,14 +30,13 @@ import pytest
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.hashing import chunk_keys
 from kvgrid.router.config import RouterConfig
-from tests.agent.helpers import AgentProc
+from tests.agent.helpers import AgentProc, start_controller
 from tests.connector.engines import CHUNK
 from tests.router.cluster import (
     KV_LAYOUT,
     MODEL_NAME,
     http_ok,
     make_model,
-    start_controller,
     start_pod_agent,
     start_router,
     start_vllm_serve,
@@ -78,7 +77,8 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], int]) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("router")
     address = f"127.0.0.1:{free_port()}"
-    ctrl = start_controller(address, root / "controller.log")
+    with (root / "controller.log").open("ab") as log:
+        ctrl = start_controller(address, stdout=log)
     agents: dict[str, AgentProc] = {}
     engines: dict[str, subprocess.Popen[bytes]] = {}
     router: subprocess.Popen[bytes] | None = None

@@ -8,8 +8,6 @@ the chart sets), the agents from flags.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import pytest
 from kvgrid.api.client import controller_stub
 from kvgrid.api.v1 import common_pb2, controller_pb2
 from kvgrid.common.identity import MAX_EPOCH
-from tests.agent.helpers import NAMESPACE, AgentProc, keys_for, kvgrid_env
+from tests.agent.helpers import NAMESPACE, AgentProc, keys_for, start_controller
 from tests.agent.test_peers import (
     chunk_bytes,
     chunk_ids,
@@ -53,15 +51,12 @@ def tls_cluster(
     root = tmp_path_factory.mktemp("e2e")
     address = f"127.0.0.1:{free_port()}"
     ctl_dir = pki.controller()
-    env = kvgrid_env("controller") | {
+    env = {
         "KVGRID_TLS_CERT_FILE": str(ctl_dir / "tls.crt"),
         "KVGRID_TLS_KEY_FILE": str(ctl_dir / "tls.key"),
         "KVGRID_TLS_CA_FILE": str(ctl_dir / "ca.crt"),
     }
-    ctrl = subprocess.Popen(
-        [sys.executable, "-m", "kvgrid.cli", "controller", "--listen", address, "--log-level", "WARNING"],
-        env=env,
-    )
+    ctrl = start_controller(address, env=env)
     agents: list[AgentProc] = []
     router = pki.router()
     stub = controller_stub(

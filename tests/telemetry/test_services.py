@@ -5,7 +5,6 @@ service, and the agent's connection state to the controller across a controller 
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -16,7 +15,7 @@ import grpc
 import pytest
 
 from kvgrid.api.v1 import controller_pb2, controller_pb2_grpc
-from tests.agent.helpers import AgentProc, kvgrid_env, start_agent
+from tests.agent.helpers import AgentProc, start_agent, start_controller
 from tests.telemetry.receivers import HttpReceiver
 
 
@@ -50,12 +49,8 @@ def value(samples: dict[str, float], name: str, **labels: str) -> float | None:
 
 
 @contextmanager
-def controller(address: str, metrics_port: int, env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
-    cmd = [
-        sys.executable, "-m", "kvgrid.cli", "controller", "--listen", address,
-        "--prometheus-port", str(metrics_port), "--log-level", "WARNING",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**kvgrid_env("controller"), **env}, text=True)
+def controller(address: str, metrics_port: int, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    proc = start_controller(address, "--prometheus-port", str(metrics_port), env=env)
     try:
         with grpc.insecure_channel(address) as ch:
             grpc.channel_ready_future(ch).result(timeout=60)

@@ -10,8 +10,6 @@ the HTTP caller sent one); every span of every process must be in that trace, li
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,9 +35,9 @@ from tests.agent.helpers import (
     TOKENS_PER_CHUNK,
     AgentProc,
     block_ids,
-    kvgrid_env,
     register_kv,
     start_agent,
+    start_controller,
 )
 from tests.telemetry.receivers import GrpcReceiver
 
@@ -79,19 +77,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], in
             mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.port}")
             mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
             mp.setenv("OTEL_METRICS_EXPORTER", "none")
-            ctrl = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvgrid.cli",
-                    "controller",
-                    "--listen",
-                    address,
-                    "--log-level",
-                    "WARNING",
-                ],
-                env=kvgrid_env("controller"),
-            )
+            ctrl = start_controller(address)
             grpc.channel_ready_future(channel).result(timeout=60)
             for uid in ("pod-a", "pod-b"):
                 (root / uid).mkdir()
