@@ -11,6 +11,11 @@ Per request: the router asks the controller's ``Score`` to rank the pods, the
 engine on that pod asks its agent how many leading chunks it holds (``Lookup``), loads them into
 freshly allocated blocks (``Retrieve``), "prefills" the rest and stores the new full chunks
 (``Store``); the agent streams admit events to the controller, which the next ``Score`` sees.
+
+Lower tiers: each agent has a disk tier (``--disk-tier-size``, under the demo's work directory) and
+an L1 smaller than the workload, so chunks evicted from L1 are written to disk and a later Lookup
+that reaches them promotes them back into L1 (asynchronously: Retrieve waits for them), verified
+bit for bit like every other load. The counts come from the agents' own Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,7 +100,12 @@ class DemoSettings(msgspec.Struct, frozen=True, kw_only=True):
     user_tokens: Annotated[int, _d("tokens per user message")] = 320
     reply_tokens: Annotated[int, _d("tokens per model reply")] = 160
     pods: Annotated[int, _d("agents (engine pods) to start")] = 2
-    l1_size: Annotated[str, _d("L1 pool per agent, e.g. 512MiB")] = "512MiB"
+    l1_size: Annotated[
+        str, _d("L1 pool per agent, e.g. 512MiB (smaller than the workload, so the disk tier gets used)")
+    ] = "128MiB"
+    disk_tier_size: Annotated[
+        str, _d("disk tier per agent below L1, under the work directory, e.g. 1GiB; empty = none")
+    ] = "1GiB"
     seed: Annotated[int, _d("workload random seed")] = 0
     log_dir: Annotated[str, _d("keep the controller and agent logs here (empty: a temporary directory)")] = ""
     json: Annotated[bool, _d("print JSON, not a table")] = False
@@ -340,6 +351,32 @@ def summary(
     }
 
 
+_TIER_COUNTERS = {
+    # summary key: (metric sample name, label that must match or None)
+    "tier_chunks_written": ("kvgrid_agent_tier_writes_total", None),
+    "tier_chunks_promoted": ("kvgrid_agent_tier_promoted_chunks_total", ("result", "ok")),
+    "tier_chunks_failed": ("kvgrid_agent_tier_promoted_chunks_total", ("result", "failed")),
+    "tier_lookup_hits": ("kvgrid_agent_lookup_chunks_total", ("result", "hit_tier")),
+    "tier_dropped_spills": ("kvgrid_agent_tier_dropped_spills_total", None),
+}
+
+
+def tier_counts(metrics_ports: Sequence[int]) -> dict[str, int]:
+    """The lower tiers' counters summed over the agents, read from their ``/metrics`` endpoints."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = dict.fromkeys(_TIER_COUNTERS, 0)
+    for port in metrics_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                for key, (name, label) in _TIER_COUNTERS.items():
+                    if sample.name == name and (label is None or sample.labels.get(label[0]) == label[1]):
+                        out[key] += int(sample.value)
+    return out
+
+
 def run_demo(s: DemoSettings, *, progress: bool = True, log_dir: Path | None = None) -> dict[str, object]:
     """Start the processes, run the workload, stop everything; returns the summary."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -350,6 +387,7 @@ def run_demo(s: DemoSettings, *, progress: bool = True, log_dir: Path | None = N
     logs = log_dir or work
     procs: list[subprocess.Popen[bytes]] = []
     engines: dict[str, Engine] = {}
+    metrics_ports: list[int] = []
     kvgrid = [sys.executable, "-m", "kvgrid.cli"]
     env = {**os.environ, "OTEL_SDK_DISABLED": os.environ.get("OTEL_SDK_DISABLED", "true")}
     try:
@@ -374,6 +412,16 @@ def run_demo(s: DemoSettings, *, progress: bool = True, log_dir: Path | None = N
                 *kvgrid, "agent", "--uds-path", uds, "--tcp-host", "127.0.0.1", "--tcp-port", "0",
                 "--l1-size", s.l1_size, "--controller-address", ctrl_addr, "--shm-allowed-dirs", str(shm_dir),
             ]  # fmt: skip
+            if s.disk_tier_size:
+                metrics_ports.append(free_port())
+                # Eviction from 70 % down to 50 %: the headroom lets the tier writer keep up with a
+                # whole prompt's store (a burst larger than it drops spills instead of waiting).
+                args += [
+                    "--tier-disk-path", str(work / f"disk-tier-{pod}"), "--tier-disk-size", s.disk_tier_size,
+                    "--high-watermark", "0.7", "--low-watermark", "0.5",
+                    "--prometheus-port", str(metrics_ports[-1]),
+                ]  # fmt: skip
+                pod_env["OTEL_SDK_DISABLED"] = "false"  # the tier counts come from the metrics
             with open(logs / f"agent-{pod}.log", "wb") as log:
                 procs.append(subprocess.Popen(args, stdout=log, stderr=log, env=pod_env))
             wait_serving(f"unix:{uds}", procs[-1], f"kvgrid agent {pod}")
@@ -414,7 +462,7 @@ def run_demo(s: DemoSettings, *, progress: bool = True, log_dir: Path | None = N
         wall = time.perf_counter() - start
         stats = stub.GetStats(controller_pb2.GetStatsRequest(), timeout=5)
         channel.close()
-        return summary(totals, s, wall, stats)
+        return {**summary(totals, s, wall, stats), **tier_counts(metrics_ports)}
     finally:
         for engine in engines.values():
             engine.close()
@@ -441,6 +489,10 @@ def print_summary(r: dict[str, Any]) -> None:
         ("tokens loaded from kvgrid", f"{r['cached_tokens']:,}  (hit rate {r['hit_rate']:.1%})"),
         ("chunks retrieved / stored", f"{r['chunks_retrieved']} / {r['chunks_stored']}"),
         ("chunks fetched from the other agent", f"{r['chunks_from_peers']} (agent-to-agent peer fetch)"),
+        ("disk tier",
+         f"{r.get('tier_chunks_written', 0)} chunks written (evicted from L1), "
+         f"{r.get('tier_chunks_promoted', 0)} promoted back on lookups "
+         f"({r.get('tier_chunks_failed', 0)} failed), {r.get('tier_dropped_spills', 0)} spills dropped"),
         ("retrieved chunks bit-exact",
          f"{r['chunks_verified']} of {r['chunks_retrieved']} ({r['chunks_corrupt']} corrupt)"),
         ("bytes moved", f"{r['bytes_moved'] / 1e9:.2f} GB"),
