@@ -98,10 +98,12 @@ def test_cuda_ipc_store_retrieve_bit_exact_across_processes(gpu_agent) -> None: 
 def test_fenced_transfers_wait_on_the_gpu_for_the_engine_s_queued_work(gpu_agent) -> None:  # type: ignore[no-untyped-def]
     """The engine queues a slow kernel, then writes the blocks, records its fence and -- without
     waiting -- asks for the Store; then a slow kernel, the zeroing of the destination blocks (as
-    vLLM's runner does) and a fenced Retrieve. Both copies must see the engine's final bytes."""
+    vLLM's runner does) and a fenced Retrieve. Both copies must see the engine's final bytes. (The
+    agent's copies do run while this process's stream is busy: without the fence the test fails.)"""
     tensors = cuda_kv(seed=6)
     fence = torch.cuda.Event(interprocess=True)
     spin = 2_000_000_000  # GPU clock cycles: ~1 s on an H200, far longer than an RPC and a copy
+
     with AgentClient(gpu_agent.uds_path) as c:
         c.register_kv_caches(
             "fenced", tensors, namespace=NAMESPACE, engine_groups=GROUPS, layout_hints=HINTS,
@@ -113,10 +115,19 @@ def test_fenced_transfers_wait_on_the_gpu_for_the_engine_s_queued_work(gpu_agent
         c.store("fenced", keys_for(14, 4), dst, after_fence=True)
         c.lookup("fenced", "w", keys_for(14, 4))
         c.retrieve("fenced", "w", keys_for(14, 4), src, after_fence=True)
+        # Writes that queue without waiting: indexing with a Python list, or assigning a Python
+        # scalar through t[ids] = x, copies from pageable host memory, which waits for the stream
+        # and would hide the race the fence closes.
+        on_gpu = {
+            name: [torch.tensor(i, device="cuda") for i in ids] for name, ids in (("src", src), ("dst", dst))
+        }
+        # Load the kernels used below once: CUDA loads a module at its first launch, and that waits.
+        torch.cuda._sleep(1)
+        tensors[0][:2].clone().index_fill_(0, on_gpu["src"][0][:1], 1.0)
         torch.cuda.synchronize()
         torch.cuda._sleep(spin)
         for layer, t in enumerate(tensors):
-            t[src[1 if layer in (1, 3) else 0]] = float(layer + 3)
+            t.index_fill_(0, on_gpu["src"][1 if layer in (1, 3) else 0], float(layer + 3))
         fence.record()
         assert c.store("fenced", keys, src, after_fence=True).num_stored_chunks == 4
         torch.cuda.synchronize()
@@ -124,7 +135,7 @@ def test_fenced_transfers_wait_on_the_gpu_for_the_engine_s_queued_work(gpu_agent
         assert c.lookup("fenced", "r", keys).num_hit_chunks == 4
         torch.cuda._sleep(spin)
         for layer, t in enumerate(tensors):
-            t[dst[1 if layer in (1, 3) else 0]] = 0
+            t.index_fill_(0, on_gpu["dst"][1 if layer in (1, 3) else 0], 0.0)
         fence.record()
         assert c.retrieve("fenced", "r", keys, dst, after_fence=True).hit_mask == [True] * 4
         torch.cuda.synchronize()
