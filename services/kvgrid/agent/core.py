@@ -168,6 +168,11 @@ class AgentCore:
             )
             # Records a previous run left on disk serve again (after every tier callback is wired).
             self.tiers.reindex()
+            # The controller learns what the tiers hold (TIER_L2 events, agent/events.py), the
+            # records just indexed again included.
+            attach = getattr(listener, "attach_lower_tiers", None)
+            if attach is not None:
+                attach(self.tiers)
         self._instances: dict[str, EngineInstance] = {}
         self._lock = threading.Lock()
         self.tracer = tracer or trace.get_tracer("kvgrid.agent")

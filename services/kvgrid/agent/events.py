@@ -8,6 +8,14 @@ failure, reconnects with exponential backoff (with jitter), resending what was n
 With TLS files configured every connection is mTLS, made with the files as they are at connect
 time (a rotated certificate is picked up by the next reconnect).
 
+The log carries L1 admits/evicts (the cache's listener calls) and TIER_L2 admits/evicts of the
+lower tiers (:meth:`EventLog.on_l2`; :meth:`EventLog.attach_lower_tiers` wires it to the tier
+chain and lists what the chain already holds), numbered in one sequence. The agent's ``Snapshot``
+lists L1 only, so after a resync the controller asks (``l2_listing_requested`` in an ack or a
+heartbeat answer) for the L2 listing again: :meth:`EventLog.relist_l2` appends a TIER_L2 CLEAR and
+the chain's keys as TIER_L2 admits, under the log's lock, so an admit or evict the chain makes
+meanwhile lands either in the listing or after it (the chain changes its index before it tells).
+
 If more than ``max_buffer`` events pile up (controller unreachable for long) the oldest are dropped;
 the controller then sees a gap in the sequence numbers and pulls a snapshot from the agent's
 ``Snapshot`` RPC, which is the recovery path for every inconsistency (the agent is the source of
@@ -28,6 +36,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import metrics
@@ -38,9 +47,23 @@ from kvgrid.common.identity import PodIdentity
 from kvgrid.common.tls import CONTROLLER_SERVER_NAME, ClientTls, make_channel
 from kvgrid.common.wire import pod_identity_to_proto
 
-__all__ = ["CONNECTION_STATES", "AgentLoadFn", "EventLog", "EventPublisher", "LoggedEvent"]
+if TYPE_CHECKING:
+    from kvgrid.agent.tiers.tier import TierChain
+
+__all__ = [
+    "CONNECTION_STATES",
+    "L2_LISTING_EVENT_KEYS",
+    "AgentLoadFn",
+    "EventLog",
+    "EventPublisher",
+    "LoggedEvent",
+]
 
 log = logging.getLogger(__name__)
+
+L2_LISTING_EVENT_KEYS = 4096
+"""Keys per TIER_L2 admit of a listing (one PublishEvents message stays far below the controller's
+``max_event_keys``)."""
 
 CONNECTION_STATES = ("disconnected", "registering", "connected")
 
@@ -51,12 +74,13 @@ class LoggedEvent:
     kind: int  # controller_pb2.EventKind
     namespace_id: str
     keys: tuple[bytes, ...]
+    tier: int = common_pb2.TIER_L1  # common_pb2.Tier
 
     def to_proto(self) -> controller_pb2.ChunkEvent:
         return controller_pb2.ChunkEvent(
             sequence=self.sequence,
             kind=self.kind,  # type: ignore[arg-type]
-            tier=common_pb2.TIER_L1,
+            tier=self.tier,  # type: ignore[arg-type]
             chunk_keys=list(self.keys),
             namespace=self.namespace_id,
         )
@@ -77,13 +101,18 @@ class EventLog:
         self._max = max_buffer
         self._buffer = buffer
         self.dropped = 0
+        self._l2_listing: Callable[[], dict[str, list[bytes]]] | None = None
+        self.l2_listings = 0
+        """L2 listings appended (at start and on the controller's request)."""
 
-    def _append(self, kind: int, namespace_id: str, keys: Sequence[bytes]) -> None:
+    def _append(
+        self, kind: int, namespace_id: str, keys: Sequence[bytes], tier: int = common_pb2.TIER_L1
+    ) -> None:
         with self._cond:
             self._seq += 1
             if not self._buffer:
                 return
-            self._events.append(LoggedEvent(self._seq, kind, namespace_id, tuple(keys)))
+            self._events.append(LoggedEvent(self._seq, kind, namespace_id, tuple(keys), tier))
             while len(self._events) > self._max:
                 self._events.popleft()
                 self.dropped += 1
@@ -94,6 +123,33 @@ class EventLog:
 
     def on_evict(self, namespace_id: str, keys: Sequence[bytes]) -> None:
         self._append(controller_pb2.EVENT_KIND_EVICT, namespace_id, keys)
+
+    def on_l2(self, namespace_id: str, keys: Sequence[bytes], held: bool) -> None:
+        """The lower tiers (``TierChain.on_l2``) took ``keys`` in (``held``) or let them go: a
+        TIER_L2 admit or evict."""
+        kind = controller_pb2.EVENT_KIND_ADMIT if held else controller_pb2.EVENT_KIND_EVICT
+        self._append(kind, namespace_id, keys, common_pb2.TIER_L2)
+
+    def attach_lower_tiers(self, chain: TierChain) -> None:
+        """Publish ``chain``'s changes as TIER_L2 events from now on, after listing what it holds
+        already (records an earlier run left on disk)."""
+        with self._cond:
+            chain.on_l2 = self.on_l2
+            self._l2_listing = chain.l2_keys
+            self.relist_l2()
+
+    def relist_l2(self) -> None:
+        """Append the lower tiers' listing: a TIER_L2 CLEAR, then TIER_L2 admits of every key
+        (events of at most ``L2_LISTING_EVENT_KEYS`` keys). Nothing without attached tiers."""
+        with self._cond:
+            if self._l2_listing is None:
+                return
+            self._append(controller_pb2.EVENT_KIND_CLEAR, "", (), common_pb2.TIER_L2)
+            n = L2_LISTING_EVENT_KEYS
+            for ns, keys in sorted(self._l2_listing().items()):
+                for i in range(0, len(keys), n):
+                    self._append(controller_pb2.EVENT_KIND_ADMIT, ns, keys[i : i + n], common_pb2.TIER_L2)
+            self.l2_listings += 1
 
     def last_sequence(self) -> int:
         with self._cond:
@@ -270,6 +326,8 @@ class EventPublisher:
                     self.log.ack(ack.acked_sequence)
                     if ack.resync_started:
                         self.resyncs_requested += 1
+                    if ack.l2_listing_requested:
+                        self.log.relist_l2()
             except grpc.RpcError as e:
                 if not (self._reconnect.is_set() and e.code() == grpc.StatusCode.CANCELLED):
                     raise
@@ -308,6 +366,8 @@ class EventPublisher:
                 )
                 self._reconnect.set()
                 break
+            if resp.l2_listing_requested:
+                self.log.relist_l2()
             if resp.reregister:
                 log.info("controller %s asked this agent to register again", self.address)
                 self._reconnect.set()

@@ -149,11 +149,14 @@ class Registration(msgspec.Struct, frozen=True):
 class Lease(msgspec.Struct, frozen=True):
     lease_ttl_ms: int
     reregister: bool
+    l2_listing_requested: bool = False
 
 
 class PublishAck(msgspec.Struct, frozen=True):
     acked_sequence: int
     resync_started: bool
+    l2_listing_requested: bool = False
+    """The agent is to send its lower tiers' listing again (:mod:`kvgrid.controller.ingest`)."""
 
 
 class HolderSnapshot(msgspec.Struct, frozen=True):
@@ -417,7 +420,8 @@ class Controller:
             self.registry.heartbeat(pod_uid, epoch, load)
         except UnknownPodError:
             return Lease(self.cfg.lease_ttl_ms, reregister=True)
-        return Lease(self.cfg.lease_ttl_ms, reregister=False)
+        relist = self.ingest.take_l2_listing_request(PodIdentity(pod_uid=pod_uid, epoch=epoch).holder_id)
+        return Lease(self.cfg.lease_ttl_ms, reregister=False, l2_listing_requested=relist)
 
     # --- ingest -------------------------------------------------------------------------------
     def publish(self, messages: Iterable[EventMessage], *, owner: str | None = None) -> Iterator[PublishAck]:
@@ -452,7 +456,7 @@ class Controller:
             check_events(msg.events, rec.namespaces, self.cfg.max_event_keys)
             acked, resync = self.ingest.publish(rec, msg.events, new_stream=first)
             first = False
-            yield PublishAck(acked, resync)
+            yield PublishAck(acked, resync, self.ingest.take_l2_listing_request(rec.holder))
 
     def snapshot_index(self, pod_uid: str, tier: IndexTier) -> HolderSnapshot:
         rec = self.registry.get(pod_uid)

@@ -9,6 +9,11 @@ operation per tier, and the buffered events with sequence >
 ``snapshot.last_sequence`` are applied in order. After that the index equals the agent's truth
 (or, for a pod over its index-entry cap, a subset of it: :mod:`kvgrid.controller.limits`).
 
+A snapshot that does not list L2 keys (``AgentService.Snapshot`` lists L1 only) leaves the L2
+entries as they are and asks the agent, through the next PublishEvents ack or Heartbeat answer
+(:meth:`Ingestor.take_l2_listing_request`), to send its L2 listing again: a TIER_L2 CLEAR and
+TIER_L2 ADMITs, sequenced after the snapshot, so the L2 entries catch up with the agent's truth.
+
 Admits and snapshot replaces go through :class:`~kvgrid.controller.limits.EntryCaps` when one is
 given; :meth:`Ingestor.resync_all` forces a fresh pull of every pod (the index lost its data).
 """
@@ -90,6 +95,8 @@ class _PodState:
         # Events were dropped from a full buffer: the snapshot being pulled may predate them.
         self.overflowed = False
         self.generation = 0
+        # A snapshot without L2 keys was installed: the agent is asked to list its L2 again.
+        self.l2_listing_wanted = False
 
 
 SnapshotFn = Callable[[AgentRecord, float], AgentSnapshot]
@@ -150,6 +157,16 @@ class Ingestor:
     def tracks(self, holder: str) -> bool:
         """True when this ingestor has state for ``holder`` (its stream or a pull went through here)."""
         return holder in self._pods
+
+    def take_l2_listing_request(self, holder: str) -> bool:
+        """True once after a snapshot without L2 keys was installed for ``holder`` (the agent is
+        to send its lower tiers' listing as new events)."""
+        st = self._pods.get(holder)
+        if st is None or not st.l2_listing_wanted:
+            return False
+        with st.lock:
+            wanted, st.l2_listing_wanted = st.l2_listing_wanted, False
+        return wanted
 
     def is_synced(self, holder: str) -> bool:
         st = self._pods.get(holder)
@@ -336,6 +353,8 @@ class Ingestor:
         tiers = [(IndexTier.L1, snap.keys)]
         if snap.l2_keys is not None:
             tiers.append((IndexTier.L2, snap.l2_keys))
+        else:  # L2 events up to last_sequence may be lost: the agent lists its L2 again after it
+            st.l2_listing_wanted = True
         for tier, keys in tiers:
             if self.caps is not None:
                 self.caps.replace(rec.holder, tier, keys)

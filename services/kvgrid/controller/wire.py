@@ -114,7 +114,11 @@ def registration_to_proto(r: Registration) -> controller_pb2.RegisterAgentRespon
 
 
 def lease_to_proto(lease: Lease) -> controller_pb2.HeartbeatResponse:
-    return controller_pb2.HeartbeatResponse(lease_ttl_ms=lease.lease_ttl_ms, reregister=lease.reregister)
+    return controller_pb2.HeartbeatResponse(
+        lease_ttl_ms=lease.lease_ttl_ms,
+        reregister=lease.reregister,
+        l2_listing_requested=lease.l2_listing_requested,
+    )
 
 
 _KINDS = {int(k): k for k in EventKind}
@@ -160,7 +164,9 @@ def event_messages_from_proto(msgs: Iterable[controller_pb2.PublishEventsRequest
 
 def publish_ack_to_proto(a: PublishAck) -> controller_pb2.PublishEventsResponse:
     return controller_pb2.PublishEventsResponse(
-        acked_sequence=a.acked_sequence, resync_started=a.resync_started
+        acked_sequence=a.acked_sequence,
+        resync_started=a.resync_started,
+        l2_listing_requested=a.l2_listing_requested,
     )
 
 

@@ -306,6 +306,11 @@ class TierChain:
         self.dropped = 0
         """Chunks evicted from L1 whose write was given up (L1 needed the pages first)."""
         self.write_failures = 0
+        self.on_l2: Callable[[str, Sequence[bytes], bool], None] | None = None
+        """Told by the writer when a chunk enters the chain (True: written from L1) or leaves it
+        (False: dropped from the last tier, or its demotion failed); a demotion within the chain is
+        no change. The agent publishes these as TIER_L2 events. A read back into L1 leaves the
+        record where it is, so a chunk may be in L1 and L2 at once."""
         self._queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
         self._write_queue: queue.SimpleQueue[tuple[Chunk, bytes] | None] = queue.SimpleQueue()
         self._pending = 0
@@ -443,7 +448,10 @@ class TierChain:
             chunk, checksum = job
             try:
                 data = byte_view(chunk.buffer.numpy())
+                held = self.holds(chunk.namespace_id, chunk.key)
                 self._put(0, chunk.namespace_id, chunk.key, chunk.layout_id, checksum, data)
+                if self.on_l2 is not None and not held and self.holds(chunk.namespace_id, chunk.key):
+                    self.on_l2(chunk.namespace_id, [chunk.key], True)
             except Exception as e:
                 self.write_failures += 1
                 log.warning("tier write of chunk %s failed: %s", chunk.key.hex(), e)
@@ -492,6 +500,18 @@ class TierChain:
                 tier.store.delete(name)
             except Exception as e:
                 log.warning("%s tier: delete of %s failed: %s", tier.name, name, e)
+            if self.on_l2 is not None and not self.holds(ns, key):
+                self.on_l2(ns, [key], False)
+
+    def l2_keys(self) -> dict[str, list[bytes]]:
+        """Namespace -> the keys some tier holds (the agent's L2 listing)."""
+        out: dict[str, set[bytes]] = {}
+        for t in self.tiers:
+            with t._lock:
+                held = list(t._index)
+            for ns, key in held:
+                out.setdefault(ns, set()).add(key)
+        return {ns: sorted(keys) for ns, keys in out.items()}
 
     def reindex(self) -> int:
         """Index again the records an earlier run left in tiers whose store can list them (the disk

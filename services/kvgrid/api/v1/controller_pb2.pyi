@@ -159,18 +159,22 @@ class HeartbeatResponse(_message.Message):
 
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
     REREGISTER_FIELD_NUMBER: _builtins.int
+    L2_LISTING_REQUESTED_FIELD_NUMBER: _builtins.int
     lease_ttl_ms: _builtins.int
     reregister: _builtins.bool
     """The lease had lapsed or the epoch is unknown: register again."""
+    l2_listing_requested: _builtins.bool
+    """As PublishEventsResponse.l2_listing_requested (told on whichever comes first)."""
     def __init__(
         self,
         *,
         lease_ttl_ms: _builtins.int = ...,
         reregister: _builtins.bool = ...,
+        l2_listing_requested: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ttl_ms", b"lease_ttl_ms", "reregister", b"reregister"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["l2_listing_requested", b"l2_listing_requested", "lease_ttl_ms", b"lease_ttl_ms", "reregister", b"reregister"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -240,19 +244,25 @@ class PublishEventsResponse(_message.Message):
 
     ACKED_SEQUENCE_FIELD_NUMBER: _builtins.int
     RESYNC_STARTED_FIELD_NUMBER: _builtins.int
+    L2_LISTING_REQUESTED_FIELD_NUMBER: _builtins.int
     acked_sequence: _builtins.int
     """Highest sequence applied."""
     resync_started: _builtins.bool
     """A gap or unknown epoch was seen; the controller is pulling a snapshot."""
+    l2_listing_requested: _builtins.bool
+    """The controller resynced this pod from a snapshot that lists L1 only: send the lower tiers'
+    listing again as new events (a TIER_L2 CLEAR, then TIER_L2 ADMITs of every key they hold).
+    """
     def __init__(
         self,
         *,
         acked_sequence: _builtins.int = ...,
         resync_started: _builtins.bool = ...,
+        l2_listing_requested: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_sequence", b"acked_sequence", "resync_started", b"resync_started"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_sequence", b"acked_sequence", "l2_listing_requested", b"l2_listing_requested", "resync_started", b"resync_started"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
