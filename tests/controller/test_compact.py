@@ -16,7 +16,7 @@ from kvgrid.controller.matching import match_batch
 from kvgrid.controller.service import Server, serve
 from tests.controller.support import NS_ID, rand_keys, register_pod
 
-L1, GPU = IndexTier.L1, IndexTier.GPU
+L1, GPU, L2 = IndexTier.L1, IndexTier.GPU, IndexTier.L2
 OTHER_NS = "f" * 32
 
 
@@ -34,11 +34,12 @@ def controller_config() -> ControllerConfig:
 def test_compact_equals_readable(server: Server, stub: controller_pb2_grpc.ControllerServiceStub) -> None:
     k = rand_keys(8)
     idx = server.controller.index
-    a, b, c = (register_pod(stub, u, [NS_ID]) for u in ("pod-a", "pod-b", "pod-c"))
+    a, b, c, d = (register_pod(stub, u, [NS_ID]) for u in ("pod-a", "pod-b", "pod-c", "pod-d"))
     other = register_pod(stub, "pod-x", [OTHER_NS])
     idx.add(a, GPU, k[:4])
     idx.add(b, L1, k[:6])
     idx.add(c, GPU, k[:1])
+    idx.add(d, L2, k[:7])  # its own lower tiers: one chunk past what peers can fetch
     idx.add(other, GPU, k)  # another namespace: never listed for NS_ID
     reqs = [
         _req(k),
@@ -53,18 +54,21 @@ def test_compact_equals_readable(server: Server, stub: controller_pb2_grpc.Contr
     assert not compact.responses and not readable.compact and not readable.pods
     assert read_compact(compact) == list(readable.responses)
     first = readable.responses[0]
-    assert [(m.pod_uid, m.gpu_chunks, m.l1_chunks, m.peer_chunks) for m in first.matches] == [
-        ("pod-a", 4, 0, 2),  # all match 6 (pod-b's L1 serves peers): more GPU first
-        ("pod-c", 1, 0, 5),
-        ("pod-b", 0, 6, 0),
+    assert [(m.pod_uid, m.gpu_chunks, m.l1_chunks, m.l2_chunks, m.peer_chunks) for m in first.matches] == [
+        ("pod-d", 0, 0, 7, 0),
+        ("pod-a", 4, 0, 0, 2),  # all match 6 (pod-b's L1 serves peers): more GPU first
+        ("pod-c", 1, 0, 0, 5),
+        ("pod-b", 0, 6, 0, 0),
     ]
-    assert first.peer_fetchable_chunks == 6 and first.matches[0].pod_name == "name-pod-a"
-    assert [m.pod_uid for m in readable.responses[1].matches] == ["pod-a"]  # max_pods=1
+    assert first.peer_fetchable_chunks == 6 and first.matches[1].pod_name == "name-pod-a"
+    assert [m.pod_uid for m in readable.responses[1].matches] == ["pod-a"]  # max_pods=1 (d: 2 in L2)
+    assert not compact.compact[1].l2_chunks  # no listed pod has L2 chunks: the field stays empty
+    assert list(compact.compact[0].l2_chunks) == [7, 0, 0, 0]
     assert [m.pod_uid for m in readable.responses[2].matches] == ["pod-c"]
     assert list(readable.responses[3].matches) == [] and readable.responses[4].num_query_chunks == 0
     assert [m.pod_uid for m in readable.responses[5].matches] == ["pod-x"]
     # the pod table holds each listed pod once
-    assert sorted(p.pod_uid for p in compact.pods) == ["pod-a", "pod-b", "pod-c", "pod-x"]
+    assert sorted(p.pod_uid for p in compact.pods) == ["pod-a", "pod-b", "pod-c", "pod-d", "pod-x"]
     # unary MatchPrefix says the same as the batch
     assert stub.MatchPrefix(reqs[0]) == first
     # bad input still fails the whole batch with the index of the bad request
@@ -81,6 +85,7 @@ def test_compact_wire_bytes_equal_field_by_field_build() -> None:
     for h in range(3):
         index.add(f"p{h}/1", GPU, short[: h + 2])
     index.add("p0/1", L1, long)
+    index.add("p3/1", L2, short[:3])
     refs = [pod_ref_bytes(f"p{s}", f"name{s}") for s in range(64)]
     for queries in ([short, short[:1], []], [long, short]):
         view = index.lookup_batch(queries)
@@ -89,7 +94,9 @@ def test_compact_wire_bytes_equal_field_by_field_build() -> None:
         fast, slow = compact_response(m, chunks, refs), _built(m, chunks, refs)
         assert fast.SerializeToString() == slow.SerializeToString()
         assert [c.num_query_chunks for c in fast.compact] == chunks
+        assert read_compact(fast) == read_compact(slow)
     assert max(fast.compact[0].l1_chunks) == 200
+    assert list(fast.compact[1].l2_chunks) == [0, 0, 3, 0]  # p2 (4), p1 (3 GPU), p3 (3 L2), p0 (2)
 
 
 def test_slot_table_follows_registry_and_slots(

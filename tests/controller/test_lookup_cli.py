@@ -68,15 +68,16 @@ def test_match_by_tokens_counts_leading_chunks_per_tier(
         "0",
         "2",
         "0",
+        "0",
         "2",
-    ]  # pod, name, GPU, L1, peer, total
+    ]  # pod, name, GPU, L1, L2, peer, total
 
 
 def test_score_by_keys_ranks_the_holder(controller: str, capsys: pytest.CaptureFixture[str]) -> None:
     keys = ",".join(k.hex() for k in KEYS)
     rc, out = _lookup(capsys, controller, "score", "--keys", keys, "--namespace-id", NS.namespace_id())
     assert rc == 0 and "3 query chunks, best first" in out
-    assert _row(out, "pod-a")[1:4] == ["0", "2", "0"]
+    assert _row(out, "pod-a")[1:5] == ["0", "2", "0", "0"]  # GPU, L1, L2, peer
 
 
 def test_agents_and_stats(controller: str, capsys: pytest.CaptureFixture[str]) -> None:

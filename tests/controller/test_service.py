@@ -395,6 +395,18 @@ def test_bad_input_is_rejected_and_nothing_changes(
         with pytest.raises(grpc.RpcError) as e:
             list(stub.PublishEvents(iter([controller_pb2.PublishEventsRequest()])))
         assert "first PublishEvents message must carry the pod" in e.value.details()
+        # a tier the index does not store (peer-fetchable is derived) or no tier at all: named
+        for t, name in ((common_pb2.TIER_PEER, "tier=3 (TIER_PEER)"), (9, "tier=9")):
+            ev = controller_pb2.ChunkEvent(sequence=9, kind=1, tier=t, chunk_keys=keys)  # type: ignore[arg-type]
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.PublishEvents(iter([controller_pb2.PublishEventsRequest(pod=a.pod, events=[ev])])))
+            assert e.value.code() == inv
+            assert f"events[0].{name}: expected TIER_L1, TIER_GPU or TIER_L2" in e.value.details()
+            req = controller_pb2.SnapshotIndexRequest(pod_uid=a.pod.pod_uid, tier=t)  # type: ignore[arg-type]
+            with pytest.raises(grpc.RpcError) as e:
+                stub.SnapshotIndex(req, timeout=2)
+            assert e.value.code() == inv
+            assert f"{name}: expected TIER_L1, TIER_GPU or TIER_L2" in e.value.details()
         # Nothing was applied, and the service keeps serving.
         assert stub.GetStats(controller_pb2.GetStatsRequest()).num_entries == before
         wait_until(lambda: _synced(stub, a), what="still in sync")

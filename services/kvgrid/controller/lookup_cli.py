@@ -110,16 +110,17 @@ def run(args: argparse.Namespace) -> int:
             m = stub.MatchPrefix(_request(args), timeout=args.timeout)
             title = f"{m.num_query_chunks} query chunks; other pods: {m.peer_fetchable_chunks} from peers"
             t = Table(title=title)
-            for col in ("pod", "name", "GPU", "L1", "peer", "total"):
-                t.add_column(col, justify="right" if col in ("GPU", "L1", "peer", "total") else "left")
+            for col in ("pod", "name", "GPU", "L1", "L2", "peer", "total"):
+                t.add_column(col, justify="left" if col in ("pod", "name") else "right")
             for p in m.matches:
                 t.add_row(
                     p.pod_uid,
                     p.pod_name,
                     str(p.gpu_chunks),
                     str(p.l1_chunks),
+                    str(p.l2_chunks),
                     str(p.peer_chunks),
-                    str(p.gpu_chunks + p.l1_chunks + p.peer_chunks),
+                    str(p.gpu_chunks + p.l1_chunks + p.l2_chunks + p.peer_chunks),
                 )
             console.print(t)
         elif args.what == "score":
@@ -127,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
                 controller_pb2.ScoreRequest(match=_request(args), reserve=args.reserve), timeout=args.timeout
             )
             t = Table(title=f"{s.num_query_chunks} query chunks, best first")
-            for col in ("pod", "GPU", "L1", "peer", "TTFT ms", "L1 ms", "peer ms", "prefill ms", "queue ms"):
+            cols = ("pod", "GPU", "L1", "L2", "peer", "TTFT ms", "L1 ms", "L2 ms", "peer ms", "prefill ms")
+            for col in (*cols, "queue ms"):
                 t.add_column(col, justify="left" if col == "pod" else "right")
             for e in s.scores:
                 p = e.match
@@ -135,9 +137,11 @@ def run(args: argparse.Namespace) -> int:
                     p.pod_uid,
                     str(p.gpu_chunks),
                     str(p.l1_chunks),
+                    str(p.l2_chunks),
                     str(p.peer_chunks),
                     f"{e.estimated_ttft_ms:.2f}",
                     f"{e.l1_transfer_ms:.2f}",
+                    f"{e.l2_transfer_ms:.2f}",
                     f"{e.peer_transfer_ms:.2f}",
                     f"{e.prefill_ms:.2f}",
                     f"{e.queue_ms:.2f}",
