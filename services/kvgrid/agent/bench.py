@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Literal
@@ -37,6 +35,7 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 
+from kvgrid.agent.bench_procs import KVGRID, AgentDidNotStart, bench_env, shm_scratch, start_agent, stop_all
 from kvgrid.common.config import add_config_arguments, config_from_args
 
 __all__ = ["AgentBenchConfig", "add_arguments", "run"]
@@ -108,14 +107,6 @@ def _sync(device: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvgrid.agent.client import AgentClient
-    from kvgrid.agent.tensors import allocate_shared_tensor
-    from kvgrid.agent.transfer import kernel_group_pages
-    from kvgrid.common.hashing import KeyNamespace, chunk_keys
-    from kvgrid.common.layer_groups import KVLayerGroupsManager
-    from kvgrid.common.layouts import detect_kv_format
-    from kvgrid_kernels import TransferPlan
-
     cfg = config_from_args(AgentBenchConfig, args, env_prefix=ENV_PREFIX)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         print("kvgrid bench agent: --device cuda but no CUDA device is visible", file=sys.stderr)
@@ -127,14 +118,25 @@ def run(args: argparse.Namespace) -> int:
         from kvgrid.agent.bench_tp import run_tp
 
         return run_tp(cfg)
+    with shm_scratch("kvgrid-bench-") as tmp:
+        return _run(cfg, tmp)
+
+
+def _run(cfg: AgentBenchConfig, tmp: Path) -> int:
+    """One engine, one agent (or ``--peer``): the KV cache under ``tmp`` on cpu."""
+    from kvgrid.agent.client import AgentClient
+    from kvgrid.agent.tensors import allocate_shared_tensor
+    from kvgrid.agent.transfer import kernel_group_pages
+    from kvgrid.common.hashing import KeyNamespace, chunk_keys
+    from kvgrid.common.layer_groups import KVLayerGroupsManager
+    from kvgrid.common.layouts import detect_kv_format
+    from kvgrid_kernels import TransferPlan
+
     dtype = _DTYPES[cfg.dtype]
     bpc = cfg.tokens_per_chunk // cfg.block_size
     num_blocks = bpc * cfg.chunks
     shape = (num_blocks, 2, cfg.block_size, cfg.kv_heads, cfg.head_size)
     hints = {"backend": "FLASHINFER"}
-    tmp = Path(
-        tempfile.mkdtemp(prefix="kvgrid-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    )
     tensors: list[torch.Tensor] = []
     paths: list[str] | None = [] if cfg.device == "cpu" else None
     for layer in range(cfg.layers):
@@ -158,12 +160,7 @@ def run(args: argparse.Namespace) -> int:
     ids = [list(range(num_blocks))]
 
     if cfg.peer:
-        try:
-            return _run_peer(cfg, tensors, paths, hints, chunk_bytes, ids, tmp)
-        finally:
-            for p in tmp.iterdir():
-                p.unlink()
-            tmp.rmdir()
+        return _run_peer(cfg, tensors, paths, hints, chunk_bytes, ids, tmp)
 
     # Kernel alone: the same plan the agent builds, into an L1-like buffer.
     plan = TransferPlan(kernel_group_pages(manager, tensors), cfg.tokens_per_chunk)
@@ -182,19 +179,18 @@ def run(args: argparse.Namespace) -> int:
     # Through the agent.
     uds = tmp / "agent.sock"
     l1_size = total * 3 + (64 << 20)
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "kvgrid.cli", "agent", "--uds-path", str(uds), "--tcp-port", "-1",
-         "--l1-size", str(l1_size), "--shm-allowed-dirs", str(tmp), "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    try:
+        agent, _ = start_agent(
+            str(uds),
+            ["--uds-path", str(uds), "--tcp-port", "-1", "--l1-size", str(l1_size),
+             "--shm-allowed-dirs", str(tmp), "--log-level", "warning"],
+        )  # fmt: skip
+    except AgentDidNotStart as e:
+        print(f"kvgrid bench agent: {e}", file=sys.stderr)
+        return 1
     agent_path: dict[str, list[float]] = {"store": [], "retrieve": []}
     rtt: list[float] = []
     try:
-        assert agent.stdout is not None
-        line = agent.stdout.readline()
-        if not line.startswith("{"):
-            print(f"kvgrid bench agent: agent did not start (exit {agent.poll()})", file=sys.stderr)
-            return 1
         ns = KeyNamespace(model="bench", tokens_per_chunk=cfg.tokens_per_chunk)
         with AgentClient(str(uds), timeout_s=600) as c:
             c.register_kv_caches(
@@ -223,11 +219,7 @@ def run(args: argparse.Namespace) -> int:
                     agent_path["store"].append(t1 - t0)
                     agent_path["retrieve"].append(t2 - t1)
     finally:
-        agent.terminate()
-        agent.wait(30)
-        for p in tmp.iterdir():
-            p.unlink()
-        tmp.rmdir()
+        stop_all([], [agent])
 
     result: dict[str, object] = {
         "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
@@ -299,14 +291,12 @@ def _run_peer(
         if i:
             copy_s.append(time.perf_counter() - t0)
 
-    kvgrid = [sys.executable, "-m", "kvgrid.cli"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
-    env["OTEL_SDK_DISABLED"] = "true"
+    env = bench_env()
     ctrl = f"127.0.0.1:{_free_port()}"
     # The controller's log goes nowhere: agents stopping at the end close their event streams.
     procs = [
         subprocess.Popen(
-            [*kvgrid, "controller", "--listen", ctrl, "--log-level", "ERROR"],
+            [*KVGRID, "controller", "--listen", ctrl, "--log-level", "ERROR"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=env,
         )
     ]  # fmt: skip
@@ -317,22 +307,16 @@ def _run_peer(
     try:
         for name in ("a", "b"):
             uds = tmp / f"agent-{name}.sock"
-            procs.append(
-                subprocess.Popen(
-                    [*kvgrid, "agent", "--uds-path", str(uds), "--tcp-host", "127.0.0.1", "--tcp-port", "0",
-                     "--l1-size", str(total * 3 + (64 << 20)), "--shm-allowed-dirs", str(tmp),
-                     "--controller-address", ctrl, "--event-flush-interval-ms", "5",
-                     "--peer-fetch-max-chunks", str(cfg.chunks), "--peer-fetch-timeout-ms", "600000",
-                     "--peer-fetch-part-size", cfg.peer_part_size, "--log-level", "warning"],
-                    stdout=subprocess.PIPE, text=True,
-                    env={**env, "POD_UID": f"bench-{name}", "POD_IP": "127.0.0.1"},
-                )
+            proc, _ = start_agent(
+                name,
+                ["--uds-path", str(uds), "--tcp-host", "127.0.0.1", "--tcp-port", "0",
+                 "--l1-size", str(total * 3 + (64 << 20)), "--shm-allowed-dirs", str(tmp),
+                 "--controller-address", ctrl, "--event-flush-interval-ms", "5",
+                 "--peer-fetch-max-chunks", str(cfg.chunks), "--peer-fetch-timeout-ms", "600000",
+                 "--peer-fetch-part-size", cfg.peer_part_size, "--log-level", "warning"],
+                env={**env, "POD_UID": f"bench-{name}", "POD_IP": "127.0.0.1"},
             )  # fmt: skip
-            out = procs[-1].stdout
-            assert out is not None
-            if not out.readline().startswith("{"):
-                print(f"kvgrid bench agent: agent {name} did not start", file=sys.stderr)
-                return 1
+            procs.append(proc)
             c = AgentClient(str(uds), timeout_s=600)
             c.register_kv_caches(
                 "bench", tensors, namespace=ns, shm_paths=paths, layout_hints=[hints] * len(tensors)
@@ -373,12 +357,11 @@ def _run_peer(
                 if i:
                     fetch_s.append(dt)
                     lookup_rtt.append(rtt)
+    except AgentDidNotStart as e:
+        print(f"kvgrid bench agent: {e}", file=sys.stderr)
+        return 1
     finally:
-        for c in clients:
-            c.close()
-        for proc in reversed(procs):
-            proc.terminate()
-            proc.wait(30)
+        stop_all(clients, procs)
 
     peer = _median_gbps(total, fetch_s)
     local = _median_gbps(total, copy_s)

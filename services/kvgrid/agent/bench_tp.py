@@ -22,7 +22,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from kvgrid.agent.bench_procs import AgentDidNotStart, shm_scratch, start_agent, stop_all
 
 if TYPE_CHECKING:
     from kvgrid.agent.bench import AgentBenchConfig
@@ -105,14 +106,14 @@ def _round(pool: ThreadPoolExecutor, n: int, call: Callable[[int], None]) -> tup
 
 
 def _start_agent(uds: Path, l1_size: int, tmp: Path) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvgrid.cli", "agent", "--uds-path", str(uds), "--tcp-port", "-1",
-         "--l1-size", str(l1_size), "--shm-allowed-dirs", str(tmp), "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    if not proc.stdout.readline().startswith("{"):
-        raise BenchFailed(f"agent on {uds} did not start (exit {proc.poll()})")
+    try:
+        proc, _ = start_agent(
+            f"on {uds}",
+            ["--uds-path", str(uds), "--tcp-port", "-1", "--l1-size", str(l1_size),
+             "--shm-allowed-dirs", str(tmp), "--log-level", "warning"],
+        )  # fmt: skip
+    except AgentDidNotStart as e:
+        raise BenchFailed(str(e)) from None
     return proc
 
 
@@ -132,18 +133,12 @@ def _figures(
 
 
 def run_tp(cfg: AgentBenchConfig) -> int:
-    tmp = Path(
-        tempfile.mkdtemp(prefix="kvgrid-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    )
     try:
-        result = _measure(cfg, tmp)
+        with shm_scratch("kvgrid-bench-") as tmp:
+            result = _measure(cfg, tmp)
     except BenchFailed as e:
         print(f"kvgrid bench agent: {e}", file=sys.stderr)
         return 1
-    finally:
-        for p in tmp.iterdir():
-            p.unlink()
-        tmp.rmdir()
     if cfg.json:
         print(json.dumps(result))
         return 0
@@ -256,11 +251,7 @@ def _measure(cfg: AgentBenchConfig, tmp: Path) -> dict[str, object]:
                 f"retrieved bytes differ from the stored ones (bit-exact per rank: {bit_exact})"
             )
     finally:
-        for c in clients:
-            c.close()
-        for p in procs:
-            p.terminate()
-            p.wait(30)
+        stop_all(clients, procs)
         pool.shutdown()
 
     total = per_rank * n

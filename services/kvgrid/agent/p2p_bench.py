@@ -25,12 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,6 +37,7 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
+from kvgrid.agent.bench_procs import AgentDidNotStart, bench_env, shm_scratch, start_agent, stop_all
 from kvgrid.common.config import add_config_arguments, config_from_args
 
 __all__ = ["P2PBenchConfig", "add_arguments", "run"]
@@ -132,9 +131,9 @@ def _start_agent(
     name: str, tmp: Path, cfg: P2PBenchConfig, l1_bytes: int, env: dict[str, str]
 ) -> tuple[subprocess.Popen[str], str, int]:
     uds = tmp / f"agent-{name}.sock"
-    cmd = [
-        sys.executable, "-m", "kvgrid.cli", "agent", "--uds-path", str(uds), "--tcp-host", "127.0.0.1",
-        "--tcp-port", "0", "--l1-size", str(l1_bytes), "--shm-allowed-dirs", str(tmp),
+    flags = [
+        "--uds-path", str(uds), "--tcp-host", "127.0.0.1", "--tcp-port", "0", "--l1-size", str(l1_bytes),
+        "--shm-allowed-dirs", str(tmp),
         "--peer-fetch", "off", "--peer-fetch-max-chunks", str(cfg.chunks),
         "--peer-fetch-timeout-ms", "600000",
         "--peer-data-plane", cfg.data_plane, "--peer-data-streams", str(cfg.streams),
@@ -142,25 +141,14 @@ def _start_agent(
     ]  # fmt: skip
     if cfg.tls_dir:
         d = Path(cfg.tls_dir)
-        cmd += ["--tls-cert-file", str(d / "tls.crt"), "--tls-key-file", str(d / "tls.key")]
-        cmd += ["--tls-ca-file", str(d / "ca.crt")]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, text=True, env={**env, "POD_UID": f"bench-{name}", "POD_IP": "127.0.0.1"}
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("{"):
-        raise RuntimeError(f"agent {name} did not start")
-    info = json.loads(line)
+        flags += ["--tls-cert-file", str(d / "tls.crt"), "--tls-key-file", str(d / "tls.key")]
+        flags += ["--tls-ca-file", str(d / "ca.crt")]
+    proc, info = start_agent(name, flags, {**env, "POD_UID": f"bench-{name}", "POD_IP": "127.0.0.1"})
     return proc, str(uds), int(info["tcp_port"])
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from kvgrid.agent.client import AgentClient
-    from kvgrid.agent.tensors import allocate_shared_tensor
-    from kvgrid.common.hashing import KeyNamespace, chunk_keys
 
     cfg = config_from_args(P2PBenchConfig, args, env_prefix=ENV_PREFIX)
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -175,10 +163,21 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    with shm_scratch("kvgrid-p2p-") as tmp:
+        return _run(cfg, tmp)
+
+
+def _run(cfg: P2PBenchConfig, tmp: Path) -> int:
+    """The engines' KV cache under ``tmp`` (cpu) and the agents' sockets there."""
+    import torch
+
+    from kvgrid.agent.client import AgentClient
+    from kvgrid.agent.tensors import allocate_shared_tensor
+    from kvgrid.common.hashing import KeyNamespace, chunk_keys
+
     tokens_per_chunk, block = 256, 16
     bpc = tokens_per_chunk // block
     shape = (bpc * cfg.chunks, 2, block, 8, 128)
-    tmp = Path(tempfile.mkdtemp(prefix="kvgrid-p2p-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     tensors: list[torch.Tensor] = []
     paths: list[str] | None = [] if cfg.device == "cpu" else None
     for layer in range(cfg.layers):
@@ -196,8 +195,7 @@ def run(args: argparse.Namespace) -> int:
     connections = cfg.peers * (cfg.streams if cfg.data_plane == "socket" else 1)
     hints = {"backend": "FLASHINFER"}
     ns = KeyNamespace(model="bench-p2p", tokens_per_chunk=tokens_per_chunk)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
-    env["OTEL_SDK_DISABLED"] = "true"
+    env = bench_env()
 
     rounds = cfg.iters + 1  # the first of each is a warm-up
     ctx = multiprocessing.get_context("spawn")
@@ -256,18 +254,14 @@ def run(args: argparse.Namespace) -> int:
             if r:
                 fetch_s.append(dt)
                 raw_s.append(raw)
+    except AgentDidNotStart as e:
+        print(f"kvgrid bench p2p: {e}", file=sys.stderr)
+        return 1
     finally:
-        for c in clients:
-            c.close()
-        for proc in reversed(procs):
-            proc.terminate()
-            proc.wait(30)
+        stop_all(clients, procs)
         sender.join(10)
         if sender.is_alive():
             sender.terminate()
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
 
     fetch_gbps = total / statistics.median(fetch_s) / 1e9
     raw_gbps = total / statistics.median(raw_s) / 1e9
