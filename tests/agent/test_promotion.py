@@ -210,3 +210,37 @@ def test_a_cancelled_promotion_still_reads_what_another_request_pinned(setup: Se
     setup.wait_promotions()
     setup.no_leaks()
     assert setup.promoted() == {"ok": 3}
+
+
+def test_a_peer_fetch_of_pending_chunks_waits_and_stops_before_a_failed_one(setup: Setup) -> None:
+    """FetchChunks serving (``ChunkSender``) waits for chunks still being promoted and never
+    streams one whose record was refused."""
+    from kvgrid.agent.peers import ChunkSender
+    from kvgrid.api.v1 import agent_pb2
+
+    flip_payload_bit(setup, setup.keys[2])
+    assert setup.core.lookup("e", "r", setup.keys).num_hit_chunks == 3
+    req = agent_pb2.FetchChunksRequest(
+        chunk_keys=setup.keys, layout_id=setup.inst.layout_id, namespace_id=setup.inst.namespace_id
+    )
+    senders: list[ChunkSender] = []
+    thread = threading.Thread(
+        target=lambda: senders.append(ChunkSender(setup.core.cache, req, part_bytes=1 << 20, max_chunks=8))
+    )
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive() and not senders  # waiting for the pending chunks
+    setup.store.gate.set()
+    thread.join(10)
+    (sender,) = senders
+    assert sender.num_chunks == 2  # chunk 2 was refused: not served
+    msgs = list(sender)
+    sent = b"".join(m.data for m in msgs)
+    chunks, _ = setup.core.cache.acquire_prefix(
+        setup.keys[:2], setup.inst.layout_id, namespace_id=setup.inst.namespace_id
+    )
+    assert sent == b"".join(c.buffer.numpy().tobytes() for c in chunks)
+    setup.core.cache.release(chunks)
+    setup.core.release("e", "r")
+    setup.wait_promotions()
+    setup.no_leaks()

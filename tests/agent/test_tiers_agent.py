@@ -188,3 +188,55 @@ def test_disk_tier_survives_kill_9_and_restart(tmp_path: Path) -> None:
         assert c.lookup("e", "", [torn_key]).num_hit_chunks == 0
     finally:
         agent.stop()
+
+
+def test_release_while_promoting_leaks_no_pin_or_page_in_a_real_agent(tmp_path: Path) -> None:
+    """Lookups that start promotions from the disk tier and are released at once (the engine
+    cancelled the request), over and over: afterwards no pin is held and every L1 page belongs to a
+    chunk in the index; a Lookup + Retrieve still loads the right bytes."""
+    disk = tmp_path / "disk-tier"
+    ns = NAMESPACE.namespace_id()
+    agent = start_agent(
+        tmp_path,
+        "--high-watermark", "0.6", "--low-watermark", "0.3", "--tier-disk-path", str(disk),
+        l1_size="640KiB",
+    )  # fmt: skip
+    try:
+        c = agent.client()
+        tensors, reg = register_kv(c, "e", tmp_path, seed=7)
+        a = keys_for(21, 8)
+        src = block_ids(0, 8)
+        want = blocks_of(tensors, src)
+        assert c.store("e", a, src).num_stored_chunks == 8
+        for f in range(40):  # fillers push A out of L1 onto disk
+            c.store("e", keys_for(400 + f, 8), src)
+            if all((disk / (record_name(ns, k) + ".kvc")).exists() for k in a):
+                break
+            time.sleep(0.05)
+
+        def in_l1() -> int:
+            return len(set(a) & set(c.snapshot().chunk_keys))
+
+        wait_for(lambda: in_l1() == 0, "A out of L1")
+        for i in range(10):
+            assert c.lookup("e", f"r{i}", a).num_hit_chunks == 8
+            c.release("e", f"r{i}")  # the promotion may still be reading: it drops what is unread
+            for f in range(3):  # push what came back out again
+                c.store("e", keys_for(500 + 3 * i + f, 8), src)
+
+        def settled() -> bool:
+            h = c.health()
+            return h.num_pinned_chunks == 0 and h.l1_used_bytes == h.num_chunks * 5 * 4096
+
+        # 19456-byte chunks take 5 pages of 4 KiB; pages waiting for the tier writer settle too.
+        wait_for(settled, "no pins and no pages outside the index")
+        for t in tensors:
+            t.zero_()
+        assert c.lookup("e", "last", a).num_hit_chunks == 8
+        dst = block_ids(16, 8)
+        assert c.retrieve("e", "last", a, dst).num_retrieved_chunks == 8
+        got = blocks_of(tensors, dst)
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+        assert reg.bytes_per_chunk == 19456
+    finally:
+        agent.stop()
