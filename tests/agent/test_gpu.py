@@ -144,6 +144,44 @@ def test_fenced_transfers_wait_on_the_gpu_for_the_engine_s_queued_work(gpu_agent
         c.unregister_kv_caches("fenced")
 
 
+def test_a_signalled_retrieve_answers_at_once_and_the_engine_waits_on_the_gpu(gpu_agent) -> None:  # type: ignore[no-untyped-def]
+    """``signal_done``: the Retrieve answers while its copy still waits behind the engine's queued
+    work (fence); the engine's stream then waits for the done event, and what it reads after that
+    wait is the loaded bytes."""
+    tensors = cuda_kv(seed=7)
+    fence, done = torch.cuda.Event(interprocess=True), torch.cuda.Event(interprocess=True)
+    with AgentClient(gpu_agent.uds_path) as c:
+        c.register_kv_caches(
+            "signal", tensors, namespace=NAMESPACE, engine_groups=GROUPS, layout_hints=HINTS,
+            fence_event=fence, done_event=done,
+        )  # fmt: skip
+        keys, src, dst = keys_for(15, 4), block_ids(0, 4), block_ids(NUM_BLOCKS // 2, 4)
+        torch.cuda.synchronize()
+        assert c.store("signal", keys, src).num_stored_chunks == 4
+        want = gpu_blocks(tensors, src)
+        c.lookup("signal", "w", keys_for(15, 4))
+        c.retrieve("signal", "w", keys, dst, after_fence=True, signal_done=True)  # warm-up
+        torch.cuda.synchronize()
+        on_gpu = [torch.tensor(i, device="cuda") for i in dst]
+        tensors[0][:2].clone().index_fill_(0, on_gpu[0][:1], 1.0)  # load the kernel now (it waits)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of queued engine work before the fence
+        for layer, t in enumerate(tensors):
+            t.index_fill_(0, on_gpu[1 if layer in (1, 3) else 0], 0.0)
+        fence.record()
+        assert c.lookup("signal", "r", keys).num_hit_chunks == 4
+        res = c.retrieve("signal", "r", keys, dst, after_fence=True, signal_done=True)
+        assert res.hit_mask == [True] * 4
+        assert not torch.cuda.current_stream().query()  # answered while the engine is still busy
+        torch.cuda.current_stream().wait_event(done)
+        got = [t.index_select(0, on_gpu[1 if layer in (1, 3) else 0]) for layer, t in enumerate(tensors)]
+        torch.cuda.synchronize()
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert c.health().num_pinned_chunks == 0
+        c.unregister_kv_caches("signal")
+
+
 ENGINE = r"""
 import sys, time, torch
 sys.path.insert(0, {root!r})

@@ -221,6 +221,9 @@ def test_bad_requests_are_invalid_argument_and_the_agent_keeps_its_data(
         client.store, "local", keys, src, after_fence=True
     )
     assert "registered no fence_event" in invalid(client.retrieve, "local", "r", keys, src, after_fence=True)
+    assert "signal_done=true but instance 'local' registered no done_event" in invalid(
+        client.retrieve, "local", "r", keys, src, signal_done=True
+    )
     assert "liar" not in client.health().instance_ids
     # Still serving, data intact.
     dst = block_ids(40, 3)

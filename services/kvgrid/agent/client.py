@@ -100,11 +100,13 @@ class AgentClient:
         layout_hints: Sequence[Mapping[str, object] | None] | None = None,
         engine_pid: int | None = None,
         fence_event: torch.cuda.Event | None = None,
+        done_event: torch.cuda.Event | None = None,
     ) -> agent_pb2.RegisterKVCachesResponse:
         """Register one engine worker's KV tensors (layer i = ``tensors[i]``). CPU tensors need
         ``shm_paths[i]``, the file each lives in (see ``tensors.allocate_shared_tensor``).
         ``fence_event``: an interprocess CUDA event the engine records before a transfer sent with
-        ``after_fence`` (the agent's copy waits for it on the GPU instead of the engine's host)."""
+        ``after_fence`` (the agent's copy waits for it on the GPU instead of the engine's host);
+        ``done_event``: one the agent records after the copies of a Retrieve with ``signal_done``."""
         layers = []
         for i, t in enumerate(tensors):
             msg = export_layer_tensor(i, t, shm_path=shm_paths[i] if shm_paths is not None else None)
@@ -119,6 +121,7 @@ class AgentClient:
             namespace=key_namespace_to_proto(namespace),
             engine_pid=os.getpid() if engine_pid is None else engine_pid,
             fence_event=fence_event.ipc_handle() if fence_event is not None else b"",
+            done_event=done_event.ipc_handle() if done_event is not None else b"",
         )
         return self._call("RegisterKVCaches", req)  # type: ignore[return-value]
 
@@ -162,6 +165,7 @@ class AgentClient:
         *,
         skip_first_n_tokens: int = 0,
         after_fence: bool = False,
+        signal_done: bool = False,
     ) -> RetrieveResult:
         """``block_ids``: one list per engine group, covering the request from token 0."""
         resp = self._call(
@@ -173,6 +177,7 @@ class AgentClient:
                 block_ids=block_ids_to_proto(block_ids),
                 skip_first_n_tokens=skip_first_n_tokens,
                 after_fence=after_fence,
+                signal_done=signal_done,
             ),
         )
         assert isinstance(resp, agent_pb2.RetrieveResponse)

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,11 +45,12 @@ from kvgrid.agent.promotion import Promoter, Promotion
 from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
 from kvgrid.agent.tiers.build import build_tier_chain
 from kvgrid.agent.tiers.metrics import TierMetrics
-from kvgrid.agent.transfer import ChunkMover, build_mover
+from kvgrid.agent.transfer import ChunkMover, DoneSignal, build_mover
 from kvgrid.common.errors import InvalidArgument, client_input
 from kvgrid.common.groups import EngineGroupInfo, expand_engine_block_ids, num_engine_groups
 from kvgrid.common.hashing import KeyNamespace, check_chunk_keys
 from kvgrid.common.identity import PodIdentity
+from kvgrid_kernels import TransferHandle
 
 __all__ = [
     "AgentCore",
@@ -105,6 +107,9 @@ class EngineInstance:
     fence: torch.cuda.Event | None = None
     """The engine's interprocess fence event (CUDA engines that sent one): transfers sent with
     ``after_fence`` start on the GPU once the engine's stream has passed its last record."""
+    done: DoneSignal | None = None
+    """The engine's done event: a Retrieve with ``signal_done`` answers once its copies are queued
+    and records it after them."""
 
     def wait_event(self, after_fence: bool) -> torch.cuda.Event | None:
         """The event a transfer waits for; InvalidArgument when the engine asks for a fence it
@@ -196,6 +201,8 @@ class AgentCore:
         self.peers = PeerFetcher(self.cache, config, pod.pod_uid, self.peer_metrics, self.tracer)
         self.on_instances_changed: Callable[[], None] | None = None
         self.totals = TransferTotals()
+        # Releases the chunks of signalled Retrieves once their copies landed (in order).
+        self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-landed")
         self._totals_lock = threading.Lock()
 
     # ---- registration ----------------------------------------------------------------------
@@ -210,6 +217,7 @@ class AgentCore:
         engine_pid: int = 0,
         layout_hints: Sequence[Mapping[str, object] | None] | None = None,
         fence: torch.cuda.Event | None = None,
+        done: torch.cuda.Event | None = None,
     ) -> EngineInstance:
         """Rebuild kernel groups from ``tensors`` and check them against ``engine_groups``.
 
@@ -245,6 +253,7 @@ class AgentCore:
                 tensors=list(tensors),
                 mover=mover,
                 fence=fence,
+                done=DoneSignal(done, tensors[0].device) if done is not None else None,
             )
             with self._lock:
                 old = self._instances.get(instance_id)
@@ -522,10 +531,18 @@ class AgentCore:
         block_ids: Sequence[Sequence[int]],
         skip_first_n_tokens: int = 0,
         after_fence: bool = False,
+        signal_done: bool = False,
     ) -> RetrieveResult:
-        """Scatter the leading held chunks into the engine's blocks (prefix semantics)."""
+        """Scatter the leading held chunks into the engine's blocks (prefix semantics). With
+        ``signal_done`` answer once the copies are queued: the chunks stay referenced until they
+        landed, and the engine's done event is recorded after them."""
         inst = self.instance(instance_id)
         fence = inst.wait_event(after_fence)
+        if signal_done and inst.done is None:
+            raise InvalidArgument(
+                f"signal_done=true but instance {instance_id!r} registered no done_event; expected "
+                "RegisterKVCaches with an interprocess CUDA event first"
+            )
         with client_input():
             keys = check_chunk_keys(keys)
         with self.tracer.start_as_current_span(
@@ -540,13 +557,24 @@ class AgentCore:
             chunks, cause = self.cache.acquire_ready_prefix(
                 keys, inst.layout_id, namespace_id=inst.namespace_id
             )
+            n = len(chunks)
+            t0 = time.perf_counter()
+            handle = None
             try:
-                n = len(chunks)
-                t0 = time.perf_counter()
                 if n:
-                    inst.mover.retrieve(
+                    handle = inst.mover.retrieve_async(
                         [c.buffer for c in chunks], [per_chunk[:n] for per_chunk in ids], wait_event=fence
                     )
+                if signal_done:
+                    assert inst.done is not None
+                    inst.done.after(handle)
+                    if handle is not None:  # the completer releases the chunks once they landed
+                        self._completer.submit(
+                            self._release_landed, handle, chunks, t0, n * inst.bytes_per_chunk
+                        )
+                        chunks = []
+                elif handle is not None:
+                    handle.wait()
                 dt = time.perf_counter() - t0
             finally:
                 self.cache.release(chunks)
@@ -558,13 +586,22 @@ class AgentCore:
         self._count_hits(self.metrics.retrieve_chunks, len(keys), n, cause)
         with self._totals_lock:
             self.totals.retrieved_chunks += n
-        self._record_transfer("retrieve", nbytes, dt)
+        if not signal_done:
+            self._record_transfer("retrieve", nbytes, dt)
         return RetrieveResult(
             hit_mask=[i < n for i in range(len(keys))],
             num_retrieved_chunks=n,
             bytes_moved=nbytes,
             miss_cause=str(cause),
         )
+
+    def _release_landed(self, handle: TransferHandle, chunks: list[Chunk], t0: float, nbytes: int) -> None:
+        """A signalled Retrieve's copies landed: release its chunks and record the transfer."""
+        try:
+            handle.wait()
+        finally:
+            self.cache.release(chunks)
+        self._record_transfer("retrieve", nbytes, time.perf_counter() - t0)
 
     def store(
         self,
@@ -639,6 +676,7 @@ class AgentCore:
             self.metrics.throughput.record(nbytes / seconds / 1e9, attrs)
 
     def close(self) -> None:
+        self._completer.shutdown(wait=True)
         with self._lock:
             self._instances.clear()
         self.peers.close()

@@ -36,7 +36,7 @@ from kvgrid.agent.core import AgentCore
 from kvgrid.agent.events import EventLog, EventPublisher
 from kvgrid.agent.p2p import DataPlaneServer
 from kvgrid.agent.peers import ChunkSender
-from kvgrid.agent.tensors import SharedFileCache, dtype_name, open_fence_event, open_layer_tensor
+from kvgrid.agent.tensors import SharedFileCache, dtype_name, open_ipc_event, open_layer_tensor
 from kvgrid.agent.transfer import parse_layout_hints
 from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2
 from kvgrid.common.authz import Authorizer, Policy
@@ -84,7 +84,8 @@ class AgentServicer:
         with client_input():  # the engine's description of its layers
             tensors = [open_layer_tensor(m, shm) for m in layers]
             hints = [parse_layout_hints(m.layout_hint, m.layout_hints) for m in layers]
-            fence = open_fence_event(req.fence_event, tensors)
+            fence = open_ipc_event("fence_event", req.fence_event, tensors)
+            done = open_ipc_event("done_event", req.done_event, tensors)
         inst = self.core.register(
             req.instance_id,
             engine_groups=groups,
@@ -93,6 +94,7 @@ class AgentServicer:
             engine_pid=req.engine_pid,
             layout_hints=hints,
             fence=fence,
+            done=done,
         )
         return agent_pb2.RegisterKVCachesResponse(
             instance_id=inst.instance_id,
@@ -139,6 +141,7 @@ class AgentServicer:
             [list(b.ids) for b in req.block_ids],
             req.skip_first_n_tokens,
             after_fence=req.after_fence,
+            signal_done=req.signal_done,
         )
         return agent_pb2.RetrieveResponse(
             hit_mask=r.hit_mask,

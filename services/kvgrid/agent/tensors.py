@@ -31,7 +31,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "export_layer_tensor",
-    "open_fence_event",
+    "open_ipc_event",
     "open_layer_tensor",
 ]
 
@@ -278,23 +278,23 @@ def open_layer_tensor(msg: agent_pb2.LayerTensor, shm: SharedFileCache) -> torch
 _IPC_EVENT_HANDLE_BYTES = 64
 
 
-def open_fence_event(handle: bytes, tensors: Sequence[torch.Tensor]) -> torch.cuda.Event | None:
-    """The engine's interprocess fence event (``RegisterKVCachesRequest.fence_event``), opened on the
-    device of its KV tensors; None when the engine sent none."""
+def open_ipc_event(field: str, handle: bytes, tensors: Sequence[torch.Tensor]) -> torch.cuda.Event | None:
+    """One of the engine's interprocess events (``RegisterKVCachesRequest.<field>``: ``fence_event``,
+    ``done_event``), opened on the device of its KV tensors; None when the engine sent none."""
     if not handle:
         return None
     devices = {t.device for t in tensors}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         raise ValueError(
-            f"fence_event given but the layers are on {sorted(str(d) for d in devices)}; expected one "
-            "CUDA device (a CPU engine needs no fence)"
+            f"{field} given but the layers are on {sorted(str(d) for d in devices)}; expected one "
+            "CUDA device (a CPU engine needs no CUDA events)"
         )
     if len(handle) != _IPC_EVENT_HANDLE_BYTES:
         raise ValueError(
-            f"fence_event is {len(handle)} bytes; expected a {_IPC_EVENT_HANDLE_BYTES}-byte CUDA IPC event "
+            f"{field} is {len(handle)} bytes; expected a {_IPC_EVENT_HANDLE_BYTES}-byte CUDA IPC event "
             "handle (torch.cuda.Event(interprocess=True).ipc_handle())"
         )
     try:
         return torch.cuda.Event.from_ipc_handle(next(iter(devices)), handle)
     except RuntimeError as e:
-        raise ValueError(f"fence_event: CUDA could not open the IPC event handle: {e}") from None
+        raise ValueError(f"{field}: CUDA could not open the IPC event handle: {e}") from None

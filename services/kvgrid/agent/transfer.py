@@ -20,10 +20,11 @@ from kvgrid.agent.tensors import dtype_name
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.common.layer_groups import KVLayerGroupsManager
 from kvgrid.common.layouts import KVFormat, block_view, detect_kv_format
-from kvgrid_kernels import KernelGroupPages, TransferPlan, page_view
+from kvgrid_kernels import KernelGroupPages, TransferHandle, TransferPlan, page_view
 
 __all__ = [
     "ChunkMover",
+    "DoneSignal",
     "build_mover",
     "format_page_view",
     "kernel_group_pages",
@@ -150,9 +151,38 @@ class ChunkMover:
     ) -> None:
         """Scatter ``buffers`` (one per chunk) into paged blocks; returns when they are written
         (after ``wait_event``, as in :meth:`store`)."""
+        self.retrieve_async(buffers, ids, wait_event=wait_event).wait()
+
+    def retrieve_async(
+        self,
+        buffers: Sequence[torch.Tensor],
+        ids: Sequence[Sequence[np.ndarray]],
+        *,
+        wait_event: torch.cuda.Event | None = None,
+    ) -> TransferHandle:
+        """Queue the scatter and return at once; the handle completes with it. ``buffers`` must
+        stay valid (referenced) until then. The plan queues calls in order on its own streams."""
         flat = [np.concatenate(per_chunk) for per_chunk in ids]
         with self._lock:
-            self.plan.retrieve_async(list(buffers), flat, wait_event=wait_event).wait()
+            return self.plan.retrieve_async(list(buffers), flat, wait_event=wait_event)
+
+
+class DoneSignal:
+    """The engine's ``done_event``, recorded by the agent once a Retrieve's copies landed, on a
+    stream of its own (the engine's stream waits for the event on the GPU; nobody's host does)."""
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+        self.event = event
+        self.stream = torch.cuda.Stream(device=device)
+        self._lock = threading.Lock()
+
+    def after(self, handle: TransferHandle | None) -> None:
+        """Record the event once ``handle`` completed (at once when there was nothing to move).
+        Calls are ordered: a record made later covers every earlier one."""
+        with self._lock:
+            if handle is not None:
+                handle.wait_stream(self.stream)
+            self.event.record(self.stream)
 
 
 def build_mover(

@@ -21,7 +21,13 @@ Fences (CUDA)
     At registration the worker sends the IPC handle of an interprocess CUDA event; before a
     Retrieve or Store it records that event on the engine's stream and the agent's copy waits for
     it on the GPU (``after_fence``), so the engine's host never synchronizes its stream. A copy that
-    sees a later record of the event only waits longer, never too little.
+    sees a later record of the event only waits longer, never too little. The other way round, a
+    second interprocess event (``done_event``): a Retrieve with ``signal_done`` answers once the
+    agent queued its copies and records that event after them; before anything reads the loaded
+    blocks (the first layer of an in-step load, or the step after an asynchronous load is
+    reported) the engine's stream waits for the event -- on the GPU, so the host goes on queueing
+    the forward while the bytes move. Loads run one at a time on the loader thread, so the event's
+    last record covers every load reported so far.
 Agent restarts
     a call that fails because the agent is away or forgot this instance marks the registration
     stale; the worker registers the same KV memory again (at most every
@@ -141,6 +147,7 @@ class ConnectorWorker:
         self._saving: Future[None] | None = None
         self._async_store = False
         self._fence: torch.cuda.Event | None = None
+        self._loaded: torch.cuda.Event | None = None
         self._stores_in_flight: dict[str, Future[None]] = {}
         """Request id -> the latest background store covering it (async_store)."""
         self.stats = WorkerStats()
@@ -167,8 +174,9 @@ class ConnectorWorker:
         self._transfer_groups = tuple(sorted({i.engine_group_id for i in infos})) if infos else (0,)
         self._cuda = any(t.is_cuda for t in tensors)
         self._async_store = self._cuda if self.config.async_store is None else self.config.async_store
-        if self._cuda and self._fence is None:
-            self._fence = torch.cuda.Event(interprocess=True)  # kept across re-registrations
+        if self._cuda and self._fence is None:  # both kept across re-registrations
+            self._fence = torch.cuda.Event(interprocess=True)
+            self._loaded = torch.cuda.Event(interprocess=True)
         self._registration = _Registration(tensors, infos, shm_paths, hints, names[-1])
         try:
             self._send_registration()
@@ -198,6 +206,7 @@ class ConnectorWorker:
             layout_hints=reg.hints,
             engine_pid=os.getpid(),
             fence_event=self._fence,
+            done_event=self._loaded,
         )
         self._stale = False
         self.stats.registrations += 1
@@ -257,6 +266,12 @@ class ConnectorWorker:
         for future in loads:
             self.stats.loads_in_step += 1
             self._settle(future.result())  # in-step loads are one-group only: never "failed"
+        self._wait_loaded()
+
+    def _wait_loaded(self) -> None:
+        """The engine's stream waits (on the GPU) for the loads answered so far to land."""
+        if self._loaded is not None:
+            torch.cuda.current_stream().wait_event(self._loaded)
 
     def layer_saved(self, layer_name: str, meta: KVGridConnectorMetadata) -> None:
         """Layer-wise: once the last layer's KV is written, start the step's stores in the
@@ -281,6 +296,7 @@ class ConnectorWorker:
                     agent_block_ids(order.block_ids),
                     skip_first_n_tokens=order.skip_first_n_tokens,
                     after_fence=self._fence is not None,
+                    signal_done=self._loaded is not None,
                 )
             loaded = res.num_retrieved_chunks
         except grpc.RpcError as e:
@@ -296,6 +312,8 @@ class ConnectorWorker:
         with self._lock:
             done = [rid for rid, f in self._loading.items() if f.done()]
             outcomes = [self._loading.pop(rid).result() for rid in done]
+        if outcomes:
+            self._wait_loaded()  # before the next step computes on the loaded blocks
         finished: set[str] = set()
         failed: set[str] = set()
         for out in outcomes:

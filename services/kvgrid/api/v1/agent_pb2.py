@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvgrid.api.v1 import common_pb2 as kvgrid_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvgrid/v1/agent.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\"\xd9\x01\n\rCudaIpcHandle\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"L\n\x12SharedMemoryHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\"\xd3\x02\n\x0bLayerTensor\x12\x13\n\x0blayer_index\x18\x01 \x01(\r\x12(\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x18.kvgrid.v1.CudaIpcHandleH\x00\x12,\n\x03shm\x18\x03 \x01(\x0b\x32\x1d.kvgrid.v1.SharedMemoryHandleH\x00\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06stride\x18\x05 \x03(\x03\x12\x16\n\x0estorage_offset\x18\x06 \x01(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x13\n\x0blayout_hint\x18\x08 \x01(\t\x12=\n\x0clayout_hints\x18\t \x03(\x0b\x32\'.kvgrid.v1.LayerTensor.LayoutHintsEntry\x1a\x32\n\x10LayoutHintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07storage\"\xde\x01\n\x17RegisterKVCachesRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x31\n\rengine_groups\x18\x02 \x03(\x0b\x32\x1a.kvgrid.v1.EngineGroupInfo\x12&\n\x06layers\x18\x03 \x03(\x0b\x32\x16.kvgrid.v1.LayerTensor\x12*\n\tnamespace\x18\x04 \x01(\x0b\x32\x17.kvgrid.v1.KeyNamespace\x12\x12\n\nengine_pid\x18\x05 \x01(\x05\x12\x13\n\x0b\x66\x65nce_event\x18\x06 \x01(\x0c\"\xb3\x01\n\x12KernelGroupSummary\x12\x15\n\rlayer_indices\x18\x01 \x03(\x05\x12\x11\n\tkv_format\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x18\n\x10\x65ngine_group_idx\x18\x04 \x01(\x05\x12\x18\n\x10tokens_per_block\x18\x05 \x01(\x05\x12\x17\n\x0fslots_per_block\x18\x06 \x01(\x05\x12\x17\n\x0f\x62ytes_per_chunk\x18\x07 \x01(\x04\"\xc1\x01\n\x18RegisterKVCachesResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x34\n\rkernel_groups\x18\x02 \x03(\x0b\x32\x1d.kvgrid.v1.KernelGroupSummary\x12\x17\n\x0f\x62ytes_per_chunk\x18\x03 \x01(\x04\x12\x11\n\tlayout_id\x18\x04 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x05 \x01(\t\x12\x18\n\x10tokens_per_chunk\x18\x06 \x01(\r\"0\n\x19UnregisterKVCachesRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"3\n\x1aUnregisterKVCachesResponse\x12\x15\n\rreleased_pins\x18\x01 \x01(\r\"v\n\rLookupRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nchunk_keys\x18\x03 \x03(\x0c\x12\x12\n\npin_ttl_ms\x18\x04 \x01(\r\x12\x14\n\x0cpeer_address\x18\x05 \x01(\t\"U\n\x0eLookupResponse\x12\x16\n\x0enum_hit_chunks\x18\x01 \x01(\r\x12\x12\n\nmiss_cause\x18\x02 \x01(\t\x12\x17\n\x0fnum_peer_chunks\x18\x03 \x01(\r\"\xa8\x01\n\x0fRetrieveRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nchunk_keys\x18\x03 \x03(\x0c\x12&\n\tblock_ids\x18\x04 \x03(\x0b\x32\x13.kvgrid.v1.BlockIds\x12\x1b\n\x13skip_first_n_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x61\x66ter_fence\x18\x06 \x01(\x08\"k\n\x10RetrieveResponse\x12\x10\n\x08hit_mask\x18\x01 \x03(\x08\x12\x1c\n\x14num_retrieved_chunks\x18\x02 \x01(\r\x12\x13\n\x0b\x62ytes_moved\x18\x03 \x01(\x04\x12\x12\n\nmiss_cause\x18\x04 \x01(\t\"\x91\x01\n\x0cStoreRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nchunk_keys\x18\x02 \x03(\x0c\x12&\n\tblock_ids\x18\x03 \x03(\x0b\x32\x13.kvgrid.v1.BlockIds\x12\x1b\n\x13skip_first_n_chunks\x18\x04 \x01(\r\x12\x13\n\x0b\x61\x66ter_fence\x18\x05 \x01(\x08\"t\n\rStoreResponse\x12\x19\n\x11num_stored_chunks\x18\x01 \x01(\r\x12\x1b\n\x13num_already_present\x18\x02 \x01(\r\x12\x13\n\x0b\x62ytes_moved\x18\x03 \x01(\x04\x12\x16\n\x0epartial_reason\x18\x04 \x01(\t\"9\n\x0eReleaseRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"(\n\x0fReleaseResponse\x12\x15\n\rreleased_pins\x18\x01 \x01(\r\"\x11\n\x0fSnapshotRequest\"\xab\x01\n\x10SnapshotResponse\x12#\n\x03pod\x18\x01 \x01(\x0b\x32\x16.kvgrid.v1.PodIdentity\x12\x12\n\nchunk_keys\x18\x02 \x03(\x0c\x12\x15\n\rlast_sequence\x18\x03 \x01(\x04\x12\x12\n\nnamespaces\x18\x04 \x03(\t\x12\x33\n\x0c\x62y_namespace\x18\x05 \x03(\x0b\x32\x1d.kvgrid.v1.NamespaceChunkKeys\";\n\x12NamespaceChunkKeys\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\nchunk_keys\x18\x02 \x03(\x0c\"\x0f\n\rHealthRequest\"\xca\x02\n\x0eHealthResponse\x12#\n\x03pod\x18\x01 \x01(\x0b\x32\x16.kvgrid.v1.PodIdentity\x12\x19\n\x11l1_capacity_bytes\x18\x02 \x01(\x04\x12\x15\n\rl1_used_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x14\n\x0cinstance_ids\x18\x05 \x03(\t\x12\x19\n\x11num_pinned_chunks\x18\x06 \x01(\r\x12\x15\n\rnum_evictions\x18\x07 \x01(\x04\x12\x1b\n\x13peer_fetched_chunks\x18\x08 \x01(\x04\x12\x1b\n\x13peer_fetch_failures\x18\t \x01(\x04\x12\x1a\n\x12peer_served_chunks\x18\n \x01(\x04\x12\x18\n\x10retrieved_chunks\x18\x0b \x01(\x04\x12\x15\n\rstored_chunks\x18\x0c \x01(\x04\"\x9a\x01\n\x12\x46\x65tchChunksRequest\x12\x12\n\nchunk_keys\x18\x01 \x03(\x0c\x12\x11\n\tlayout_id\x18\x02 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x16\n\x0emax_part_bytes\x18\x04 \x01(\x04\x12\x19\n\x11requester_pod_uid\x18\x05 \x01(\t\x12\x14\n\x0c\x64\x61ta_streams\x18\x06 \x01(\r\"\xab\x01\n\x13\x46\x65tchChunksResponse\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x12\n\nnum_chunks\x18\x05 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x0c\x12\x13\n\x0b\x64\x61ta_ticket\x18\x07 \x01(\x0c\x12\x11\n\tdata_port\x18\x08 \x01(\r2\xa4\x05\n\x0c\x41gentService\x12[\n\x10RegisterKVCaches\x12\".kvgrid.v1.RegisterKVCachesRequest\x1a#.kvgrid.v1.RegisterKVCachesResponse\x12\x61\n\x12UnregisterKVCaches\x12$.kvgrid.v1.UnregisterKVCachesRequest\x1a%.kvgrid.v1.UnregisterKVCachesResponse\x12=\n\x06Lookup\x12\x18.kvgrid.v1.LookupRequest\x1a\x19.kvgrid.v1.LookupResponse\x12\x43\n\x08Retrieve\x12\x1a.kvgrid.v1.RetrieveRequest\x1a\x1b.kvgrid.v1.RetrieveResponse\x12:\n\x05Store\x12\x17.kvgrid.v1.StoreRequest\x1a\x18.kvgrid.v1.StoreResponse\x12@\n\x07Release\x12\x19.kvgrid.v1.ReleaseRequest\x1a\x1a.kvgrid.v1.ReleaseResponse\x12\x43\n\x08Snapshot\x12\x1a.kvgrid.v1.SnapshotRequest\x1a\x1b.kvgrid.v1.SnapshotResponse\x12=\n\x06Health\x12\x18.kvgrid.v1.HealthRequest\x1a\x19.kvgrid.v1.HealthResponse\x12N\n\x0b\x46\x65tchChunks\x12\x1d.kvgrid.v1.FetchChunksRequest\x1a\x1e.kvgrid.v1.FetchChunksResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvgrid/v1/agent.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\"\xd9\x01\n\rCudaIpcHandle\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"L\n\x12SharedMemoryHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\"\xd3\x02\n\x0bLayerTensor\x12\x13\n\x0blayer_index\x18\x01 \x01(\r\x12(\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x18.kvgrid.v1.CudaIpcHandleH\x00\x12,\n\x03shm\x18\x03 \x01(\x0b\x32\x1d.kvgrid.v1.SharedMemoryHandleH\x00\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06stride\x18\x05 \x03(\x03\x12\x16\n\x0estorage_offset\x18\x06 \x01(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x13\n\x0blayout_hint\x18\x08 \x01(\t\x12=\n\x0clayout_hints\x18\t \x03(\x0b\x32\'.kvgrid.v1.LayerTensor.LayoutHintsEntry\x1a\x32\n\x10LayoutHintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07storage\"\xf2\x01\n\x17RegisterKVCachesRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x31\n\rengine_groups\x18\x02 \x03(\x0b\x32\x1a.kvgrid.v1.EngineGroupInfo\x12&\n\x06layers\x18\x03 \x03(\x0b\x32\x16.kvgrid.v1.LayerTensor\x12*\n\tnamespace\x18\x04 \x01(\x0b\x32\x17.kvgrid.v1.KeyNamespace\x12\x12\n\nengine_pid\x18\x05 \x01(\x05\x12\x13\n\x0b\x66\x65nce_event\x18\x06 \x01(\x0c\x12\x12\n\ndone_event\x18\x07 \x01(\x0c\"\xb3\x01\n\x12KernelGroupSummary\x12\x15\n\rlayer_indices\x18\x01 \x03(\x05\x12\x11\n\tkv_format\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x18\n\x10\x65ngine_group_idx\x18\x04 \x01(\x05\x12\x18\n\x10tokens_per_block\x18\x05 \x01(\x05\x12\x17\n\x0fslots_per_block\x18\x06 \x01(\x05\x12\x17\n\x0f\x62ytes_per_chunk\x18\x07 \x01(\x04\"\xc1\x01\n\x18RegisterKVCachesResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x34\n\rkernel_groups\x18\x02 \x03(\x0b\x32\x1d.kvgrid.v1.KernelGroupSummary\x12\x17\n\x0f\x62ytes_per_chunk\x18\x03 \x01(\x04\x12\x11\n\tlayout_id\x18\x04 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x05 \x01(\t\x12\x18\n\x10tokens_per_chunk\x18\x06 \x01(\r\"0\n\x19UnregisterKVCachesRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"3\n\x1aUnregisterKVCachesResponse\x12\x15\n\rreleased_pins\x18\x01 \x01(\r\"v\n\rLookupRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nchunk_keys\x18\x03 \x03(\x0c\x12\x12\n\npin_ttl_ms\x18\x04 \x01(\r\x12\x14\n\x0cpeer_address\x18\x05 \x01(\t\"U\n\x0eLookupResponse\x12\x16\n\x0enum_hit_chunks\x18\x01 \x01(\r\x12\x12\n\nmiss_cause\x18\x02 \x01(\t\x12\x17\n\x0fnum_peer_chunks\x18\x03 \x01(\r\"\xbd\x01\n\x0fRetrieveRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nchunk_keys\x18\x03 \x03(\x0c\x12&\n\tblock_ids\x18\x04 \x03(\x0b\x32\x13.kvgrid.v1.BlockIds\x12\x1b\n\x13skip_first_n_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x61\x66ter_fence\x18\x06 \x01(\x08\x12\x13\n\x0bsignal_done\x18\x07 \x01(\x08\"k\n\x10RetrieveResponse\x12\x10\n\x08hit_mask\x18\x01 \x03(\x08\x12\x1c\n\x14num_retrieved_chunks\x18\x02 \x01(\r\x12\x13\n\x0b\x62ytes_moved\x18\x03 \x01(\x04\x12\x12\n\nmiss_cause\x18\x04 \x01(\t\"\x91\x01\n\x0cStoreRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nchunk_keys\x18\x02 \x03(\x0c\x12&\n\tblock_ids\x18\x03 \x03(\x0b\x32\x13.kvgrid.v1.BlockIds\x12\x1b\n\x13skip_first_n_chunks\x18\x04 \x01(\r\x12\x13\n\x0b\x61\x66ter_fence\x18\x05 \x01(\x08\"t\n\rStoreResponse\x12\x19\n\x11num_stored_chunks\x18\x01 \x01(\r\x12\x1b\n\x13num_already_present\x18\x02 \x01(\r\x12\x13\n\x0b\x62ytes_moved\x18\x03 \x01(\x04\x12\x16\n\x0epartial_reason\x18\x04 \x01(\t\"9\n\x0eReleaseRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"(\n\x0fReleaseResponse\x12\x15\n\rreleased_pins\x18\x01 \x01(\r\"\x11\n\x0fSnapshotRequest\"\xab\x01\n\x10SnapshotResponse\x12#\n\x03pod\x18\x01 \x01(\x0b\x32\x16.kvgrid.v1.PodIdentity\x12\x12\n\nchunk_keys\x18\x02 \x03(\x0c\x12\x15\n\rlast_sequence\x18\x03 \x01(\x04\x12\x12\n\nnamespaces\x18\x04 \x03(\t\x12\x33\n\x0c\x62y_namespace\x18\x05 \x03(\x0b\x32\x1d.kvgrid.v1.NamespaceChunkKeys\";\n\x12NamespaceChunkKeys\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\nchunk_keys\x18\x02 \x03(\x0c\"\x0f\n\rHealthRequest\"\xca\x02\n\x0eHealthResponse\x12#\n\x03pod\x18\x01 \x01(\x0b\x32\x16.kvgrid.v1.PodIdentity\x12\x19\n\x11l1_capacity_bytes\x18\x02 \x01(\x04\x12\x15\n\rl1_used_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x14\n\x0cinstance_ids\x18\x05 \x03(\t\x12\x19\n\x11num_pinned_chunks\x18\x06 \x01(\r\x12\x15\n\rnum_evictions\x18\x07 \x01(\x04\x12\x1b\n\x13peer_fetched_chunks\x18\x08 \x01(\x04\x12\x1b\n\x13peer_fetch_failures\x18\t \x01(\x04\x12\x1a\n\x12peer_served_chunks\x18\n \x01(\x04\x12\x18\n\x10retrieved_chunks\x18\x0b \x01(\x04\x12\x15\n\rstored_chunks\x18\x0c \x01(\x04\"\x9a\x01\n\x12\x46\x65tchChunksRequest\x12\x12\n\nchunk_keys\x18\x01 \x03(\x0c\x12\x11\n\tlayout_id\x18\x02 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x16\n\x0emax_part_bytes\x18\x04 \x01(\x04\x12\x19\n\x11requester_pod_uid\x18\x05 \x01(\t\x12\x14\n\x0c\x64\x61ta_streams\x18\x06 \x01(\r\"\xab\x01\n\x13\x46\x65tchChunksResponse\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x12\n\nnum_chunks\x18\x05 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x0c\x12\x13\n\x0b\x64\x61ta_ticket\x18\x07 \x01(\x0c\x12\x11\n\tdata_port\x18\x08 \x01(\r2\xa4\x05\n\x0c\x41gentService\x12[\n\x10RegisterKVCaches\x12\".kvgrid.v1.RegisterKVCachesRequest\x1a#.kvgrid.v1.RegisterKVCachesResponse\x12\x61\n\x12UnregisterKVCaches\x12$.kvgrid.v1.UnregisterKVCachesRequest\x1a%.kvgrid.v1.UnregisterKVCachesResponse\x12=\n\x06Lookup\x12\x18.kvgrid.v1.LookupRequest\x1a\x19.kvgrid.v1.LookupResponse\x12\x43\n\x08Retrieve\x12\x1a.kvgrid.v1.RetrieveRequest\x1a\x1b.kvgrid.v1.RetrieveResponse\x12:\n\x05Store\x12\x17.kvgrid.v1.StoreRequest\x1a\x18.kvgrid.v1.StoreResponse\x12@\n\x07Release\x12\x19.kvgrid.v1.ReleaseRequest\x1a\x1a.kvgrid.v1.ReleaseResponse\x12\x43\n\x08Snapshot\x12\x1a.kvgrid.v1.SnapshotRequest\x1a\x1b.kvgrid.v1.SnapshotResponse\x12=\n\x06Health\x12\x18.kvgrid.v1.HealthRequest\x1a\x19.kvgrid.v1.HealthResponse\x12N\n\x0b\x46\x65tchChunks\x12\x1d.kvgrid.v1.FetchChunksRequest\x1a\x1e.kvgrid.v1.FetchChunksResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,45 +43,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYERTENSOR_LAYOUTHINTSENTRY']._serialized_start=637
   _globals['_LAYERTENSOR_LAYOUTHINTSENTRY']._serialized_end=687
   _globals['_REGISTERKVCACHESREQUEST']._serialized_start=701
-  _globals['_REGISTERKVCACHESREQUEST']._serialized_end=923
-  _globals['_KERNELGROUPSUMMARY']._serialized_start=926
-  _globals['_KERNELGROUPSUMMARY']._serialized_end=1105
-  _globals['_REGISTERKVCACHESRESPONSE']._serialized_start=1108
-  _globals['_REGISTERKVCACHESRESPONSE']._serialized_end=1301
-  _globals['_UNREGISTERKVCACHESREQUEST']._serialized_start=1303
-  _globals['_UNREGISTERKVCACHESREQUEST']._serialized_end=1351
-  _globals['_UNREGISTERKVCACHESRESPONSE']._serialized_start=1353
-  _globals['_UNREGISTERKVCACHESRESPONSE']._serialized_end=1404
-  _globals['_LOOKUPREQUEST']._serialized_start=1406
-  _globals['_LOOKUPREQUEST']._serialized_end=1524
-  _globals['_LOOKUPRESPONSE']._serialized_start=1526
-  _globals['_LOOKUPRESPONSE']._serialized_end=1611
-  _globals['_RETRIEVEREQUEST']._serialized_start=1614
-  _globals['_RETRIEVEREQUEST']._serialized_end=1782
-  _globals['_RETRIEVERESPONSE']._serialized_start=1784
-  _globals['_RETRIEVERESPONSE']._serialized_end=1891
-  _globals['_STOREREQUEST']._serialized_start=1894
-  _globals['_STOREREQUEST']._serialized_end=2039
-  _globals['_STORERESPONSE']._serialized_start=2041
-  _globals['_STORERESPONSE']._serialized_end=2157
-  _globals['_RELEASEREQUEST']._serialized_start=2159
-  _globals['_RELEASEREQUEST']._serialized_end=2216
-  _globals['_RELEASERESPONSE']._serialized_start=2218
-  _globals['_RELEASERESPONSE']._serialized_end=2258
-  _globals['_SNAPSHOTREQUEST']._serialized_start=2260
-  _globals['_SNAPSHOTREQUEST']._serialized_end=2277
-  _globals['_SNAPSHOTRESPONSE']._serialized_start=2280
-  _globals['_SNAPSHOTRESPONSE']._serialized_end=2451
-  _globals['_NAMESPACECHUNKKEYS']._serialized_start=2453
-  _globals['_NAMESPACECHUNKKEYS']._serialized_end=2512
-  _globals['_HEALTHREQUEST']._serialized_start=2514
-  _globals['_HEALTHREQUEST']._serialized_end=2529
-  _globals['_HEALTHRESPONSE']._serialized_start=2532
-  _globals['_HEALTHRESPONSE']._serialized_end=2862
-  _globals['_FETCHCHUNKSREQUEST']._serialized_start=2865
-  _globals['_FETCHCHUNKSREQUEST']._serialized_end=3019
-  _globals['_FETCHCHUNKSRESPONSE']._serialized_start=3022
-  _globals['_FETCHCHUNKSRESPONSE']._serialized_end=3193
-  _globals['_AGENTSERVICE']._serialized_start=3196
-  _globals['_AGENTSERVICE']._serialized_end=3872
+  _globals['_REGISTERKVCACHESREQUEST']._serialized_end=943
+  _globals['_KERNELGROUPSUMMARY']._serialized_start=946
+  _globals['_KERNELGROUPSUMMARY']._serialized_end=1125
+  _globals['_REGISTERKVCACHESRESPONSE']._serialized_start=1128
+  _globals['_REGISTERKVCACHESRESPONSE']._serialized_end=1321
+  _globals['_UNREGISTERKVCACHESREQUEST']._serialized_start=1323
+  _globals['_UNREGISTERKVCACHESREQUEST']._serialized_end=1371
+  _globals['_UNREGISTERKVCACHESRESPONSE']._serialized_start=1373
+  _globals['_UNREGISTERKVCACHESRESPONSE']._serialized_end=1424
+  _globals['_LOOKUPREQUEST']._serialized_start=1426
+  _globals['_LOOKUPREQUEST']._serialized_end=1544
+  _globals['_LOOKUPRESPONSE']._serialized_start=1546
+  _globals['_LOOKUPRESPONSE']._serialized_end=1631
+  _globals['_RETRIEVEREQUEST']._serialized_start=1634
+  _globals['_RETRIEVEREQUEST']._serialized_end=1823
+  _globals['_RETRIEVERESPONSE']._serialized_start=1825
+  _globals['_RETRIEVERESPONSE']._serialized_end=1932
+  _globals['_STOREREQUEST']._serialized_start=1935
+  _globals['_STOREREQUEST']._serialized_end=2080
+  _globals['_STORERESPONSE']._serialized_start=2082
+  _globals['_STORERESPONSE']._serialized_end=2198
+  _globals['_RELEASEREQUEST']._serialized_start=2200
+  _globals['_RELEASEREQUEST']._serialized_end=2257
+  _globals['_RELEASERESPONSE']._serialized_start=2259
+  _globals['_RELEASERESPONSE']._serialized_end=2299
+  _globals['_SNAPSHOTREQUEST']._serialized_start=2301
+  _globals['_SNAPSHOTREQUEST']._serialized_end=2318
+  _globals['_SNAPSHOTRESPONSE']._serialized_start=2321
+  _globals['_SNAPSHOTRESPONSE']._serialized_end=2492
+  _globals['_NAMESPACECHUNKKEYS']._serialized_start=2494
+  _globals['_NAMESPACECHUNKKEYS']._serialized_end=2553
+  _globals['_HEALTHREQUEST']._serialized_start=2555
+  _globals['_HEALTHREQUEST']._serialized_end=2570
+  _globals['_HEALTHRESPONSE']._serialized_start=2573
+  _globals['_HEALTHRESPONSE']._serialized_end=2903
+  _globals['_FETCHCHUNKSREQUEST']._serialized_start=2906
+  _globals['_FETCHCHUNKSREQUEST']._serialized_end=3060
+  _globals['_FETCHCHUNKSRESPONSE']._serialized_start=3063
+  _globals['_FETCHCHUNKSRESPONSE']._serialized_end=3234
+  _globals['_AGENTSERVICE']._serialized_start=3237
+  _globals['_AGENTSERVICE']._serialized_end=3913
 # @@protoc_insertion_point(module_scope)

@@ -179,6 +179,7 @@ class RegisterKVCachesRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _builtins.int
     ENGINE_PID_FIELD_NUMBER: _builtins.int
     FENCE_EVENT_FIELD_NUMBER: _builtins.int
+    DONE_EVENT_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """Chosen by the engine; unique per agent."""
     engine_pid: _builtins.int
@@ -187,6 +188,10 @@ class RegisterKVCachesRequest(_message.Message):
     """CUDA IPC handle of an interprocess event the engine records on its stream before a Retrieve or
     Store with after_fence: the agent's copies wait for it on the GPU, the engine's host never
     blocks. Empty: no fence (CPU tensors, or an engine that synchronizes its stream itself).
+    """
+    done_event: _builtins.bytes
+    """CUDA IPC handle of an interprocess event the agent records once the copies of a Retrieve with
+    signal_done have landed: the engine's stream waits for it on the GPU. Empty: none.
     """
     @_builtins.property
     def engine_groups(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.EngineGroupInfo]: ...
@@ -203,10 +208,11 @@ class RegisterKVCachesRequest(_message.Message):
         namespace: _common_pb2.KeyNamespace | None = ...,
         engine_pid: _builtins.int = ...,
         fence_event: _builtins.bytes = ...,
+        done_event: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_groups", b"engine_groups", "engine_pid", b"engine_pid", "fence_event", b"fence_event", "instance_id", b"instance_id", "layers", b"layers", "namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done_event", b"done_event", "engine_groups", b"engine_groups", "engine_pid", b"engine_pid", "fence_event", b"fence_event", "instance_id", b"instance_id", "layers", b"layers", "namespace", b"namespace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -405,12 +411,18 @@ class RetrieveRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     SKIP_FIRST_N_TOKENS_FIELD_NUMBER: _builtins.int
     AFTER_FENCE_FIELD_NUMBER: _builtins.int
+    SIGNAL_DONE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     request_id: _builtins.str
     skip_first_n_tokens: _builtins.int
     """Tokens at the start the engine already has (not written)."""
     after_fence: _builtins.bool
     """Write only after the engine's fence event (RegisterKVCachesRequest.fence_event) as last recorded."""
+    signal_done: _builtins.bool
+    """Answer once the copies are queued, not done: the agent records the engine's done_event
+    (RegisterKVCachesRequest.done_event) after them, and the engine's stream waits for that event
+    before it reads the blocks (its host never waits for the copy).
+    """
     @_builtins.property
     def chunk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     @_builtins.property
@@ -426,10 +438,11 @@ class RetrieveRequest(_message.Message):
         block_ids: _abc.Iterable[_common_pb2.BlockIds] | None = ...,
         skip_first_n_tokens: _builtins.int = ...,
         after_fence: _builtins.bool = ...,
+        signal_done: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_fence", b"after_fence", "block_ids", b"block_ids", "chunk_keys", b"chunk_keys", "instance_id", b"instance_id", "request_id", b"request_id", "skip_first_n_tokens", b"skip_first_n_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_fence", b"after_fence", "block_ids", b"block_ids", "chunk_keys", b"chunk_keys", "instance_id", b"instance_id", "request_id", b"request_id", "signal_done", b"signal_done", "skip_first_n_tokens", b"skip_first_n_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
