@@ -62,6 +62,19 @@ def test_bench_agent_reports_both_figures_and_the_ratio() -> None:
     assert res["rpc_roundtrip_ms"] > 0
 
 
+def test_bench_agent_peer_reports_the_fetch_against_a_local_copy() -> None:
+    r = kvgrid(
+        "bench", "agent", "--device", "cpu", "--peer", "--layers", "2", "--kv-heads", "2",
+        "--head-size", "64", "--chunks", "2", "--iters", "2", "--json", timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (res["mode"], res["chunks"], res["chunk_bytes"]) == ("peer", 2, 2 * 16 * 2 * 16 * 2 * 64 * 2)
+    assert res["peer_fetch_gbps"] > 0 and res["local_copy_gbps"] > 0
+    assert res["ratio"] == pytest.approx(res["peer_fetch_gbps"] / res["local_copy_gbps"], rel=0.05)
+    assert res["peer_lookup_ms"] > 0 and res["local_lookup_ms"] > 0
+
+
 def test_pins_must_outlive_a_peer_fetch() -> None:
     from kvgrid.agent.config import AgentConfig
 
