@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvgrid.common.errors import PermissionDenied
+from kvgrid.common.errors import PermissionDenied, Unavailable
 from kvgrid.common.identity import MAX_EPOCH, PodIdentity
 from kvgrid.controller.registry import AgentLoad, MemoryRegistry, StaleEpochError, UnknownPodError
 from kvgrid.controller.registry.base import AgentRegistry
@@ -153,3 +153,19 @@ def test_changes_of_a_known_record_reach_a_replica_that_already_read_it(three: l
     assert rec is not None and a.learn_namespaces(rec, [ns2])
     assert b.sync().changed and seen.namespaces == (NS_ID, ns2)
     assert b.get("p") is seen
+
+
+def test_a_server_that_cannot_be_reached_is_unavailable_naming_it(free_port: Callable[[], int]) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    reg = RedisRegistry(url, 60_000, prefix=unique_prefix())
+    try:
+        for call in (
+            lambda: reg.register(PodIdentity("pod-x", epoch=1), [NS_ID]),
+            lambda: reg.heartbeat("pod-x", 1, None),
+            reg.sync,
+            reg.expire,
+        ):
+            with pytest.raises(Unavailable, match=f"agent registry unavailable: Redis/Valkey at {url} "):
+                call()
+    finally:
+        reg.close()

@@ -38,20 +38,19 @@ While the server cannot be reached every method raises
 
 from __future__ import annotations
 
-import functools
 import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import msgspec
 import redis
 from redis.cluster import RedisCluster
 
-from kvgrid.common.errors import PermissionDenied, Unavailable
+from kvgrid.common.errors import PermissionDenied
 from kvgrid.common.identity import PodIdentity
-from kvgrid.controller.redis_common import epoch19, registry_keys, unavailable_errors
+from kvgrid.controller.redis_common import epoch19, reachable, registry_keys
 from kvgrid.controller.registry.base import (
     AgentLoad,
     AgentRecord,
@@ -212,22 +211,7 @@ end
 return cmsgpack.pack(out)
 """
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _reachable(fn: _F) -> _F:
-    """Raise :class:`Unavailable` (naming the server) when the server cannot be reached."""
-
-    @functools.wraps(fn)
-    def wrapper(self: RedisRegistry, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(self, *args, **kwargs)
-        except unavailable_errors as e:
-            raise Unavailable(
-                f"agent registry unavailable: Redis/Valkey at {self.url} cannot be reached ({e}); retry later"
-            ) from None
-
-    return wrapper  # type: ignore[return-value]
+_reachable = reachable("agent registry", "Redis/Valkey")
 
 
 def _s(v: bytes | str) -> str:
