@@ -449,6 +449,14 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 {{- end }}
 - {{ printf "--readiness-settle-ms=%d" $settle | quote }}
 - {{ printf "--readiness-max-wait-ms=%d" (int $r.maxWaitMs) | quote }}
+{{- $sc := .Values.controller.scoring }}
+{{- $l2Tier := $sc.l2Tier }}
+{{- if not $l2Tier }}
+{{- $l2Tier = ternary "object_store" "disk" (and (not .Values.agent.tiers.disk.path) (ne .Values.agent.tiers.s3.endpoint "")) }}
+{{- end }}
+- {{ printf "--l2-tier=%s" $l2Tier | quote }}
+- {{ printf "--l2-disk-gbps=%v" $sc.l2DiskGbps | quote }}
+- {{ printf "--l2-object-store-gbps=%v" $sc.l2ObjectStoreGbps | quote }}
 {{- if .Values.controller.config }}
 - "--config=/etc/kvgrid/config/controller.yaml"
 {{- end }}
