@@ -152,3 +152,47 @@ def test_wire_events_bad_key_is_named_and_message_refused() -> None:
         (1, EventKind.ADMIT, IndexTier.L1, tuple(k[:2])),
         (2, EventKind.ADMIT, IndexTier.GPU, tuple(k[2:])),
     ]
+
+
+def test_l2_events_and_snapshots_with_or_without_l2_keys() -> None:
+    """TIER_L2 events go to the L2 entries; a snapshot that lists L2 keys replaces them, one that
+    does not (the agent's Snapshot today) leaves them and asks the agent once for its listing."""
+    index = MemoryIndex()
+    l1, l2 = rand_keys(2), rand_keys(3)
+    listed: list[list[bytes] | None] = [None]
+
+    def snapshot(rec: AgentRecord, timeout_s: float) -> AgentSnapshot:
+        return AgentSnapshot(rec.pod.pod_uid, rec.pod.epoch, l1, last_sequence=2, l2_keys=listed[0])
+
+    ingest = Ingestor(index, snapshot, retry_s=0.01)
+    registry = Registry(lease_ttl_ms=60_000)
+    try:
+        rec = registry.register(POD, ()).record
+        ingest.publish(rec, [], new_stream=True)
+        wait_until(lambda: ingest.is_synced(rec.holder), what="first sync")
+        assert ingest.take_l2_listing_request(rec.holder) is True  # L1-only snapshot: list L2 again
+        assert ingest.take_l2_listing_request(rec.holder) is False  # once
+        ingest.publish(
+            rec,
+            [
+                _ev(3, EventKind.CLEAR, IndexTier.L2, []),  # the agent's listing: CLEAR, then admits
+                _ev(4, EventKind.ADMIT, IndexTier.L2, l2),
+                _ev(5, EventKind.EVICT, IndexTier.L2, l2[:1]),
+            ],
+            new_stream=False,
+        )
+        assert index.holder_keys(rec.holder, IndexTier.L2) == set(l2[1:])
+        assert index.holder_keys(rec.holder, IndexTier.L1) == set(l1)
+        # a resync from an L1-only snapshot keeps the L2 entries (events keep them current)
+        ingest.publish(rec, [], new_stream=True)
+        wait_until(lambda: ingest.is_synced(rec.holder), what="second sync")
+        assert index.holder_keys(rec.holder, IndexTier.L2) == set(l2[1:])
+        assert ingest.take_l2_listing_request(rec.holder) is True
+        # a snapshot that lists L2 keys replaces them, and asks for nothing
+        listed[0] = l2[:1]
+        ingest.publish(rec, [], new_stream=True)
+        wait_until(lambda: ingest.is_synced(rec.holder), what="third sync")
+        assert index.holder_keys(rec.holder, IndexTier.L2) == {l2[0]}
+        assert ingest.take_l2_listing_request(rec.holder) is False
+    finally:
+        ingest.close()

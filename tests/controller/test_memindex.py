@@ -16,7 +16,8 @@ from kvgrid.controller.index.memory import NATIVE
 from kvgrid.controller.matching import match_words
 from tests.controller.support import rand_keys
 
-L1, GPU = IndexTier.L1, IndexTier.GPU
+L1, GPU, L2 = IndexTier.L1, IndexTier.GPU, IndexTier.L2
+TIERS = (L1, GPU, L2)
 
 
 def _held(index: MemoryIndex, keys: list[bytes]) -> list[bool]:
@@ -82,14 +83,14 @@ def test_mask_words_grow_past_64_holders() -> None:
     index = MemoryIndex()
     keys = rand_keys(3)
     for h in range(130):
-        index.add(f"pod{h}/1", GPU if h % 2 else L1, keys[: 1 + h % 3])
+        index.add(f"pod{h}/1", TIERS[h % 3], keys[: 1 + h % 3])
     view = index.lookup_batch([keys])
     assert view.nwords == 4  # 130 slots -> 256 bits per tier
-    words = view.words[:, 0]  # [chunk, 2 * nwords]
+    words = view.words[:, 0]  # [chunk, 3 * nwords]: each tier's block moved as the words grew
     slot = {h: s for s, h in view.holders.items()}
     for h in range(130):
         s = slot[f"pod{h}/1"]
-        half = view.nwords if h % 2 else 0
+        half = (h % 3) * view.nwords
         for c in range(3):
             bit = int(words[c, half + s // 64]) >> (s % 64) & 1
             assert bit == (c < 1 + h % 3), (h, c)
@@ -110,7 +111,7 @@ def test_replace_keeps_shared_rows_and_tombstones_emptied_ones() -> None:
 
 
 def _prefix_rows(words: bytes, nwords: int) -> bytes:
-    row = 16 * nwords
+    row = 8 * len(TIERS) * nwords
     for i in range(0, len(words), row):
         if not any(words[i : i + row]):
             return words[:i]
@@ -138,7 +139,7 @@ def test_compiled_and_python_loops_build_the_same_table() -> None:
     for step in range(1500):
         op = rng.random()
         h = rng.choice(holders[: 40 + step // 5])  # holders join over time: words grow 1 -> 8
-        tier = rng.choice((L1, GPU))
+        tier = rng.choice(TIERS)
         start = rng.randrange(len(pool) - 40)
         keys = pool[start : start + rng.randint(1, 40)]
         for index in ix.values():
