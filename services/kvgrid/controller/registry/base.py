@@ -14,6 +14,8 @@ Rules every backend keeps (docs/controller.md "Consistency story", "One registry
   PERMISSION_DENIED, whatever epoch they carry; once its lease lapses the pod is free again.
 - A record object stays the same object while its (pod UID, epoch) is registered: callers compare
   records by identity (an event stream notices a re-registration that way).
+- Every backend refuses in the same words: :func:`stale_epoch`, :func:`not_registered`,
+  :func:`owned_elsewhere`.
 
 A shared backend (``shared`` True) keeps these facts where every controller replica reads them;
 each replica holds a mirror that :meth:`AgentRegistry.sync` refreshes, and it must not answer
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvgrid.common.errors import FailedPrecondition, NotFound, check_namespace_id
+from kvgrid.common.errors import FailedPrecondition, NotFound, PermissionDenied, check_namespace_id
 from kvgrid.common.identity import PodIdentity
 
 __all__ = [
@@ -40,6 +42,9 @@ __all__ = [
     "SyncResult",
     "UnknownPodError",
     "check_namespace_ids",
+    "not_registered",
+    "owned_elsewhere",
+    "stale_epoch",
 ]
 
 
@@ -49,6 +54,28 @@ class StaleEpochError(FailedPrecondition):
 
 class UnknownPodError(NotFound):
     """No live registration for this pod UID / epoch (NOT_FOUND or FAILED_PRECONDITION)."""
+
+
+def stale_epoch(pod_uid: str, epoch: int, registered: int, *, registering: bool = False) -> StaleEpochError:
+    """The refusal of ``epoch`` of ``pod_uid``, older than the ``registered`` one; a registration
+    is told why (the agent restarted since)."""
+    why = ": an agent restarted since; the old incarnation must stop" if registering else ""
+    return StaleEpochError(
+        f"pod {pod_uid!r} epoch {epoch} is older than the registered epoch {registered}{why}"
+    )
+
+
+def not_registered(pod_uid: str, epoch: int) -> UnknownPodError:
+    """The answer to a heartbeat of a (pod UID, epoch) the registry does not hold."""
+    return UnknownPodError(f"pod {pod_uid!r} epoch {epoch} is not registered (lease lapsed?)")
+
+
+def owned_elsewhere(pod_uid: str, owner: str, identity: str) -> PermissionDenied:
+    """The refusal of ``identity`` for a live pod that ``owner`` registered (mTLS)."""
+    return PermissionDenied(
+        f"pod {pod_uid!r} is registered by identity {owner!r}; the caller {identity!r} may not "
+        "register, heartbeat or publish for it (any epoch) while its lease is live"
+    )
 
 
 class AgentLoad(msgspec.Struct, frozen=True):

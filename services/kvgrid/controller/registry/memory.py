@@ -12,26 +12,19 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvgrid.common.errors import PermissionDenied
 from kvgrid.common.identity import PodIdentity
 from kvgrid.controller.registry.base import (
     AgentLoad,
     AgentRecord,
     AgentRegistry,
     RegisterOutcome,
-    StaleEpochError,
-    UnknownPodError,
     check_namespace_ids,
+    not_registered,
+    owned_elsewhere,
+    stale_epoch,
 )
 
 __all__ = ["MemoryRegistry", "Registry"]
-
-
-def _denied(pod_uid: str, owner: str, identity: str) -> PermissionDenied:
-    return PermissionDenied(
-        f"pod {pod_uid!r} is registered by identity {owner!r}; the caller {identity!r} may not "
-        "register, heartbeat or publish for it (any epoch) while its lease is live"
-    )
 
 
 class MemoryRegistry(AgentRegistry):
@@ -52,7 +45,7 @@ class MemoryRegistry(AgentRegistry):
         with self._lock:
             owner = self._owners.get(pod_uid)
             if owner is not None and owner != identity:
-                raise _denied(pod_uid, owner, identity)
+                raise owned_elsewhere(pod_uid, owner, identity)
 
     def set_owner(self, pod_uid: str, identity: str) -> None:
         """Record ``identity`` as the owner of the live registration of ``pod_uid`` (kept until its
@@ -75,7 +68,7 @@ class MemoryRegistry(AgentRegistry):
             if owner is not None:
                 cur_owner = self._owners.get(pod.pod_uid)
                 if cur_owner is not None and cur_owner != owner:
-                    raise _denied(pod.pod_uid, cur_owner, owner)
+                    raise owned_elsewhere(pod.pod_uid, cur_owner, owner)
             out = self._register_locked(pod, ns, l1_capacity_bytes, now)
             if owner is not None:
                 self._owners.setdefault(pod.pod_uid, owner)
@@ -86,10 +79,7 @@ class MemoryRegistry(AgentRegistry):
     ) -> RegisterOutcome:
         old = self._by_uid.get(pod.pod_uid)
         if old is not None and pod.epoch < old.pod.epoch:
-            raise StaleEpochError(
-                f"pod {pod.pod_uid!r} epoch {pod.epoch} is older than the registered epoch "
-                f"{old.pod.epoch}: an agent restarted since; the old incarnation must stop"
-            )
+            raise stale_epoch(pod.pod_uid, pod.epoch, old.pod.epoch, registering=True)
         if old is not None and pod.epoch == old.pod.epoch:
             old.pod = pod
             old.namespaces = ns or old.namespaces
@@ -113,11 +103,9 @@ class MemoryRegistry(AgentRegistry):
         with self._lock:
             rec = self._by_uid.get(pod_uid)
             if rec is None or epoch > rec.pod.epoch:
-                raise UnknownPodError(f"pod {pod_uid!r} epoch {epoch} is not registered (lease lapsed?)")
+                raise not_registered(pod_uid, epoch)
             if epoch < rec.pod.epoch:
-                raise StaleEpochError(
-                    f"pod {pod_uid!r} epoch {epoch} is older than the registered epoch {rec.pod.epoch}"
-                )
+                raise stale_epoch(pod_uid, epoch, rec.pod.epoch)
             rec.lease_deadline = now + self.lease_s
             if load is not None:
                 rec.load = load
@@ -134,9 +122,7 @@ class MemoryRegistry(AgentRegistry):
             if rec is None or epoch > rec.pod.epoch:
                 return None
             if epoch < rec.pod.epoch:
-                raise StaleEpochError(
-                    f"pod {pod_uid!r} epoch {epoch} is older than the registered epoch {rec.pod.epoch}"
-                )
+                raise stale_epoch(pod_uid, epoch, rec.pod.epoch)
             return rec
 
     def all(self) -> list[AgentRecord]:

@@ -48,7 +48,6 @@ import msgspec
 import redis
 from redis.cluster import RedisCluster
 
-from kvgrid.common.errors import PermissionDenied
 from kvgrid.common.identity import PodIdentity
 from kvgrid.controller.redis_common import epoch19, reachable, registry_keys
 from kvgrid.controller.registry.base import (
@@ -56,10 +55,12 @@ from kvgrid.controller.registry.base import (
     AgentRecord,
     AgentRegistry,
     RegisterOutcome,
-    StaleEpochError,
     SyncResult,
     UnknownPodError,
     check_namespace_ids,
+    not_registered,
+    owned_elsewhere,
+    stale_epoch,
 )
 
 __all__ = ["RedisRegistry", "registry_keys"]
@@ -218,13 +219,6 @@ def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def _denied(pod_uid: str, owner: str, identity: str) -> PermissionDenied:
-    return PermissionDenied(
-        f"pod {pod_uid!r} is registered by identity {owner!r}; the caller {identity!r} may not "
-        "register, heartbeat or publish for it (any epoch) while its lease is live"
-    )
-
-
 class _Static(msgspec.Struct, frozen=True):
     epoch: int
     pod: PodIdentity
@@ -310,7 +304,7 @@ class RedisRegistry(AgentRegistry):
     def check_owner(self, pod_uid: str, identity: str) -> None:
         owner = self._r.hget(self._key("owner"), pod_uid)
         if owner is not None and _s(owner) != identity:
-            raise _denied(pod_uid, _s(owner), identity)
+            raise owned_elsewhere(pod_uid, _s(owner), identity)
 
     @_reachable
     def set_owner(self, pod_uid: str, identity: str) -> None:
@@ -343,12 +337,9 @@ class RedisRegistry(AgentRegistry):
             )
         )
         if status == "denied":
-            raise _denied(pod.pod_uid, old, owner or "")
+            raise owned_elsewhere(pod.pod_uid, old, owner or "")
         if status == "stale":
-            raise StaleEpochError(
-                f"pod {pod.pod_uid!r} epoch {pod.epoch} is older than the registered epoch "
-                f"{int(old)}: an agent restarted since; the old incarnation must stop"
-            )
+            raise stale_epoch(pod.pod_uid, pod.epoch, int(old), registering=True)
         now = self._clock()
         with self._lock:
             mine = self._by_uid.get(pod.pod_uid)
@@ -399,11 +390,9 @@ class RedisRegistry(AgentRegistry):
             )
         )
         if status == "unknown":
-            raise UnknownPodError(f"pod {pod_uid!r} epoch {epoch} is not registered (lease lapsed?)")
+            raise not_registered(pod_uid, epoch)
         if status == "stale":
-            raise StaleEpochError(
-                f"pod {pod_uid!r} epoch {epoch} is older than the registered epoch {int(cur)}"
-            )
+            raise stale_epoch(pod_uid, epoch, int(cur))
         with self._lock:
             rec = self._by_uid.get(pod_uid)
             if rec is not None and rec.pod.epoch == epoch:
@@ -471,16 +460,12 @@ class RedisRegistry(AgentRegistry):
     def current(self, pod_uid: str, epoch: int) -> AgentRecord | None:
         rec = self.get(pod_uid)
         if rec is not None and epoch < rec.pod.epoch:
-            raise StaleEpochError(
-                f"pod {pod_uid!r} epoch {epoch} is older than the registered epoch {rec.pod.epoch}"
-            )
+            raise stale_epoch(pod_uid, epoch, rec.pod.epoch)
         if rec is None or epoch > rec.pod.epoch:
             # Not mirrored yet, or a newer epoch registered elsewhere: the backend decides.
             fresh = self._fetch_epoch(pod_uid)
             if fresh is not None and epoch < fresh:
-                raise StaleEpochError(
-                    f"pod {pod_uid!r} epoch {epoch} is older than the registered epoch {fresh}"
-                )
+                raise stale_epoch(pod_uid, epoch, fresh)
             if fresh == epoch:
                 self._refresh()
                 rec = self.get(pod_uid)
