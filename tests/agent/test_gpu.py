@@ -163,7 +163,7 @@ def test_a_signalled_retrieve_answers_at_once_and_the_engine_waits_on_the_gpu(gp
         c.retrieve("signal", "w", keys, dst, after_fence=True, signal_done=True)  # warm-up
         torch.cuda.synchronize()
         on_gpu = [torch.tensor(i, device="cuda") for i in dst]
-        tensors[0][:2].clone().index_fill_(0, on_gpu[0][:1], 1.0)  # load the kernel now (it waits)
+        tensors[0][:2].clone().index_fill_(0, on_gpu[0][:1] * 0, 1.0)  # load the kernel now (it waits)
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000_000)  # ~1 s of queued engine work before the fence
         for layer, t in enumerate(tensors):

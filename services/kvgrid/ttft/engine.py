@@ -82,7 +82,11 @@ def slots_of(block_ids: list[int], block_size: int, num_tokens: int, device: tor
     slots = (ids[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()
     if slots.numel() < num_tokens:
         raise ValueError(f"{len(block_ids)} blocks of {block_size} hold fewer than {num_tokens} tokens")
-    return slots[:num_tokens].to(device)
+    if device.type != "cuda":
+        return slots[:num_tokens].to(device)
+    # From pinned memory without blocking, as vLLM's runner copies its inputs: a copy from pageable
+    # memory waits for the stream, which after a GPU-side wait for a load means for the whole load.
+    return slots[:num_tokens].pin_memory().to(device, non_blocking=True)
 
 
 def kv_buffer(
