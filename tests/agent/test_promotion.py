@@ -167,6 +167,9 @@ def flip_payload_bit(setup: Setup, key: bytes) -> None:
 
 
 def test_a_corrupted_record_fails_its_chunk_and_the_rest(setup: Setup) -> None:
+    assert setup.core.tiers is not None
+    left: list[tuple[str, list[bytes], bool]] = []
+    setup.core.tiers.on_l2 = lambda ns, keys, added: left.append((ns, list(keys), added))
     flip_payload_bit(setup, setup.keys[1])
     assert setup.core.lookup("e", "r", setup.keys).num_hit_chunks == 3  # counted before the read
     thread, out = setup.retrieve_in_thread("r")
@@ -182,7 +185,9 @@ def test_a_corrupted_record_fails_its_chunk_and_the_rest(setup: Setup) -> None:
     assert setup.in_l1() == [True, False, False]  # the failed ones left L1
     setup.no_leaks()
     assert setup.promoted() == {"ok": 1, "failed": 2}
-    assert setup.core.tiers is not None and setup.core.tiers.tiers[0].stats().checksum_mismatches == 1
+    assert setup.core.tiers.tiers[0].stats().checksum_mismatches == 1
+    # The refused record left the tiers: the controller is told (TIER_L2 evict, agent/events.py).
+    assert [e for e in left if not e[2]] == [(setup.inst.namespace_id, [setup.keys[1]], False)]
 
 
 def test_release_during_promotion_drops_the_unread_chunks_without_leaks(setup: Setup) -> None:

@@ -378,6 +378,8 @@ class TierChain:
                 if checksum is None and f is not None:
                     # Refused by the faster tier (and dropped there): a slower one may hold it.
                     checksum = self.read_into(namespace_id, key, layout_id, dst)
+                    if checksum is None and self.on_l2 is not None and not self.holds(namespace_id, key):
+                        self.on_l2(namespace_id, [key], False)  # refused everywhere: it left the chain
                 yield checksum
                 if checksum is None:
                     return
