@@ -514,7 +514,11 @@ def run(args: argparse.Namespace) -> int:
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "load_average_start_end": [load_start[0], load_end[0]],
-        "args": {k: v for k, v in vars(args).items() if k not in ("json", "func", "peers_python")},
+        "args": {
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("json", "func", "peers_python") and not callable(v)  # the subcommand's handler
+        },
         "query_kinds": kinds,
         "ingest": ingest,
         "ingest_goal_ratio": ingest["keys_s"] / GOAL_INGEST_KEYS_S,
