@@ -157,6 +157,22 @@ def start_agent(
     return AgentProc(proc, info["uds_path"], info["tcp_port"], info["epoch"], pod_uid)
 
 
+def start_pod_agent(root: Path, uid: str, controller: str, *flags: str, l1_size: str = "8MiB") -> AgentProc:
+    """:func:`start_agent` as pod ``uid`` (its socket in ``root/uid``) publishing to ``controller``
+    (events flushed every 20 ms, heartbeats every 200 ms); engines' tensors live under ``root``."""
+    directory = root / uid
+    directory.mkdir()
+    return start_agent(
+        directory,
+        "--controller-address", controller, "--event-flush-interval-ms", "20",
+        "--heartbeat-interval-ms", "200",
+        *flags,
+        l1_size=l1_size,
+        pod_uid=uid,
+        shm_dir=root,
+    )  # fmt: skip
+
+
 def fetch_once(
     fetcher: PeerFetcher, address: str, keys: list[bytes], nbytes: int, *, peer_uid: str, timeout_s: float
 ) -> PeerFetchResult:

@@ -43,26 +43,11 @@ from tests.agent.helpers import (
     keys_for,
     layer_shape,
     register_kv,
-    start_agent,
     start_controller,
+    start_pod_agent,
 )
 
 NS_ID = NAMESPACE.namespace_id()
-
-
-def start_peer_agent(root: Path, uid: str, controller: str, *flags: str) -> AgentProc:
-    """An agent of pod ``uid`` (its socket in ``root/uid``) publishing to ``controller``; engines'
-    tensors live under ``root``."""
-    directory = root / uid
-    directory.mkdir()
-    return start_agent(
-        directory,
-        "--controller-address", controller, "--event-flush-interval-ms", "20",
-        "--heartbeat-interval-ms", "200",
-        *flags,
-        pod_uid=uid,
-        shm_dir=root,
-    )  # fmt: skip
 
 
 def wait_for(what: str, fn: Callable[[], bool], timeout_s: float = 15.0) -> None:
@@ -101,8 +86,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], in
     try:
         grpc.channel_ready_future(channel).result(timeout=60)
         # A serves chunks in small parts (several messages per chunk); B fetches at most 3 per Lookup.
-        agents.append(start_peer_agent(root, "pod-a", address, "--peer-fetch-part-size", "1KiB"))
-        agents.append(start_peer_agent(root, "pod-b", address, "--peer-fetch-max-chunks", "3"))
+        agents.append(start_pod_agent(root, "pod-a", address, "--peer-fetch-part-size", "1KiB"))
+        agents.append(start_pod_agent(root, "pod-b", address, "--peer-fetch-max-chunks", "3"))
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         wait_for(
             "both agents registered",
@@ -242,7 +227,7 @@ def test_layout_mismatch_is_refused(cluster: Cluster, engines: tuple[Engine, Eng
 
 def test_dead_peer_leaves_only_local_hits(cluster: Cluster, engines: tuple[Engine, Engine]) -> None:
     _, e2 = engines
-    c = start_peer_agent(cluster.root, "pod-c", cluster.controller_address)
+    c = start_pod_agent(cluster.root, "pod-c", cluster.controller_address)
     try:
         e4 = register(c, cluster.root, "e4", seed=4)
         keys = keys_for(404, 3)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.agent.helpers import AgentProc, kvgrid_env, start_agent
+from tests.agent.helpers import AgentProc, kvgrid_env
 from tests.connector.engines import CHUNK, make_tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -74,19 +74,6 @@ def http_ok(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def start_pod_agent(root: Path, uid: str, controller: str) -> AgentProc:
-    directory = root / uid
-    directory.mkdir()
-    return start_agent(
-        directory,
-        "--controller-address", controller, "--event-flush-interval-ms", "20",
-        "--heartbeat-interval-ms", "200",
-        l1_size="32MiB",
-        pod_uid=uid,
-        shm_dir=root,
-    )  # fmt: skip
 
 
 def start_vllm_serve(

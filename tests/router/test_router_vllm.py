@@ -30,14 +30,13 @@ import pytest
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.hashing import chunk_keys
 from kvgrid.router.config import RouterConfig
-from tests.agent.helpers import AgentProc, start_controller
+from tests.agent.helpers import AgentProc, start_controller, start_pod_agent
 from tests.connector.engines import CHUNK
 from tests.router.cluster import (
     KV_LAYOUT,
     MODEL_NAME,
     http_ok,
     make_model,
-    start_pod_agent,
     start_router,
     start_vllm_serve,
     stop,
@@ -89,7 +88,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], in
         model = make_model(root / "model")
         urls: dict[str, str] = {}
         for pod in PODS:  # both servers start at once (the start-up is mostly imports)
-            agents[pod] = start_pod_agent(root, pod, address)
+            agents[pod] = start_pod_agent(root, pod, address, l1_size="32MiB")
             port = free_port()
             urls[pod] = f"http://127.0.0.1:{port}"
             engines[pod] = start_vllm_serve(

@@ -17,14 +17,13 @@ import pytest
 from kvgrid.api.client import controller_stub
 from kvgrid.api.v1 import common_pb2, controller_pb2
 from kvgrid.common.identity import MAX_EPOCH
-from tests.agent.helpers import NAMESPACE, AgentProc, keys_for, start_controller
+from tests.agent.helpers import NAMESPACE, AgentProc, keys_for, start_controller, start_pod_agent
 from tests.agent.test_peers import (
     chunk_bytes,
     chunk_ids,
     register,
     request_ids,
     same,
-    start_peer_agent,
     store_on,
     wait_for,
 )
@@ -68,7 +67,7 @@ def tls_cluster(
     try:
         wait_for("the controller serving", lambda: _up(stub), timeout_s=60)
         for uid in ("pod-a", "pod-b"):
-            agents.append(start_peer_agent(root, uid, address, *_tls_args(pki.agent(uid))))
+            agents.append(start_pod_agent(root, uid, address, *_tls_args(pki.agent(uid))))
         wait_for(
             "both agents registered",
             lambda: stub.GetStats(controller_pb2.GetStatsRequest(), timeout=5).num_agents >= 2,
