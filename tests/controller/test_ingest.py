@@ -6,9 +6,10 @@ import threading
 
 import pytest
 
+from kvgrid.common.errors import InvalidArgument
 from kvgrid.common.identity import PodIdentity
 from kvgrid.controller.index import IndexTier, MemoryIndex
-from kvgrid.controller.ingest import AgentSnapshot, ChunkEvent, EventKind, Ingestor
+from kvgrid.controller.ingest import AgentSnapshot, ChunkEvent, EventKind, Ingestor, check_events
 from kvgrid.controller.registry import AgentRecord, Registry, UnknownPodError
 from tests.controller.support import rand_keys, wait_until
 
@@ -196,3 +197,14 @@ def test_l2_events_and_snapshots_with_or_without_l2_keys() -> None:
         assert ingest.take_l2_listing_request(rec.holder) is False
     finally:
         ingest.close()
+
+
+def test_l2_events_may_name_a_namespace_the_pod_no_longer_serves() -> None:
+    gone = "b" * 32  # records of an engine that left, still in the pod's disk tier
+    l2 = ChunkEvent(
+        sequence=1, kind=EventKind.EVICT, tier=IndexTier.L2, keys=tuple(rand_keys(1)), namespace=gone
+    )
+    check_events([l2], ["a" * 32], max_keys=10)
+    l1 = ChunkEvent(sequence=1, kind=EventKind.EVICT, tier=IndexTier.L1, keys=l2.keys, namespace=gone)
+    with pytest.raises(InvalidArgument, match=r"events\[0\]\.namespace='b{32}': not one of the pod's"):
+        check_events([l1], ["a" * 32], max_keys=10)

@@ -58,10 +58,15 @@ class ChunkEvent(msgspec.Struct, frozen=True):
 
 def check_events(events: Sequence[ChunkEvent], namespaces: Sequence[str], max_keys: int) -> None:
     """What the wire form cannot check: each event's namespace is one the pod registered (when it
-    named any), and one message carries at most ``max_keys`` keys. Raises before anything is applied."""
+    named any), and one message carries at most ``max_keys`` keys. Raises before anything is applied.
+
+    TIER_L2 events are exempt from the namespace check: a pod's lower tiers keep records of engines
+    that left and of earlier runs (their namespaces are not registered any more, and refusing them
+    would refuse the whole stream for good); their entries are answered only for namespaces the pod
+    is registered in, like every entry."""
     total = 0
     for i, e in enumerate(events):
-        if e.namespace and namespaces and e.namespace not in namespaces:
+        if e.namespace and namespaces and e.namespace not in namespaces and e.tier is not IndexTier.L2:
             raise InvalidArgument(
                 f"events[{i}].namespace={e.namespace!r}: not one of the pod's registered namespaces"
             )
