@@ -106,6 +106,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _result_header(cfg: AgentBenchConfig, chunk_bytes: int) -> dict[str, object]:
+    """The fields every mode's result starts with: the device, the KV geometry, the chunks moved."""
+    return {
+        "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
+        "geometry": {"layers": cfg.layers, "kv_heads": cfg.kv_heads, "head_size": cfg.head_size,
+                     "block_size": cfg.block_size, "dtype": cfg.dtype,
+                     "tokens_per_chunk": cfg.tokens_per_chunk},
+        "chunk_bytes": chunk_bytes,
+        "chunks": cfg.chunks,
+    }  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(AgentBenchConfig, args, env_prefix=ENV_PREFIX)
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -221,15 +233,8 @@ def _run(cfg: AgentBenchConfig, tmp: Path) -> int:
     finally:
         stop_all([], [agent])
 
-    result: dict[str, object] = {
-        "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
-        "geometry": {"layers": cfg.layers, "kv_heads": cfg.kv_heads, "head_size": cfg.head_size,
-                     "block_size": cfg.block_size, "dtype": cfg.dtype,
-                     "tokens_per_chunk": cfg.tokens_per_chunk},
-        "chunk_bytes": chunk_bytes,
-        "chunks": cfg.chunks,
-        "rpc_roundtrip_ms": round(statistics.median(rtt[10:]) * 1e3, 3),
-    }  # fmt: skip
+    result = _result_header(cfg, chunk_bytes)
+    result["rpc_roundtrip_ms"] = round(statistics.median(rtt[10:]) * 1e3, 3)
     for direction in ("store", "retrieve"):
         k = _median_gbps(total, kernel[direction])
         a = _median_gbps(total, agent_path[direction])

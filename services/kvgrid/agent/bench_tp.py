@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+# bench_tp is the --engines mode of bench.py: the same dtypes, rounding and result header.
+from kvgrid.agent.bench import _DTYPES, _result_header, _sig, _sync
 from kvgrid.agent.bench_procs import AgentDidNotStart, shm_scratch, start_agent, stop_all
 
 if TYPE_CHECKING:
@@ -38,21 +40,11 @@ if TYPE_CHECKING:
 
 __all__ = ["run_tp"]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _HINTS = {"backend": "FLASHINFER"}
 
 
 class BenchFailed(Exception):
     """The run could not produce honest figures (an agent did not start, a call fell short)."""
-
-
-def _sig(x: float) -> float:
-    return float(f"{x:.4g}")
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -257,12 +249,7 @@ def _measure(cfg: AgentBenchConfig, tmp: Path) -> dict[str, object]:
     total = per_rank * n
     return {
         "mode": "tp",
-        "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
-        "geometry": {"layers": cfg.layers, "kv_heads": cfg.kv_heads, "head_size": cfg.head_size,
-                     "block_size": cfg.block_size, "dtype": cfg.dtype,
-                     "tokens_per_chunk": cfg.tokens_per_chunk},
-        "chunk_bytes": chunk_bytes,
-        "chunks": cfg.chunks,
+        **_result_header(cfg, chunk_bytes),
         "engines": n,
         "agents": cfg.agents,
         "agent_processes": len({p.pid for p in procs}),
