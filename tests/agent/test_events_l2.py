@@ -83,3 +83,12 @@ def test_a_log_without_tiers_lists_nothing() -> None:
     log = EventLog()
     log.relist_l2()
     assert log.last_sequence() == 0 and log.l2_listings == 0
+
+
+def test_one_message_carries_a_bounded_number_of_keys() -> None:
+    log = EventLog()
+    for i in range(4):
+        log.on_l2(NS, [key(i)] * 3, True)  # 3 keys each
+    assert [e.sequence for e in log.wait_after(0, 0.1, max_keys=7)] == [1, 2]  # 6 keys; 9 > 7
+    assert [e.sequence for e in log.wait_after(2, 0.1, max_keys=7)] == [3, 4]
+    assert [e.sequence for e in log.wait_after(0, 0.1, max_keys=1)] == [1]  # an event is never split

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONNECTION_STATES",
     "L2_LISTING_EVENT_KEYS",
+    "MESSAGE_KEYS",
     "AgentLoadFn",
     "EventLog",
     "EventPublisher",
@@ -64,6 +65,10 @@ log = logging.getLogger(__name__)
 L2_LISTING_EVENT_KEYS = 4096
 """Keys per TIER_L2 admit of a listing (one PublishEvents message stays far below the controller's
 ``max_event_keys``)."""
+
+MESSAGE_KEYS = 65_536
+"""Most chunk keys in one PublishEvents message the agent sends (the controller's ``max_event_keys``
+defaults to 1,048,576)."""
 
 CONNECTION_STATES = ("disconnected", "registering", "connected")
 
@@ -171,14 +176,22 @@ class EventLog:
         with self._cond:
             return len(self._events)
 
-    def wait_after(self, sequence: int, timeout: float, max_events: int = 512) -> list[LoggedEvent]:
-        """Events with a sequence above ``sequence`` (waits up to ``timeout`` for the first)."""
+    def wait_after(
+        self, sequence: int, timeout: float, max_events: int = 512, max_keys: int = MESSAGE_KEYS
+    ) -> list[LoggedEvent]:
+        """Events with a sequence above ``sequence`` (waits up to ``timeout`` for the first), at
+        most ``max_events`` of them and, past the first, at most ``max_keys`` keys in all (one
+        message stays under the controller's ``max_event_keys`` even during an L2 listing)."""
         with self._cond:
             if not (self._events and self._events[-1].sequence > sequence):
                 self._cond.wait(timeout)
-            out = []
+            out: list[LoggedEvent] = []
+            keys = 0
             for ev in self._events:
                 if ev.sequence > sequence:
+                    keys += len(ev.keys)
+                    if out and keys > max_keys:
+                        break
                     out.append(ev)
                     if len(out) >= max_events:
                         break
