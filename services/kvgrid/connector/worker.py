@@ -112,6 +112,8 @@ class WorkerStats:
     """Layer-wise: steps whose stores started when the last layer's KV was written."""
     stores_skipped: int = 0
     """Store orders dropped while the agent was away (registration stale)."""
+    flushed_requests: int = 0
+    """Requests ``handle_preemptions`` named (vLLM freed their blocks with stores ordered)."""
 
 
 @dataclass
@@ -394,6 +396,8 @@ class ConnectorWorker:
     def flush_stores(self, request_ids: Sequence[str] | None = None) -> None:
         """Wait for the background stores covering ``request_ids`` (every store so far when None).
         The saver thread runs stores in order, so waiting for a request's latest one is enough."""
+        if request_ids is not None:
+            self.stats.flushed_requests += len(request_ids)
         with self._lock:
             if request_ids is None:
                 pending = list(self._stores_in_flight.values())
