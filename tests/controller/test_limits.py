@@ -173,3 +173,13 @@ def test_caps_hold_under_concurrent_admits() -> None:
         t.join()
     assert idx.num_entries() == 1_000
     assert caps.rejected_entries == 8 * 20 * 25 - 1_000
+
+
+def test_l2_entries_count_toward_the_caps_like_the_others() -> None:
+    idx = MemoryIndex()
+    caps = EntryCaps(idx, per_pod=10, total=15)
+    assert caps.add("pod-a/1", IndexTier.L1, rand_keys(4)) == 0
+    assert caps.add("pod-a/1", IndexTier.L2, rand_keys(8)) == 2  # 4 + 6 = the pod's cap
+    assert idx.holder_tier_entries("pod-a/1", IndexTier.L2) == 6
+    assert caps.replace("pod-b/1", IndexTier.L2, rand_keys(9)) == 4  # 10 + 5 = the total cap
+    assert idx.num_entries() == 15 and caps.rejected_entries == 6
