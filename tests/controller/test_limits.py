@@ -183,3 +183,11 @@ def test_l2_entries_count_toward_the_caps_like_the_others() -> None:
     assert idx.holder_tier_entries("pod-a/1", IndexTier.L2) == 6
     assert caps.replace("pod-b/1", IndexTier.L2, rand_keys(9)) == 4  # 10 + 5 = the total cap
     assert idx.num_entries() == 15 and caps.rejected_entries == 6
+
+
+def test_caps_read_a_pods_l2_entries_from_the_index() -> None:
+    idx = MemoryIndex()
+    idx.add("pod-a/1", IndexTier.L2, rand_keys(8))  # written before these caps existed (a restart)
+    caps = EntryCaps(idx, per_pod=10, total=100)
+    assert caps.add("pod-a/1", IndexTier.L1, rand_keys(5)) == 3
+    assert idx.holder_entries("pod-a/1") == 10
