@@ -125,7 +125,7 @@ def _packed(qs: list[Query]) -> bytes:
 
 def _best(resp: controller_pb2.MatchPrefixResponse) -> int:
     """Longest match any pod gets (what a tier-less peer index reports as its top score)."""
-    return max((m.gpu_chunks + m.l1_chunks + m.peer_chunks for m in resp.matches), default=0)
+    return max((m.gpu_chunks + m.l1_chunks + m.l2_chunks + m.peer_chunks for m in resp.matches), default=0)
 
 
 def _med(rs: list[dict[str, float]], key: str) -> float:
