@@ -307,10 +307,11 @@ class TierChain:
         """Chunks evicted from L1 whose write was given up (L1 needed the pages first)."""
         self.write_failures = 0
         self.on_l2: Callable[[str, Sequence[bytes], bool], None] | None = None
-        """Told by the writer when a chunk enters the chain (True: written from L1) or leaves it
-        (False: dropped from the last tier, or its demotion failed); a demotion within the chain is
-        no change. The agent publishes these as TIER_L2 events. A read back into L1 leaves the
-        record where it is, so a chunk may be in L1 and L2 at once."""
+        """Told when a chunk enters the chain (True: the writer wrote it from L1) or leaves it (False:
+        dropped from the last tier or its demotion failed, by the writer; refused by every tier on a
+        read); a demotion within the chain is no change. The agent publishes these as TIER_L2
+        events. A read back into L1 leaves the record where it is, so a chunk may be in L1 and L2 at
+        once."""
         self._queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
         self._write_queue: queue.SimpleQueue[tuple[Chunk, bytes] | None] = queue.SimpleQueue()
         self._pending = 0
