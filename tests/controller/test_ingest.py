@@ -208,3 +208,34 @@ def test_l2_events_may_name_a_namespace_the_pod_no_longer_serves() -> None:
     l1 = ChunkEvent(sequence=1, kind=EventKind.EVICT, tier=IndexTier.L1, keys=l2.keys, namespace=gone)
     with pytest.raises(InvalidArgument, match=r"events\[0\]\.namespace='b{32}': not one of the pod's"):
         check_events([l1], ["a" * 32], max_keys=10)
+
+
+def test_the_l2_listing_request_reaches_the_agent_once_by_heartbeat_or_ack() -> None:
+    from kvgrid.controller.config import ControllerConfig
+    from kvgrid.controller.core import Controller, EventMessage
+
+    gate = threading.Event()
+    gate.set()
+
+    def snapshot(rec: AgentRecord, timeout_s: float) -> AgentSnapshot:
+        gate.wait(10)
+        return AgentSnapshot(rec.pod.pod_uid, rec.pod.epoch, [], last_sequence=0)
+
+    ctl = Controller(ControllerConfig(resync_retry_ms=10), snapshots=snapshot)
+    try:
+        ctl.register(POD, [], 0)
+        wait_until(lambda: ctl.ingest.is_synced(POD.holder_id), what="first sync")
+        lease = ctl.heartbeat(POD.pod_uid, POD.epoch, None)
+        assert lease.l2_listing_requested
+        assert not ctl.heartbeat(POD.pod_uid, POD.epoch, None).l2_listing_requested  # once
+        # a new stream resyncs again: this time the request comes with an ack
+        gate.clear()  # the pull waits until the first ack is out
+        acks = ctl.publish(iter([EventMessage(POD, []), EventMessage(None, [])]))
+        assert not next(acks).l2_listing_requested
+        gate.set()
+        wait_until(lambda: ctl.ingest.is_synced(POD.holder_id), what="second sync")
+        assert next(acks).l2_listing_requested
+        assert not ctl.heartbeat(POD.pod_uid, POD.epoch, None).l2_listing_requested
+    finally:
+        gate.set()
+        ctl.stop()
