@@ -157,6 +157,15 @@ def start_agent(
     return AgentProc(proc, info["uds_path"], info["tcp_port"], info["epoch"], pod_uid)
 
 
+def wait_for(what: str, fn: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll ``fn`` every 50 ms until it holds; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not fn():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 def start_pod_agent(root: Path, uid: str, controller: str, *flags: str, l1_size: str = "8MiB") -> AgentProc:
     """:func:`start_agent` as pod ``uid`` (its socket in ``root/uid``) publishing to ``controller``
     (events flushed every 20 ms, heartbeats every 200 ms); engines' tensors live under ``root``."""

@@ -30,7 +30,7 @@ from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.checksum import chunk_checksum
 from kvgrid.common.identity import PodIdentity
 from kvgrid.common.tls import AGENT_SERVER_NAME, TlsFiles
-from tests.agent.helpers import AgentProc, fetch_once, keys_for, start_agent
+from tests.agent.helpers import AgentProc, fetch_once, keys_for, start_agent, wait_for
 from tests.agent.test_peers import (
     NS_ID,
     Engine,
@@ -40,7 +40,6 @@ from tests.agent.test_peers import (
     register,
     request_ids,
     same,
-    wait_for,
 )
 from tests.security.pki import TestCA, spiffe
 

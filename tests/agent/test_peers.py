@@ -45,17 +45,10 @@ from tests.agent.helpers import (
     register_kv,
     start_controller,
     start_pod_agent,
+    wait_for,
 )
 
 NS_ID = NAMESPACE.namespace_id()
-
-
-def wait_for(what: str, fn: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not fn():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @dataclass

@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +27,7 @@ from kvgrid.agent.config import AgentConfig
 from kvgrid.api.v1 import controller_pb2, controller_pb2_grpc
 from kvgrid.common.config import config_from_args
 from kvgrid.controller.config import ControllerConfig
+from tests.agent.helpers import wait_for
 from tests.deploy.chart import (
     CHART,
     NAMESPACE,
@@ -289,14 +289,6 @@ def _process(cmd: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[s
             proc.wait()
 
 
-def _wait(what: str, fn: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not fn():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def _channel(address: str, files: Path) -> grpc.Channel:
     creds = grpc.ssl_channel_credentials(
         (files / "ca.crt").read_bytes(), (files / "tls.key").read_bytes(), (files / "tls.crt").read_bytes()
@@ -351,12 +343,12 @@ def _run_rendered(
     cmd = [sys.executable, "-m", "kvgrid.cli", "controller", "--listen", address, "--log-level", "WARNING"]
     with _process([*cmd, "--health-port", health.rpartition(":")[2]], ctrl_env):
         router_files = certs[f"{RELEASE}-kvgrid-router-tls"]
-        _wait("the controller serving mTLS", lambda: _serving(address, router_files))
+        wait_for("the controller serving mTLS", lambda: _serving(address, router_files), 60)
         assert _plaintext_health(health) == health_pb2.HealthCheckResponse.SERVING  # what the kubelet sees
         with pytest.raises(grpc.RpcError):  # while the service port wants a client certificate
             _plaintext_health(address)
         with _agents(sidecars, engine, tmp_path, certs, ca, pod_uid, address) as expected:
-            _wait("the agents registered", lambda: _registered_pods(address, router_files) >= expected, 30)
+            wait_for("the agents registered", lambda: _registered_pods(address, router_files) >= expected, 30)
             if while_running is not None:
                 while_running(address, certs)
             return _registered_pods(address, router_files)

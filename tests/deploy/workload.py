@@ -27,19 +27,12 @@ from tests.agent.helpers import (
     register_kv,
     start_agent,
     start_controller,
+    wait_for,
 )
 
 NS_ID = NAMESPACE.namespace_id()
 # Every prompt of a workload is new (a repeated one would be a local hit, not a peer fetch).
 _PROMPTS = itertools.count(1000)
-
-
-def wait_for(what: str, fn: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not fn():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def scrape(port: int) -> str:

@@ -17,7 +17,7 @@ import pytest
 from kvgrid.api.client import controller_stub
 from kvgrid.api.v1 import common_pb2, controller_pb2
 from kvgrid.common.identity import MAX_EPOCH
-from tests.agent.helpers import NAMESPACE, AgentProc, keys_for, start_controller, start_pod_agent
+from tests.agent.helpers import NAMESPACE, AgentProc, keys_for, start_controller, start_pod_agent, wait_for
 from tests.agent.test_peers import (
     chunk_bytes,
     chunk_ids,
@@ -25,7 +25,6 @@ from tests.agent.test_peers import (
     request_ids,
     same,
     store_on,
-    wait_for,
 )
 from tests.security.conftest import Pki
 

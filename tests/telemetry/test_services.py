@@ -5,7 +5,6 @@ service, and the agent's connection state to the controller across a controller 
 from __future__ import annotations
 
 import subprocess
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -15,16 +14,8 @@ import grpc
 import pytest
 
 from kvgrid.api.v1 import controller_pb2, controller_pb2_grpc
-from tests.agent.helpers import AgentProc, start_agent, start_controller
+from tests.agent.helpers import AgentProc, start_agent, start_controller, wait_for
 from tests.telemetry.receivers import HttpReceiver
-
-
-def _wait(what: str, fn: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not fn():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -111,7 +102,9 @@ def test_a_bad_telemetry_setting_never_stops_a_service(
         # Both serve: the agent registered with the controller, which answers queries.
         with grpc.insecure_channel(address) as ch:
             stub = controller_pb2_grpc.ControllerServiceStub(ch)
-            _wait("agent registered", lambda: stub.GetStats(controller_pb2.GetStatsRequest()).num_agents == 1)
+            wait_for(
+                "agent registered", lambda: stub.GetStats(controller_pb2.GetStatsRequest()).num_agents == 1
+            )
         assert a.client().health().l1_capacity_bytes > 0
         # Both still expose /metrics, with the per-call RPC metrics under the same names.
         ctl = scrape(cport)
@@ -182,13 +175,13 @@ def test_agent_connection_state_and_reconnects_across_a_controller_restart(
     first.enter_context(controller(address, free_port(), {}))
     try:
         with agent(tmp_path / "a", address, aport, {}, monkeypatch):
-            _wait("connected", lambda: state()["connected"] == 1.0)
+            wait_for("connected", lambda: state()["connected"] == 1.0)
             assert state() == {"connected": 1.0, "registering": 0.0, "disconnected": 0.0, "reconnects": 0.0}
             first.close()  # the controller goes away: heartbeats fail, the agent says so
-            _wait("disconnected", lambda: state()["disconnected"] == 1.0)
+            wait_for("disconnected", lambda: state()["disconnected"] == 1.0)
             assert state()["connected"] == 0.0
             with controller(address, free_port(), {}):  # back (a restart): the agent reconnects
-                _wait("connected again", lambda: state()["connected"] == 1.0)
+                wait_for("connected again", lambda: state()["connected"] == 1.0)
                 reconnects = state()["reconnects"]
                 assert reconnects is not None and reconnects >= 1
     finally:

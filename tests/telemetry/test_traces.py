@@ -10,7 +10,6 @@ the HTTP caller sent one); every span of every process must be in that trace, li
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from tests.agent.helpers import (
     register_kv,
     start_agent,
     start_controller,
+    wait_for,
 )
 from tests.telemetry.receivers import GrpcReceiver
 
@@ -53,14 +53,6 @@ class Cluster:
     a: AgentProc
     b: AgentProc
     root: Path
-
-
-def _wait(what: str, fn: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not fn():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +85,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], in
                     )
                 )
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
-        _wait(
+        wait_for(
             "both agents registered", lambda: stub.GetStats(controller_pb2.GetStatsRequest()).num_agents >= 2
         )
         yield Cluster(receiver, stub, procs[0], procs[1], root)
@@ -173,7 +165,7 @@ def test_a_lookup_is_one_trace_across_connector_agents_and_controller(
         )
         return any(m.pod_uid == cluster.a.pod_uid and m.l1_chunks == n for m in resp.matches)
 
-    _wait("A's chunks indexed", indexed)
+    wait_for("A's chunks indexed", indexed)
     tokens_to_load, _ = connector.lookup(request, 0)
     assert tokens_to_load == n * TOKENS_PER_CHUNK  # every chunk came from peer A through B
     engine_tracing.force_flush()
@@ -186,7 +178,7 @@ def test_a_lookup_is_one_trace_across_connector_agents_and_controller(
     def lookup_exported() -> bool:  # B's server span ends after the fetch: its batch can come later
         return any(s.name == "kvgrid.v1.AgentService/Lookup" for _, s in _by_id(cluster.receiver).values())
 
-    _wait(
+    wait_for(
         "spans of every service",
         lambda: want_services <= services() and _has_fetch(cluster) and lookup_exported(),
     )
@@ -238,7 +230,7 @@ def test_controller_spans_for_snapshot_pulls_and_event_batches(cluster: Cluster)
         with cluster.receiver.lock:
             return [s for _, s in cluster.receiver.spans if s.name == "controller.snapshot_pull"]
 
-    _wait("snapshot pull spans", lambda: len(pulls()) >= 2)
+    wait_for("snapshot pull spans", lambda: len(pulls()) >= 2)
     with cluster.receiver.lock:
         all_spans = list(cluster.receiver.spans)
     by_parent = {s.parent_span_id: (res, s) for res, s in all_spans if s.parent_span_id}
