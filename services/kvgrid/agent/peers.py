@@ -10,10 +10,11 @@ only what the caller sent (never another chunk's layout).
 
 Fetching side (:class:`PeerFetcher`, used by ``Lookup``): ask the controller which pods hold the
 next keys in L1 (``MatchPrefix`` over the keys after the local hits), map pod -> agent address
-(``ListAgents``, cached), stream ``FetchChunks`` from the best peer into freshly reserved local
-chunks (the same reserve -> fill -> commit path a store takes, so a chunk becomes visible only once
-every byte arrived and matched the checksum sent with it, and its admit event goes to the
-controller as usual). Everything runs under one deadline; any failure leaves the local cache as it
+(``ListAgents``, cached), stream ``FetchChunks`` from the best peer -- then, for the keys after
+what it sent, from whoever holds those (a prefix is stitched from several pods) -- into freshly
+reserved local chunks (the same reserve -> fill -> commit path a store takes, so a chunk becomes
+visible only once every byte arrived and matched the checksum sent with it, and its admit event
+goes to the controller as usual). Everything runs under one deadline; any failure leaves the local cache as it
 was, plus the chunks that arrived complete and intact.
 
 Data plane (``peer_data_plane=socket``, :mod:`kvgrid.agent.p2p`): the fetcher asks for
@@ -93,8 +94,14 @@ class PeerFetchResult(msgspec.Struct, frozen=True):
     """Chunks now held locally that the fetch filled (complete ones only)."""
     nbytes: int = 0
     peer: str = ""
+    """The holder the chunks came from (several, comma-separated, when a prefix was stitched)."""
     error: str = ""
     """Empty when nothing failed (no holder at all is not a failure)."""
+
+    def then(self, more: PeerFetchResult) -> PeerFetchResult:
+        """This fetch followed by ``more`` (of the keys after this one's chunks)."""
+        peers = ",".join(p for p in (self.peer, more.peer) if p)
+        return PeerFetchResult(self.chunks + more.chunks, self.nbytes + more.nbytes, peers, more.error)
 
 
 class PeerStats:
@@ -462,6 +469,31 @@ class PeerFetcher:
         bytes_per_chunk: int,
         deadline: float,
     ) -> PeerFetchResult:
+        """Stitch the prefix from as many holders as it takes: fetch the leading chunks from the
+        best holder, then ask again for the keys after them (another pod may hold the next part),
+        until nobody holds the next chunk, a fetch fails, or the deadline passes."""
+        total = PeerFetchResult()
+        while len(keys) > total.chunks and time.monotonic() < deadline:
+            part = self._fetch_leading(
+                keys[total.chunks :], directory, namespace_id, layout_id, bytes_per_chunk, deadline
+            )
+            total = total.then(part)
+            if part.error or not part.chunks:
+                break
+        return total
+
+    def _fetch_leading(
+        self,
+        keys: list[bytes],
+        directory: PeerDirectory,
+        namespace_id: str,
+        layout_id: str,
+        bytes_per_chunk: int,
+        deadline: float,
+    ) -> PeerFetchResult:
+        """The leading chunks of ``keys`` from the best holder the controller names (the next
+        best when one fails before sending anything)."""
+
         def left() -> float:
             return max(0.001, deadline - time.monotonic())
 
@@ -481,11 +513,14 @@ class PeerFetcher:
         last = PeerFetchResult()
         for cand in cands:
             last = self.fetch_from(cand, keys, namespace_id, layout_id, bytes_per_chunk, deadline)
-            if not last.error:
+            if last.chunks or time.monotonic() >= deadline:
+                return last  # progress made, or no time for another peer
+            # Nothing sent: the next candidate. A pod's l1_chunks may all lie after chunks it can
+            # only fetch itself (MatchPrefix counts a chunk in the fastest tier holding it), so
+            # the best-ranked pod need not hold the first key; a failure other than these two
+            # may be that peer's alone.
+            if last.error and last.error.split(":", 1)[0] in ("deadline", "layout_mismatch"):
                 return last
-            reason = last.error.split(":", 1)[0]
-            if last.chunks or reason in ("deadline", "layout_mismatch") or time.monotonic() >= deadline:
-                return last  # progress made, or another peer would not do better in time
         return last
 
     def fetch_from(
