@@ -26,7 +26,16 @@ from kvgrid.agent.l1 import L1Pool
 from kvgrid.agent.peers import ChunkSender, PeerFetcher, PeerMetrics
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.checksum import CHECKSUM_BYTES, ChecksumMismatch, chunk_checksum, verify_checksum
-from tests.agent.helpers import NAMESPACE, FakePeer, block_ids, fetch_once, keys_for, register_kv, start_agent
+from tests.agent.helpers import (
+    NAMESPACE,
+    FakePeer,
+    block_ids,
+    fetch_once,
+    keys_for,
+    register_kv,
+    start_agent,
+    wait_for,
+)
 
 NS_ID = NAMESPACE.namespace_id()
 
@@ -69,9 +78,10 @@ def flip_last_byte(payload: bytes) -> bytes:
 # ---- the attack, against a real agent process ------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("attack", ["wrong_bytes", "no_checksum", "checksum_of_other_bytes"])
-def test_forged_peer_chunks_never_reach_l1_or_the_engine(tmp_path: Path, attack: str) -> None:
-    agent = start_agent(tmp_path)
+def test_forged_peer_chunks_never_reach_l1_or_the_engine(tmp_path: Path, attack: str, mode: str) -> None:
+    agent = start_agent(tmp_path, "--peer-fetch-mode", mode)
     peer: FakePeer | None = None
     try:
         client = agent.client()
@@ -97,15 +107,14 @@ def test_forged_peer_chunks_never_reach_l1_or_the_engine(tmp_path: Path, attack:
         hit = client.lookup("victim", "r1", keys, peer_address=peer.address)
 
         assert len(peer.requests) >= 1 and list(peer.requests[0].chunk_keys) == keys[1:]
-        # Only the local hit is answered; the fetch counts as a failed peer fetch.
-        assert (hit.num_hit_chunks, hit.num_peer_chunks, hit.miss_cause) == (1, 0, "peer_failed")
-        after = client.health()
-        assert after.peer_fetch_failures > before.peer_fetch_failures
-        assert after.peer_fetched_chunks == before.peer_fetched_chunks
-        # Nothing of the stream was kept: L1 holds the one local chunk, no reservation leaked.
-        assert (after.num_chunks, after.l1_used_bytes) == (before.num_chunks, before.l1_used_bytes)
-        assert set(client.snapshot().chunk_keys) == {keys[0]}
-        # The engine gets the local chunk only: blocks of chunks 1 and 2 are not written.
+        if mode == "sync":
+            # Only the local hit is answered; the fetch counts as a failed peer fetch.
+            assert (hit.num_hit_chunks, hit.num_peer_chunks, hit.miss_cause) == (1, 0, "peer_failed")
+        else:
+            # Answered once the peer said it sends 2 chunks: they are pending until verified.
+            assert (hit.num_hit_chunks, hit.num_peer_chunks, hit.miss_cause) == (3, 2, "none")
+        # The engine gets the local chunk only: blocks of chunks 1 and 2 are not written (an
+        # asynchronous Retrieve waits for the pending chunks and stops before the failed one).
         untouched = [t.clone() for t in tensors]
         res = client.retrieve("victim", "r1", keys, block_ids(0, 3))
         assert res.hit_mask == [True, False, False]
@@ -113,6 +122,15 @@ def test_forged_peer_chunks_never_reach_l1_or_the_engine(tmp_path: Path, attack:
             torch.equal(a.view(torch.uint8), b.view(torch.uint8))
             for a, b in zip(tensors, untouched, strict=True)
         )
+        wait_for(
+            "the failed fetch counted",
+            lambda: client.health().peer_fetch_failures > before.peer_fetch_failures,
+        )
+        after = client.health()
+        assert after.peer_fetched_chunks == before.peer_fetched_chunks
+        # Nothing of the stream was kept: L1 holds the one local chunk, no reservation leaked.
+        assert (after.num_chunks, after.l1_used_bytes) == (before.num_chunks, before.l1_used_bytes)
+        assert set(client.snapshot().chunk_keys) == {keys[0]}
     finally:
         if peer is not None:
             peer.server.stop(0)
@@ -161,7 +179,8 @@ def test_same_stream_with_the_right_checksums_is_accepted(tmp_path: Path) -> Non
 
 
 def _fetcher(cache: ChunkCache, reader_metrics: PeerMetrics) -> PeerFetcher:
-    return PeerFetcher(cache, AgentConfig(), "uid-local", reader_metrics, trace.get_tracer("t"))
+    cfg = AgentConfig(peer_fetch_mode="sync")  # the receive path's verdicts, inside the call
+    return PeerFetcher(cache, cfg, "uid-local", reader_metrics, trace.get_tracer("t"))
 
 
 def test_chunks_before_a_corrupt_one_are_kept_and_the_rest_discarded() -> None:

@@ -54,7 +54,7 @@ def _server(**overrides: Any) -> AgentServer:
 
 
 def _fetcher(cache: ChunkCache, **overrides: Any) -> PeerFetcher:
-    cfg = AgentConfig(uds_path="", **overrides)
+    cfg = AgentConfig(uds_path="", **{"peer_fetch_mode": "sync", **overrides})
     return PeerFetcher(cache, cfg, "uid-fetcher", PeerMetrics(metrics.get_meter("t")), trace.get_tracer("t"))
 
 

@@ -11,6 +11,7 @@ in-process agent and a deliberately faulty gRPC peer on loopback.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import L1Pool
-from kvgrid.agent.peers import PeerFetcher, PeerMetrics, choose_peers
+from kvgrid.agent.peers import PeerCandidate, PeerFetcher, PeerMetrics, choose_peers
 from kvgrid.agent.service import AgentServer
 from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
@@ -343,7 +344,7 @@ def test_fetch_keeps_only_complete_chunks_when_the_peer_fails(fault: str) -> Non
     if fault == "wrong_offset":
         msgs = _parts(0, c0, 3000, num_chunks=3) + _parts(1, c1, 3000)[1:]
     peer = faulty_peer(msgs, grpc.StatusCode.UNAVAILABLE if fault == "dies_mid_chunk" else None)
-    cfg = AgentConfig(controller_address="127.0.0.1:1")
+    cfg = AgentConfig(controller_address="127.0.0.1:1", peer_fetch_mode="sync")
     fetcher = PeerFetcher(cache, cfg, "uid-local", PeerMetrics(metrics.get_meter("t")), trace.get_tracer("t"))
     try:
         res = fetch_once(fetcher, f"127.0.0.1:{peer.port}", keys, nbytes, peer_uid="uid-peer", timeout_s=5)
@@ -355,6 +356,54 @@ def test_fetch_keeps_only_complete_chunks_when_the_peer_fails(fault: str) -> Non
     assert cache.acquire_prefix(keys[:1], "L", namespace_id=NS_ID)[0][0].buffer.numpy().tobytes() == c0
     # The half-received chunk's reservation is gone: only chunk 0's pages are in use.
     assert cache.stats().used_bytes == cache.pool.pages_for(nbytes) * cache.pool.page_bytes
+
+
+def test_an_async_fetch_answers_before_the_bytes_arrive_and_readers_wait_for_them() -> None:
+    """``peer_fetch_mode: async`` (the default): the fetch answers once the peer said how many chunks
+    it sends; they are in L1 pending, and a reader waits for them (the peer holds the bytes back
+    until the test opens its gate, so nothing here depends on timing)."""
+    cache = ChunkCache(L1Pool(1 << 20, page_bytes=4096, pin=False))
+    keys = keys_for(707, 2)
+    c0, c1 = bytes(range(256)) * 32, bytes(reversed(range(256))) * 32
+    parts = _parts(0, c0, 3000, num_chunks=2) + _parts(1, c1, 3000)
+    gate = threading.Event()
+
+    def answer(req: agent_pb2.FetchChunksRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        yield parts[0]
+        gate.wait(30)
+        yield from parts[1:]
+
+    peer = FakePeer(answer)
+    fetcher = PeerFetcher(
+        cache,
+        AgentConfig(controller_address="127.0.0.1:1"),
+        "uid-local",
+        PeerMetrics(metrics.get_meter("t")),
+        trace.get_tracer("t"),
+    )
+    try:
+        cand = PeerCandidate(
+            pod_uid="uid-peer", address=f"127.0.0.1:{peer.port}", l1_chunks=2, total_chunks=2
+        )
+        res = fetcher.fetch_from(cand, keys, NS_ID, "L", 8192, time.monotonic() + 30)
+        assert (res.chunks, res.error) == (2, "")  # the gate is still closed
+        assert cache.prefix_length(keys, "L", namespace_id=NS_ID)[0] == 2  # pending, counted
+        got: list[Any] = []
+        reader = threading.Thread(
+            target=lambda: got.append(cache.acquire_ready_prefix(keys, "L", namespace_id=NS_ID))
+        )
+        reader.start()
+        reader.join(0.3)
+        assert reader.is_alive()  # waiting for bytes the peer has not sent
+        gate.set()
+        reader.join(10)
+        chunks, _ = got[0]
+        assert [c.buffer.numpy().tobytes() for c in chunks] == [c0, c1]
+        cache.release(chunks)
+    finally:
+        gate.set()
+        fetcher.close()
+        peer.server.stop(0)
 
 
 def test_choose_peers_prefers_own_l1_and_skips_self_and_unknown() -> None:

@@ -149,6 +149,14 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
             "holds them): auto (on when --controller-address is set), on, or off"
         ),
     ] = "auto"
+    peer_fetch_mode: Annotated[
+        PromotionMode,
+        _d(
+            "How a lookup brings chunks from a peer: async (answer once the peer said how many it sends; "
+            "they arrive in the background and a retrieve waits for each) or sync (receive them inside "
+            "the lookup)"
+        ),
+    ] = "async"
     peer_fetch_max_chunks: Annotated[
         int, _d("Most chunks one Lookup fetches from a peer (and one FetchChunks serves)"), msgspec.Meta(gt=0)
     ] = 64

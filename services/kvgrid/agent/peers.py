@@ -25,10 +25,14 @@ sender without one streams them as above, so either side may have it off.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import msgspec
@@ -403,6 +407,10 @@ class PeerFetcher:
         )
         self.data_streams = config.peer_data_streams if config.peer_data_plane == "socket" else 0
         self._tls_files = config.tls
+        # Background receivers of asynchronous fetches (peer_fetch_mode=async), and the peers whose
+        # data port could not be reached from one (fetched over gRPC from then on).
+        self._landing = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvgrid-peer-land")
+        self._no_data_plane: set[str] = set()
 
     def _stub(self, address: str) -> agent_pb2_grpc.AgentServiceStub:
         # traced: the peer's FetchChunks span joins the Lookup's trace
@@ -413,6 +421,7 @@ class PeerFetcher:
         self._channels.forget(set(keep.values()))
 
     def close(self) -> None:
+        self._landing.shutdown(wait=True)  # each ends by its fetch's deadline
         self._channels.close()
         if self.directory is not None:
             self.directory.close()
@@ -537,9 +546,10 @@ class PeerFetcher:
         later; the rest of the reservation is freed."""
         got = [0, 0]  # chunks held, bytes fetched (set even when the stream fails)
         args = (cand, list(keys), namespace_id, layout_id, bytes_per_chunk, deadline, got)
+        streams = 0 if cand.address in self._no_data_plane else self.data_streams
         try:
             try:
-                self._fetch_from(*args, data_streams=self.data_streams)
+                self._fetch_from(*args, data_streams=streams)
             except _DataPlaneUnreachable as e:
                 # A data port a firewall or NetworkPolicy blocks must not end peer fetch: the
                 # chunks come over the control connection instead (counted, so it gets fixed).
@@ -582,32 +592,115 @@ class PeerFetcher:
         )
         t0 = time.perf_counter()
         call = self._stub(cand.address).FetchChunks(req, timeout=max(0.001, deadline - time.monotonic()))
-        res = None
+        try:
+            first = next(call, None)
+        except grpc.RpcError as e:
+            call.cancel()
+            raise _peer_error(e) from None
+        if first is None:
+            return  # the peer holds none of them
+        n = first.num_chunks
+        if not 0 < n <= len(keys):
+            call.cancel()
+            raise PeerError("protocol", f"num_chunks={n}: expected 1..{len(keys)}")
+        res = self.cache.reserve_store(
+            keys[:n], namespace_id=namespace_id, layout_id=layout_id, nbytes=bytes_per_chunk
+        )
+        limit = len(res.entries)  # stops early when L1 is full (res.reason)
+        fresh = {i: c for i, c, new in res.entries if new}
+        if res.reason:
+            log.info("peer fetch from %s keeps %d of %d chunks: %s", cand.pod_uid, limit, n, res.reason)
+        land = _Landing(cand, call, first, limit, bytes_per_chunk, deadline, t0)
+        if self.config.peer_fetch_mode == "sync":
+            filled = 0
+            try:
+                filled = self._receive(land, {i: c.buffer.numpy() for i, c in fresh.items()}, fresh, None)
+            except _PartialFetch as e:
+                filled = e.filled  # the intact leading chunks are committed below
+                raise e.error from None
+            finally:
+                call.cancel()  # no-op when the stream ended; stops the peer when we stopped early
+                held, _ = self.cache.commit(res, upto=filled)
+                got[0] = held
+                got[1] = self._count_fetched(land, sum(1 for i in fresh if i < filled))
+            return
+        # async: commit the chunks pending (visible and counted, each with the fetch's reference) and
+        # receive them in the background; readers wait for each one (acquire_ready_prefix).
+        for c in fresh.values():
+            c.ready = threading.Event()
+            c.refcount += 1
+        held, _ = self.cache.commit(res, upto=limit)
+        mine = {i: c for i, c in fresh.items() if c.committed}  # the others another store committed first
+        got[0] = held
+        self._landing.submit(self._land, land, mine)
+
+    def _land(self, land: _Landing, mine: dict[int, Chunk]) -> None:
+        """Receive an asynchronous fetch's chunks: each becomes ready once it arrived intact; from the
+        first that did not, they fail (they leave the index and the engine recomputes them)."""
+        filled = 0
+        try:
+            filled = self._receive(land, {i: c.buffer.numpy() for i, c in mine.items()}, None, mine)
+        except _DataPlaneUnreachable as e:
+            self._no_data_plane.add(land.cand.address)  # the next fetches from it go over gRPC
+            self._failed("data_plane_unreachable", f"peer {land.cand.pod_uid}: {e}", land.cand.pod_uid)
+        except _PartialFetch as e:
+            filled = e.filled
+            self._failed(e.error.reason, f"peer {land.cand.pod_uid}: {e.error}", land.cand.pod_uid)
+        except PeerError as e:
+            self._failed(e.reason, f"peer {land.cand.pod_uid}: {e}", land.cand.pod_uid)
+        except Exception as e:
+            log.exception("background peer fetch from %s failed unexpectedly", land.cand.pod_uid)
+            self._failed("error", f"peer {land.cand.pod_uid}: {type(e).__name__}: {e}", land.cand.pod_uid)
+        finally:
+            land.call.cancel()
+            rest = [c for i, c in mine.items() if i >= filled]  # those below are ready
+            if rest:
+                self.cache.fail_pending(rest)
+            self._count_fetched(land, sum(1 for i in mine if i < filled))
+
+    def _count_fetched(self, land: _Landing, fetched: int) -> int:
+        """Record ``fetched`` chunks that arrived; returns their bytes."""
+        nbytes = fetched * land.bytes_per_chunk
+        dt = time.perf_counter() - land.t0
+        if fetched:
+            self.metrics.fetch_chunks.add(fetched)
+            self.metrics.fetch_bytes.add(nbytes)
+            self.metrics.stats.add(fetched=fetched)
+            if dt > 0:
+                self.metrics.fetch_throughput.record(nbytes / dt / 1e9)
+        log.debug("fetched %d chunks from %s in %.1f ms", fetched, land.cand.pod_uid, dt * 1e3)
+        return nbytes
+
+    def _receive(
+        self,
+        land: _Landing,
+        targets: dict[int, np.ndarray],
+        fresh: dict[int, Chunk] | None,
+        pending: dict[int, Chunk] | None,
+    ) -> int:
+        """Receive the first ``land.limit`` chunks of the stream into ``targets`` (chunk index ->
+        bytes; a chunk not in it is read past: another store holds it) and return how many leading
+        chunks arrived intact. Each verified chunk gets its checksum (``fresh``) or becomes ready
+        (``pending``). A failure after some chunks raises :class:`_PartialFetch` with their count."""
+        limit, bytes_per_chunk = land.limit, land.bytes_per_chunk
+
+        def verified(i: int, checksum: bytes) -> None:
+            if fresh is not None and i in fresh:
+                fresh[i].checksum = checksum
+            if pending is not None and i in pending:
+                self.cache.finish_pending(pending[i], checksum)
+
+        if limit == 0:
+            return 0
+        if land.first.data_ticket:
+            return self._receive_data_plane(
+                land.cand, land.first, limit, bytes_per_chunk, targets, verified, land.deadline
+            )
         filled = 0  # leading chunks received completely
         written = 0  # bytes of chunk ``filled`` received so far
-        limit = 0
-        fresh: dict[int, Chunk] = {}
-        targets: dict[int, np.ndarray] = {}
         expected = b""  # checksum of the chunk being received
         try:
-            for msg in call:
-                if res is None:
-                    n = msg.num_chunks
-                    if not 0 < n <= len(keys):
-                        raise PeerError("protocol", f"num_chunks={n}: expected 1..{len(keys)}")
-                    res = self.cache.reserve_store(
-                        keys[:n], namespace_id=namespace_id, layout_id=layout_id, nbytes=bytes_per_chunk
-                    )
-                    limit = len(res.entries)  # stops early when L1 is full (res.reason)
-                    fresh = {i: c for i, c, new in res.entries if new}
-                    targets = {i: c.buffer.numpy() for i, c in fresh.items()}
-                    if limit == 0:
-                        break
-                    if msg.data_ticket:
-                        filled = self._receive_data_plane(
-                            cand, msg, limit, bytes_per_chunk, targets, fresh, deadline
-                        )
-                        break
+            for msg in itertools.chain((land.first,), land.call):
                 if msg.chunk_index != filled or msg.offset != written:
                     raise PeerError(
                         "protocol",
@@ -618,7 +711,7 @@ class PeerFetcher:
                     raise PeerError(
                         "protocol",
                         f"chunk {filled}: {msg.chunk_bytes} bytes (part of {len(msg.data)} at {written}); "
-                        f"expected {bytes_per_chunk} for layout {layout_id}",
+                        f"expected {bytes_per_chunk}",
                     )
                 if written == 0:
                     expected = msg.checksum  # sent with the chunk's first part
@@ -634,43 +727,15 @@ class PeerFetcher:
                             verify_checksum(dst, expected)
                         except ChecksumMismatch as e:
                             raise PeerError("checksum", f"chunk {filled} discarded: {e}") from None
-                        fresh[filled].checksum = expected
+                        verified(filled, expected)
                     filled, written = filled + 1, 0
                     if filled == limit:
                         break
-        except _PartialFetch as e:
-            filled = e.filled  # the intact leading chunks are committed below
-            raise e.error from None
+        except PeerError as e:
+            raise _PartialFetch(filled, e) from None
         except grpc.RpcError as e:
-            code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
-            reason = {
-                grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
-                grpc.StatusCode.FAILED_PRECONDITION: "layout_mismatch",
-                grpc.StatusCode.UNAVAILABLE: "unavailable",
-            }.get(code, "error")
-            raise PeerError(reason, _rpc_text(e)) from None
-        finally:
-            call.cancel()  # no-op when the stream ended; stops the peer when we stopped early
-            if res is not None:
-                held, present = self.cache.commit(res, upto=filled)
-                fetched = sum(1 for i in targets if i < filled)
-                got[0], got[1] = held, fetched * bytes_per_chunk
-                dt = time.perf_counter() - t0
-                if fetched:
-                    self.metrics.fetch_chunks.add(fetched)
-                    self.metrics.fetch_bytes.add(fetched * bytes_per_chunk)
-                    self.metrics.stats.add(fetched=fetched)
-                    if dt > 0:
-                        self.metrics.fetch_throughput.record(fetched * bytes_per_chunk / dt / 1e9)
-                log.debug(
-                    "fetched %d chunks (%d present) from %s in %.1f ms",
-                    fetched,
-                    present,
-                    cand.pod_uid,
-                    dt * 1e3,
-                )
-        if res is not None and res.reason and filled == limit:
-            log.info("peer fetch from %s stopped after %d chunks: %s", cand.pod_uid, filled, res.reason)
+            raise _PartialFetch(filled, _peer_error(e)) from None
+        return filled
 
     def _receive_data_plane(
         self,
@@ -679,7 +744,7 @@ class PeerFetcher:
         limit: int,
         bytes_per_chunk: int,
         targets: dict[int, np.ndarray],
-        fresh: dict[int, Chunk],
+        verified: Callable[[int, bytes], None],
         deadline: float,
     ) -> int:
         """Receive the first ``limit`` chunks of a ticket on the peer's data port into ``targets``
@@ -704,13 +769,38 @@ class PeerFetcher:
         )
         filled = got.leading()
         for i in range(filled):
-            if i in fresh:
-                fresh[i].checksum = got.checksums[i]
+            if i in targets:
+                verified(i, got.checksums[i])
         if got.failure is not None:
             if got.failure.reason == "unreachable" and not got.checksums:
                 raise _DataPlaneUnreachable(str(got.failure))
             raise _PartialFetch(filled, PeerError(got.failure.reason, str(got.failure)))
         return filled
+
+
+@dataclass(frozen=True)
+class _Landing:
+    """One peer stream after its first message: what is left to receive."""
+
+    cand: PeerCandidate
+    call: Any
+    """The FetchChunks response iterator (a grpc call)."""
+    first: agent_pb2.FetchChunksResponse
+    limit: int
+    """Chunks to receive (the reservation may hold fewer than the peer sends)."""
+    bytes_per_chunk: int
+    deadline: float
+    t0: float
+
+
+def _peer_error(e: grpc.RpcError) -> PeerError:
+    code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
+    reason = {
+        grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
+        grpc.StatusCode.FAILED_PRECONDITION: "layout_mismatch",
+        grpc.StatusCode.UNAVAILABLE: "unavailable",
+    }.get(code, "error")
+    return PeerError(reason, _rpc_text(e))
 
 
 class _DataPlaneUnreachable(Exception):
