@@ -318,6 +318,7 @@ def _run_peer(
                  "--l1-size", str(total * 3 + (64 << 20)), "--shm-allowed-dirs", str(tmp),
                  "--controller-address", ctrl, "--event-flush-interval-ms", "5",
                  "--peer-fetch-max-chunks", str(cfg.chunks), "--peer-fetch-timeout-ms", "600000",
+                 "--peer-fetch-mode", "sync",  # the Lookup returns when the bytes are in: it times the fetch
                  "--pin-ttl-ms", "610000", "--pin-ttl-max-ms", "610000",  # pins outlive a fetch
                  "--peer-fetch-part-size", cfg.peer_part_size, "--log-level", "warning"],
                 env={**env, "POD_UID": f"bench-{name}", "POD_IP": "127.0.0.1"},

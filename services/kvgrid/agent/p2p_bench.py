@@ -136,6 +136,7 @@ def _start_agent(
         "--shm-allowed-dirs", str(tmp),
         "--peer-fetch", "off", "--peer-fetch-max-chunks", str(cfg.chunks),
         "--peer-fetch-timeout-ms", "600000",
+        "--peer-fetch-mode", "sync",  # the Lookup returns when the bytes are in: it times the transfer
         "--peer-data-plane", cfg.data_plane, "--peer-data-streams", str(cfg.streams),
         "--log-level", "warning",
     ]  # fmt: skip
