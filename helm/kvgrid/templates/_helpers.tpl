@@ -221,6 +221,7 @@ instead; see docs/deploy.md.
 - {{ printf "--l1-size=%v" $v.agent.l1Size | quote }}
 - {{ printf "--eviction-policy=%v" $v.agent.evictionPolicy | quote }}
 - {{ printf "--peer-data-plane=%v" $v.agent.peerDataPlane | quote }}
+- {{ printf "--peer-fetch-mode=%v" $v.agent.peerFetchMode | quote }}
 - {{ printf "--peer-data-port=%s" (include "kvgrid.agentDataPort" .) | quote }}
 - {{ printf "--log-level=%v" $v.agent.logLevel | quote }}
 {{- if $v.metrics.enabled }}
