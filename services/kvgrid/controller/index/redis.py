@@ -23,16 +23,15 @@ the controller (every replica) rebuilds the index from the agents' snapshots.
 
 from __future__ import annotations
 
-import functools
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import redis
 
-from kvgrid.common.errors import Unavailable
 from kvgrid.controller.index.base import ChunkIndex, IndexTier, PrefixView, check_keys
+from kvgrid.controller.redis_common import reachable
 
 __all__ = ["RedisIndex"]
 
@@ -180,22 +179,7 @@ return 0
 )
 
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _reachable(fn: _F) -> _F:
-    """Raise :class:`Unavailable` (naming the server) when the server cannot be reached."""
-
-    @functools.wraps(fn)
-    def wrapper(self: RedisIndex, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(self, *args, **kwargs)
-        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError) as e:
-            raise Unavailable(
-                f"index backend unavailable: Redis/Valkey at {self.url} cannot be reached ({e}); retry later"
-            ) from None
-
-    return wrapper  # type: ignore[return-value]
+_reachable = reachable("index backend", "Redis/Valkey")
 
 
 class RedisIndex(ChunkIndex):

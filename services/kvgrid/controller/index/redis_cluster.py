@@ -37,23 +37,21 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import secrets
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import msgspec
 import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
-from kvgrid.common.errors import Unavailable
 from kvgrid.controller.index.base import ChunkIndex, IndexTier, PrefixView, check_keys
-from kvgrid.controller.redis_common import epoch19, registry_keys, unavailable_errors
+from kvgrid.controller.redis_common import epoch19, reachable, registry_keys
 
 __all__ = ["CHUNK_BUCKETS", "RedisClusterIndex", "bucket_of"]
 
@@ -166,23 +164,7 @@ def bucket_of(key: bytes) -> int:
     return (key[0] << 8 | key[1]) % CHUNK_BUCKETS
 
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _reachable(fn: _F) -> _F:
-    """Raise :class:`Unavailable` (naming the cluster) when a shard cannot be reached."""
-
-    @functools.wraps(fn)
-    def wrapper(self: RedisClusterIndex, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(self, *args, **kwargs)
-        except unavailable_errors as e:
-            raise Unavailable(
-                f"index backend unavailable: Valkey/Redis Cluster at {self.url} cannot serve ({e}); "
-                "retry later"
-            ) from None
-
-    return wrapper  # type: ignore[return-value]
+_reachable = reachable("index backend", "Valkey/Redis Cluster")
 
 
 class RedisClusterIndex(ChunkIndex):
