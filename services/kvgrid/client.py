@@ -56,10 +56,12 @@ class RankedPod(msgspec.Struct, frozen=True):
     pod: KnownPod
     # None when the pod was not scored (fallback order, or not in the Score answer).
     estimated_ttft_ms: float | None = None
-    # Leading prompt chunks the pod holds in its GPU cache or L1, or can fetch from peers.
+    # Leading prompt chunks the pod holds in its GPU cache, L1 or lower tiers (disk / object store),
+    # or can fetch from peers; each chunk counts in the fastest tier holding it.
     gpu_chunks: int = 0
     l1_chunks: int = 0
     peer_chunks: int = 0
+    l2_chunks: int = 0
 
 
 class Ranking(msgspec.Struct, frozen=True):
@@ -202,7 +204,9 @@ class PodRanker:
         for s in resp.scores:
             m = s.match
             pod = by_uid.get(m.pod_uid) or KnownPod(m.pod_uid, m.pod_name)
-            ranked.append(RankedPod(pod, s.estimated_ttft_ms, m.gpu_chunks, m.l1_chunks, m.peer_chunks))
+            ranked.append(
+                RankedPod(pod, s.estimated_ttft_ms, m.gpu_chunks, m.l1_chunks, m.peer_chunks, m.l2_chunks)
+            )
         scored = {r.pod.pod_uid for r in ranked}
         rest = self.fallback_order([p for p in known if p.pod_uid not in scored])
         return Ranking((*ranked, *(RankedPod(p) for p in rest)), "score", resp.num_query_chunks)

@@ -15,8 +15,18 @@ import grpc
 
 from kvgrid.agent.tiers.base import HEADER_BYTES, record_name
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.client import PodRanker
 
-from .helpers import NAMESPACE, AgentProc, block_ids, keys_for, register_kv, start_agent, start_controller
+from .helpers import (
+    NAMESPACE,
+    TOKENS_PER_CHUNK,
+    AgentProc,
+    block_ids,
+    keys_for,
+    register_kv,
+    start_agent,
+    start_controller,
+)
 
 NS_ID = NAMESPACE.namespace_id()
 
@@ -112,6 +122,13 @@ def test_l2_chunks_in_match_and_score_resync_and_eviction(
         assert best.match.l2_chunks == 4 and best.l2_transfer_ms > 0 and best.prefill_ms == 0
         assert cold.l2_transfer_ms == 0 and cold.prefill_ms > 0
         assert best.estimated_ttft_ms < cold.estimated_ttft_ms
+        # A router's client sees the same: pod-disk first, its prefix in L2.
+        ranker = PodRanker(address, NAMESPACE, timeout_s=5, static_pods=["pod-disk", "pod-cold"])
+        try:
+            top = ranker.rank([(1 * 7919 + i) % 50_000 for i in range(4 * TOKENS_PER_CHUNK)]).pods[0]
+        finally:
+            ranker.close()
+        assert (top.pod.pod_uid, top.l1_chunks, top.l2_chunks) == ("pod-disk", 0, 4)
         snap = stub.SnapshotIndex(
             controller_pb2.SnapshotIndexRequest(pod_uid="pod-disk", tier=common_pb2.TIER_L2), timeout=5
         )

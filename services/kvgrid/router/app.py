@@ -105,9 +105,9 @@ class Router:
         if ranking.pods and log.isEnabledFor(logging.DEBUG):
             best = ranking.pods[0]
             log.debug(
-                "%s: %d tokens, %d chunks -> %s by %s (gpu %d, l1 %d, peer %d chunks)",
+                "%s: %d tokens, %d chunks -> %s by %s (gpu %d, l1 %d, l2 %d, peer %d chunks)",
                 path, len(token_ids or ()), ranking.num_query_chunks, best.pod.pod_uid, ranking.source,
-                best.gpu_chunks, best.l1_chunks, best.peer_chunks,
+                best.gpu_chunks, best.l1_chunks, best.l2_chunks, best.peer_chunks,
             )  # fmt: skip
         return await forward(request, self.session(request), self.ranker, chosen, path, body, ranking.source)
 
