@@ -8,12 +8,13 @@ tokens, 32 tokens per block). Infos: (g0, [0, 2]), (g1, [1, 3]), (g0, [4]).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ import torch
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.peers import PeerCandidate, PeerFetcher, PeerFetchResult
 from kvgrid.agent.tensors import allocate_shared_tensor
-from kvgrid.api.v1 import agent_pb2
+from kvgrid.api.v1 import agent_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.common.hashing import KeyNamespace, chunk_keys
 
@@ -212,6 +213,32 @@ def start_controller(
         stdout=stdout,
         stderr=None if stdout is None else subprocess.STDOUT,
     )
+
+
+@contextlib.contextmanager
+def controller_with_pods(
+    root: Path, address: str, pods: Sequence[tuple[str, Sequence[str]]]
+) -> Iterator[tuple[controller_pb2_grpc.ControllerServiceStub, list[AgentProc]]]:
+    """A real controller on ``address`` and one :func:`start_pod_agent` per ``(pod uid, flags)``,
+    yielded once every agent registered; all stopped afterwards."""
+    ctrl = start_controller(address)
+    agents: list[AgentProc] = []
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=60)
+        agents += [start_pod_agent(root, uid, address, *flags) for uid, flags in pods]
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        wait_for(
+            f"{len(pods)} agents registered",
+            lambda: stub.GetStats(controller_pb2.GetStatsRequest(), timeout=5).num_agents >= len(pods),
+        )
+        yield stub, agents
+    finally:
+        for agent in agents:
+            agent.stop()
+        channel.close()
+        ctrl.terminate()
+        ctrl.wait(10)
 
 
 class FakePeer:

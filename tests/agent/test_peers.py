@@ -40,11 +40,11 @@ from tests.agent.helpers import (
     NAMESPACE,
     AgentProc,
     FakePeer,
+    controller_with_pods,
     fetch_once,
     keys_for,
     layer_shape,
     register_kv,
-    start_controller,
     start_pod_agent,
     wait_for,
 )
@@ -74,26 +74,10 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], int]) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("peers")
     address = f"127.0.0.1:{free_port()}"
-    ctrl = start_controller(address)
-    agents: list[AgentProc] = []
-    channel = grpc.insecure_channel(address)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=60)
-        # A serves chunks in small parts (several messages per chunk); B fetches at most 3 per Lookup.
-        agents.append(start_pod_agent(root, "pod-a", address, "--peer-fetch-part-size", "1KiB"))
-        agents.append(start_pod_agent(root, "pod-b", address, "--peer-fetch-max-chunks", "3"))
-        stub = controller_pb2_grpc.ControllerServiceStub(channel)
-        wait_for(
-            "both agents registered",
-            lambda: stub.GetStats(controller_pb2.GetStatsRequest(), timeout=5).num_agents >= 2,
-        )
-        yield Cluster(root, stub, address, agents[0], agents[1])
-    finally:
-        for agent in agents:
-            agent.stop()
-        channel.close()
-        ctrl.terminate()
-        ctrl.wait(10)
+    # A serves chunks in small parts (several messages per chunk); B fetches at most 3 per Lookup.
+    pods = [("pod-a", ["--peer-fetch-part-size", "1KiB"]), ("pod-b", ["--peer-fetch-max-chunks", "3"])]
+    with controller_with_pods(root, address, pods) as (stub, (a, b)):
+        yield Cluster(root, stub, address, a, b)
 
 
 @dataclass

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import grpc
 import pytest
 
-from kvgrid.api.v1 import controller_pb2, controller_pb2_grpc
-from tests.agent.helpers import AgentProc, keys_for, start_controller, start_pod_agent, wait_for
+from tests.agent.helpers import AgentProc, controller_with_pods, keys_for, wait_for
 from tests.agent.test_peers import Cluster, chunk_bytes, chunk_ids, register, request_ids, same, store_on
 
 
@@ -20,24 +18,9 @@ def three(
 ) -> Iterator[tuple[Cluster, AgentProc]]:
     root = tmp_path_factory.mktemp("stitch")
     address = f"127.0.0.1:{free_port()}"
-    ctrl = start_controller(address)
-    agents: list[AgentProc] = []
-    channel = grpc.insecure_channel(address)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=60)
-        agents += [start_pod_agent(root, uid, address) for uid in ("pod-a", "pod-b", "pod-c")]
-        stub = controller_pb2_grpc.ControllerServiceStub(channel)
-        wait_for(
-            "three agents registered",
-            lambda: stub.GetStats(controller_pb2.GetStatsRequest(), timeout=5).num_agents >= 3,
-        )
+    pods: list[tuple[str, list[str]]] = [(uid, []) for uid in ("pod-a", "pod-b", "pod-c")]
+    with controller_with_pods(root, address, pods) as (stub, agents):
         yield Cluster(root, stub, address, agents[0], agents[1]), agents[2]
-    finally:
-        for agent in agents:
-            agent.stop()
-        channel.close()
-        ctrl.terminate()
-        ctrl.wait(10)
 
 
 def test_a_prefix_held_in_two_parts_on_two_pods_is_fetched_whole(three: tuple[Cluster, AgentProc]) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -183,39 +184,28 @@ def test_bad_requests_are_invalid_argument_and_the_agent_keeps_its_data(
             layout_hints=HINTS,
         )
         assert expected in msg
+
+    def raw_register(first_layer_blocks: int = NUM_BLOCKS, **fields: Any) -> str:
+        """RegisterKVCaches as bytes on the wire (what the client would refuse to send)."""
+        layers = [export_layer_tensor(i, t, shm_path=paths2[i]) for i, t in enumerate(tensors2)]
+        layers[0].shape[0] = first_layer_blocks
+        for m in layers[:4]:
+            m.layout_hints["backend"] = "FLASHINFER"
+        req = agent_pb2.RegisterKVCachesRequest(
+            instance_id="liar",
+            engine_groups=to_proto(GROUPS),
+            layers=layers,
+            namespace=key_namespace_to_proto(NAMESPACE),
+            **fields,
+        )
+        raw = client.channel.unary_unary("/kvgrid.v1.AgentService/RegisterKVCaches")
+        return invalid(raw, req.SerializeToString(), timeout=10)
+
     # A handle whose shape reaches past the end of its shared-memory file.
-    layers = [export_layer_tensor(i, t, shm_path=paths2[i]) for i, t in enumerate(tensors2)]
-    layers[0].shape[0] = NUM_BLOCKS * 2
-    for m in layers[:4]:
-        m.layout_hints["backend"] = "FLASHINFER"
-    req = agent_pb2.RegisterKVCachesRequest(
-        instance_id="liar",
-        engine_groups=to_proto(GROUPS),
-        layers=layers,
-        namespace=key_namespace_to_proto(NAMESPACE),
-    )
-    msg = invalid(
-        client.channel.unary_unary("/kvgrid.v1.AgentService/RegisterKVCaches"),
-        req.SerializeToString(),
-        timeout=10,
-    )
+    msg = raw_register(first_layer_blocks=NUM_BLOCKS * 2)
     assert "beyond the" in msg and "layers[0]" in msg
     # A fence event for CPU tensors, and a transfer that asks for a fence never registered.
-    layers = [export_layer_tensor(i, t, shm_path=paths2[i]) for i, t in enumerate(tensors2)]
-    for m in layers[:4]:
-        m.layout_hints["backend"] = "FLASHINFER"
-    req = agent_pb2.RegisterKVCachesRequest(
-        instance_id="liar",
-        engine_groups=to_proto(GROUPS),
-        layers=layers,
-        namespace=key_namespace_to_proto(NAMESPACE),
-        fence_event=b"\x01" * 64,
-    )
-    msg = invalid(
-        client.channel.unary_unary("/kvgrid.v1.AgentService/RegisterKVCaches"),
-        req.SerializeToString(),
-        timeout=10,
-    )
+    msg = raw_register(fence_event=b"\x01" * 64)
     assert "fence_event given but the layers are on ['cpu']; expected one CUDA device" in msg
     assert "after_fence=true but instance 'local' registered no fence_event" in invalid(
         client.store, "local", keys, src, after_fence=True

@@ -24,33 +24,12 @@ from .helpers import (
     block_ids,
     keys_for,
     register_kv,
-    start_agent,
     start_controller,
+    start_pod_agent,
+    wait_for,
 )
 
 NS_ID = NAMESPACE.namespace_id()
-
-
-def wait_for(what: str, fn: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not fn():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def _agent(root: Path, uid: str, controller: str, *flags: str) -> AgentProc:
-    directory = root / uid
-    directory.mkdir()
-    return start_agent(
-        directory,
-        "--controller-address", controller, "--event-flush-interval-ms", "20",
-        "--heartbeat-interval-ms", "200",
-        *flags,
-        l1_size="320KiB",
-        pod_uid=uid,
-        shm_dir=root,
-    )  # fmt: skip
 
 
 def _query(keys: list[bytes]) -> controller_pb2.MatchPrefixRequest:
@@ -82,12 +61,13 @@ def test_l2_chunks_in_match_and_score_resync_and_eviction(
         grpc.channel_ready_future(channel).result(timeout=60)
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         # L1 of 16 chunks of 20 KiB, eviction 60% -> 30%; a disk tier of 12 records, nothing below it
-        hot = _agent(
+        hot = start_pod_agent(
             tmp_path, "pod-disk", address, "--high-watermark", "0.6", "--low-watermark", "0.3",
             "--tier-disk-path", str(disk), "--tier-disk-size", str(12 * (HEADER_BYTES + 20 * 1024)),
+            l1_size="320KiB",
         )  # fmt: skip
         agents.append(hot)
-        agents.append(_agent(tmp_path, "pod-cold", address))
+        agents.append(start_pod_agent(tmp_path, "pod-cold", address, l1_size="320KiB"))
         wait_for(
             "both agents registered", lambda: stub.GetStats(controller_pb2.GetStatsRequest()).num_agents == 2
         )
