@@ -149,7 +149,11 @@ def test_forged_reused_and_malformed_hellos_are_refused_and_the_port_keeps_servi
             recv_exact_into(sock, memoryview(data))
             assert bytes(data[:NBYTES]) == contents[0]
     assert holder.data_plane.refused == 6 and holder.data_plane.admitted == 1
-    # Once the control stream ended the ticket is dead.
+    # Once the control stream ended (the holder learns it asynchronously) the ticket is dead.
+    wait_for(
+        "the holder retired the ticket",
+        lambda: holder.data_plane is not None and not holder.data_plane.live_tickets,
+    )
     assert _refused(_hello(port, first.data_ticket, 0))
 
 

@@ -257,6 +257,12 @@ class DataPlaneServer:
             self._tickets[ticket.secret] = ticket
         return ticket
 
+    @property
+    def live_tickets(self) -> int:
+        """Tickets issued and not retired yet (their gRPC streams are still open)."""
+        with self._lock:
+            return len(self._tickets)
+
     def retire(self, ticket: Ticket) -> None:
         """Forget ``ticket`` (its gRPC stream ended) and release what it still holds."""
         with self._lock:
