@@ -22,7 +22,7 @@ import torch
 
 from kvgrid.connector.scheduler import ConnectorScheduler
 from kvgrid.connector.vllm import KVGridConnector
-from tests.agent.helpers import AgentProc
+from tests.agent.helpers import AgentProc, start_agent
 
 CHUNK = 64  # tokens per chunk: two 32-token blocks (the CPU attention wants multiples of 32)
 
@@ -123,6 +123,21 @@ def agent_frozen_after_lookup(
     finally:
         os.kill(agent.proc.pid, signal.SIGCONT)
         monkeypatch.undo()
+
+
+TINY_LLAMA_CHUNK_BYTES = 64 * 1024  # 64 tokens x 2 layers x (K + V) x 2 heads x 64 x bf16
+
+
+def start_tiered_agent(workdir: Path, disk_bytes: int, *flags: str) -> AgentProc:
+    """An agent for the tiny Llama whose L1 holds 16 chunks (eviction from 60% to 30%) above a disk
+    tier of ``disk_bytes`` under ``workdir/disk``; ``flags`` add tiers below it."""
+    return start_agent(
+        workdir,
+        "--high-watermark", "0.6", "--low-watermark", "0.3",
+        "--tier-disk-path", str(workdir / "disk"), "--tier-disk-size", str(disk_bytes),
+        *flags,
+        l1_size=str(16 * TINY_LLAMA_CHUNK_BYTES),
+    )  # fmt: skip
 
 
 def prompt(n: int, seed: int) -> list[int]:

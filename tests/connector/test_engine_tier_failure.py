@@ -14,23 +14,16 @@ import pytest
 
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.tiers.base import HEADER_BYTES
-from tests.agent.helpers import AgentProc, start_agent
-from tests.connector.engines import Engine, make_tiny_llama, prompt
+from tests.agent.helpers import AgentProc
+from tests.connector.engines import Engine, make_tiny_llama, prompt, start_tiered_agent
 
 pytestmark = pytest.mark.slow
-
-CHUNK_BYTES = 64 * 1024  # 64 tokens x 2 layers x (K + V) x 2 heads x 64 x bf16
 
 
 @pytest.fixture(scope="module")
 def agent(workdir: Path) -> Iterator[AgentProc]:
     """L1 of 16 chunks (eviction from 60% to 30%) above a disk tier that holds everything."""
-    proc = start_agent(
-        workdir,
-        "--high-watermark", "0.6", "--low-watermark", "0.3",
-        "--tier-disk-path", str(workdir / "disk"), "--tier-disk-size", "64MiB",
-        l1_size=str(16 * CHUNK_BYTES),
-    )  # fmt: skip
+    proc = start_tiered_agent(workdir, 64 << 20)
     try:
         yield proc
     finally:

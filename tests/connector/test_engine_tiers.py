@@ -14,13 +14,19 @@ from minio import Minio
 
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.tiers.base import HEADER_BYTES
-from tests.agent.helpers import AgentProc, start_agent
+from tests.agent.helpers import AgentProc
 from tests.agent.s3_server import ACCESS_KEY, SECRET_KEY, SeaweedFS, start_seaweedfs
-from tests.connector.engines import Engine, make_tiny_llama, prompt
+from tests.connector.engines import (
+    TINY_LLAMA_CHUNK_BYTES,
+    Engine,
+    make_tiny_llama,
+    prompt,
+    start_tiered_agent,
+)
 
 pytestmark = pytest.mark.slow
 
-CHUNK_BYTES = 64 * 1024  # 64 tokens x 2 layers x (K + V) x 2 heads x 64 x bf16
+
 PREFIX = "engine"
 
 
@@ -38,13 +44,10 @@ def agent(workdir: Path, seaweed: SeaweedFS) -> Iterator[AgentProc]:
     secret.mkdir()
     (secret / "access_key_id").write_text(ACCESS_KEY)
     (secret / "secret_access_key").write_text(SECRET_KEY)
-    proc = start_agent(
-        workdir,
-        "--high-watermark", "0.6", "--low-watermark", "0.3",
-        "--tier-disk-path", str(workdir / "disk"), "--tier-disk-size", str(4 * (HEADER_BYTES + CHUNK_BYTES)),
+    proc = start_tiered_agent(
+        workdir, 4 * (HEADER_BYTES + TINY_LLAMA_CHUNK_BYTES),
         "--tier-s3-endpoint", seaweed.endpoint, "--tier-s3-bucket", seaweed.bucket,
         "--tier-s3-prefix", PREFIX, "--tier-s3-credentials-dir", str(secret),
-        l1_size=str(16 * CHUNK_BYTES),
     )  # fmt: skip
     try:
         yield proc
