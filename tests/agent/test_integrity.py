@@ -154,9 +154,12 @@ def test_same_stream_with_the_right_checksums_is_accepted(tmp_path: Path) -> Non
         hit = client.lookup("victim", "r1", keys, peer_address=peer.address)
 
         assert (hit.num_hit_chunks, hit.num_peer_chunks, hit.miss_cause) == (3, 2, "none")
-        after = client.health()
-        assert after.peer_fetched_chunks == before.peer_fetched_chunks + 2
-        assert after.peer_fetch_failures == before.peer_fetch_failures
+        # The Lookup answered at the peer's announcement (asynchronous fetch): the count follows the bytes.
+        wait_for(
+            "the fetched chunks counted",
+            lambda: client.health().peer_fetched_chunks == before.peer_fetched_chunks + 2,
+        )
+        assert client.health().peer_fetch_failures == before.peer_fetch_failures
         # The fetched chunks are in L1 bit for bit, and their recorded checksums travel on.
         parts = list(client.fetch_chunks(keys, reg.layout_id, namespace_id=NS_ID, max_part_bytes=1 << 20))
         data: dict[int, bytes] = {}

@@ -656,20 +656,26 @@ class PeerFetcher:
             rest = [c for i, c in mine.items() if i >= filled]  # those below are ready
             if rest:
                 self.cache.fail_pending(rest)
-            self._count_fetched(land, sum(1 for i in mine if i < filled))
+            # Counted one by one as they became ready (a reader sees a chunk only once it is counted).
+            self._count_fetched(land, sum(1 for i in mine if i < filled), counted=True)
 
-    def _count_fetched(self, land: _Landing, fetched: int) -> int:
-        """Record ``fetched`` chunks that arrived; returns their bytes."""
+    def _count_fetched(self, land: _Landing, fetched: int, *, counted: bool = False) -> int:
+        """Record ``fetched`` chunks that arrived (``counted``: their chunk and byte counts were added
+        already, one by one); returns their bytes."""
         nbytes = fetched * land.bytes_per_chunk
         dt = time.perf_counter() - land.t0
         if fetched:
-            self.metrics.fetch_chunks.add(fetched)
-            self.metrics.fetch_bytes.add(nbytes)
-            self.metrics.stats.add(fetched=fetched)
+            if not counted:
+                self._count_chunks(fetched, nbytes)
             if dt > 0:
                 self.metrics.fetch_throughput.record(nbytes / dt / 1e9)
         log.debug("fetched %d chunks from %s in %.1f ms", fetched, land.cand.pod_uid, dt * 1e3)
         return nbytes
+
+    def _count_chunks(self, chunks: int, nbytes: int) -> None:
+        self.metrics.fetch_chunks.add(chunks)
+        self.metrics.fetch_bytes.add(nbytes)
+        self.metrics.stats.add(fetched=chunks)
 
     def _receive(
         self,
@@ -688,6 +694,7 @@ class PeerFetcher:
             if fresh is not None and i in fresh:
                 fresh[i].checksum = checksum
             if pending is not None and i in pending:
+                self._count_chunks(1, bytes_per_chunk)
                 self.cache.finish_pending(pending[i], checksum)
 
         if limit == 0:
