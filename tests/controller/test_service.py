@@ -163,11 +163,17 @@ def test_gap_triggers_snapshot_and_buffered_events_survive(
     a = FakeAgent(server.address, "pod-a", auto=False)
     a.register()
     keys = rand_keys(10)
+    resyncs = stub.GetStats(controller_pb2.GetStatsRequest()).resyncs
     q, responses, send = _manual_stream(a)
     try:
         first = next(responses)
         assert first.resync_started  # a new stream always resyncs
-        wait_until(lambda: _synced(stub, a), what="initial sync")
+        # The agent holds nothing yet, so an empty index matches it before the pull is installed:
+        # wait for the install itself (an event sent earlier would be buffered, not acked).
+        wait_until(
+            lambda: stub.GetStats(controller_pb2.GetStatsRequest()).resyncs > resyncs, what="initial sync"
+        )
+        assert _synced(stub, a)
         e1 = a.admit(keys[:2])
         send([e1])
         assert next(responses).acked_sequence == 1

@@ -377,11 +377,12 @@ def _run_peer(
         "chunk_bytes": chunk_bytes,
         "chunks": cfg.chunks,
         "part_size": cfg.peer_part_size,
-        "peer_fetch_gbps": round(peer, 3),
-        "local_copy_gbps": round(local, 3),
-        "ratio": round(peer / local, 3),
-        "peer_lookup_ms": round(statistics.median(fetch_s) * 1e3, 2),
-        "local_lookup_ms": round(statistics.median(lookup_rtt) * 1e3, 3),
+        # Four significant digits: a loaded machine's small rates must still agree with the ratio.
+        "peer_fetch_gbps": _sig(peer),
+        "local_copy_gbps": _sig(local),
+        "ratio": _sig(peer / local),
+        "peer_lookup_ms": _sig(statistics.median(fetch_s) * 1e3),
+        "local_lookup_ms": _sig(statistics.median(lookup_rtt) * 1e3),
     }
     if cfg.json:
         print(json.dumps(result))
