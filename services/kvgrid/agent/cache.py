@@ -293,6 +293,19 @@ class ChunkCache:
                 res.entries.append((i, new, True))
         return res
 
+    def commit_pending(self, res: StoreReservation, upto: int) -> tuple[int, dict[int, Chunk]]:
+        """Commit the entries of chunk index < ``upto`` before their bytes are in: each new chunk
+        pending (``Chunk.ready`` unset) with one reference for whoever fills it, which
+        :meth:`finish_pending` or :meth:`fail_pending` drops. Returns the leading chunks held and,
+        by chunk index, the new chunks this commit made visible (a key another store committed
+        first keeps that copy; ours is freed and must not be filled)."""
+        fresh = {i: c for i, c, new in res.entries if new and i < upto}
+        for c in fresh.values():
+            c.ready = threading.Event()
+            c.refcount += 1  # the filler's reference: outlives the commit
+        held, _ = self.commit(res, upto=upto)
+        return held, {i: c for i, c in fresh.items() if c.committed}
+
     def commit(self, res: StoreReservation, upto: int | None = None) -> tuple[int, int]:
         """Make reserved chunks visible. Returns (leading chunks held, chunks already present).
 

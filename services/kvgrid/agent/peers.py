@@ -624,14 +624,9 @@ class PeerFetcher:
                 got[0] = held
                 got[1] = self._count_fetched(land, sum(1 for i in fresh if i < filled))
             return
-        # async: commit the chunks pending (visible and counted, each with the fetch's reference) and
-        # receive them in the background; readers wait for each one (acquire_ready_prefix).
-        for c in fresh.values():
-            c.ready = threading.Event()
-            c.refcount += 1
-        held, _ = self.cache.commit(res, upto=limit)
-        mine = {i: c for i, c in fresh.items() if c.committed}  # the others another store committed first
-        got[0] = held
+        # async: commit the chunks pending (visible and counted) and receive them in the background;
+        # readers wait for each one (acquire_ready_prefix).
+        got[0], mine = self.cache.commit_pending(res, upto=limit)
         self._landing.submit(self._land, land, mine)
 
     def _land(self, land: _Landing, mine: dict[int, Chunk]) -> None:

@@ -124,17 +124,11 @@ class Promoter:
             keys[:m], namespace_id=namespace_id, layout_id=layout_id, nbytes=nbytes
         )
         # The leading run of entries (a reservation stops at the first chunk that does not fit).
-        lead = [(c, new) for pos, (i, c, new) in enumerate(res.entries) if i == pos]
-        fresh = [c for c, new in lead if new]
-        for c in fresh:
-            c.ready = threading.Event()
-            c.refcount += 1  # the promotion's reference: outlives the commit
-        self.cache.commit(res, upto=len(lead))
-        # A chunk another store committed first was freed by the commit: that copy serves.
-        mine = [c for c in fresh if c.committed]
+        lead = sum(1 for pos, (i, _, _) in enumerate(res.entries) if i == pos)
+        mine = list(self.cache.commit_pending(res, upto=lead)[1].values())
         if not lead:
             return None
-        p = Promotion(owner, namespace_id, layout_id, mine, len(lead))
+        p = Promotion(owner, namespace_id, layout_id, mine, lead)
         if not mine:
             p.done.set()
             return p

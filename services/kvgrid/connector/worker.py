@@ -378,19 +378,16 @@ class ConnectorWorker:
         the agent holds the chunks (best effort). ``async_store``: return at once."""
         if self._step_loads:
             self._finish_step_loads()
-        saving, self._saving = self._saving, None
+        saving, self._saving = self._saving, None  # started by the last layer (layer-wise)
         if saving is None and meta.stores:
             self._fence_engine_stream()  # the forward's KV writes must land before the agent reads
-            saving = self._saver.submit(self._store_all, meta) if self._async_store else None
-            if saving is None:
-                self._store_all(meta)
-        if saving is not None:
-            if self._async_store:
-                with self._lock:
-                    self._stores_in_flight = {r: f for r, f in self._stores_in_flight.items() if not f.done()}
-                    self._stores_in_flight.update((order.request_id, saving) for order in meta.stores)
-            else:
-                saving.result()
+            saving = self._saver.submit(self._store_all, meta)
+        if saving is not None and not self._async_store:
+            saving.result()
+        elif saving is not None:
+            with self._lock:
+                self._stores_in_flight = {r: f for r, f in self._stores_in_flight.items() if not f.done()}
+                self._stores_in_flight.update((order.request_id, saving) for order in meta.stores)
         self.maybe_reregister()
 
     def flush_stores(self, request_ids: Sequence[str] | None = None) -> None:
