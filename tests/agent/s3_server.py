@@ -86,28 +86,48 @@ def start_seaweedfs(directory: Path, bucket: str = "kvgrid-test") -> SeaweedFS:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = SeaweedFS(proc, f"http://127.0.0.1:{s3}", bucket, log)
     deadline = time.monotonic() + 90
+    last: Exception | None = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"weed mini exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        if _bucket_ready(server):
+        try:
+            _write_probe(server)
             return server
+        except Exception as e:  # not up yet, or up and refusing writes: the loop retries, then says which
+            last = e
         time.sleep(0.3)
     server.stop()
-    raise RuntimeError(f"SeaweedFS S3 gateway not ready in 90 s: {log.read_text()[-2000:]}")
+    # A gateway that answers but refuses writes is most often a full disk: SeaweedFS's volume server
+    # turns read-only when its disk is almost full (CI once failed every S3 test that way).
+    du = shutil.disk_usage(directory)
+    raise RuntimeError(
+        f"SeaweedFS S3 gateway did not accept a write in 90 s (last error: {last!r}; "
+        f"{du.free / 2**30:.1f} GiB free of {du.total / 2**30:.0f} GiB under {directory}): "
+        f"{log.read_text()[-2000:]}"
+    )
 
 
-def _bucket_ready(server: SeaweedFS) -> bool:
+def _write_probe(server: SeaweedFS) -> None:
+    """Put, read back and delete one small object: a listening gateway is not yet a writable store."""
+    import io
+
     import urllib3
     from minio import Minio
 
+    client = Minio(
+        server.host,
+        access_key=ACCESS_KEY,
+        secret_key=SECRET_KEY,
+        secure=False,
+        http_client=urllib3.PoolManager(retries=False, timeout=5.0),  # the caller's loop retries
+    )
+    body = b"kvgrid write probe"
+    client.put_object(server.bucket, ".probe", io.BytesIO(body), len(body))
+    reply = client.get_object(server.bucket, ".probe")
     try:
-        client = Minio(
-            server.host,
-            access_key=ACCESS_KEY,
-            secret_key=SECRET_KEY,
-            secure=False,
-            http_client=urllib3.PoolManager(retries=False, timeout=2.0),  # the loop above retries
-        )
-        return client.bucket_exists(server.bucket)
-    except Exception:
-        return False
+        if reply.read() != body:
+            raise RuntimeError("the probe object read back different bytes")
+    finally:
+        reply.close()
+        reply.release_conn()
+    client.remove_object(server.bucket, ".probe")
