@@ -166,8 +166,11 @@ class AgentClient:
         skip_first_n_tokens: int = 0,
         after_fence: bool = False,
         signal_done: bool = False,
+        engine_copies: bool = False,
     ) -> RetrieveResult:
-        """``block_ids``: one list per engine group, covering the request from token 0."""
+        """``block_ids``: one list per engine group, covering the request from token 0.
+        ``engine_copies``: the agent copies nothing and answers ``chunk_offsets`` in its shared L1
+        file, held for ``request_id`` until :meth:`release`."""
         resp = self._call(
             "Retrieve",
             agent_pb2.RetrieveRequest(
@@ -178,6 +181,7 @@ class AgentClient:
                 skip_first_n_tokens=skip_first_n_tokens,
                 after_fence=after_fence,
                 signal_done=signal_done,
+                engine_copies=engine_copies,
             ),
         )
         assert isinstance(resp, agent_pb2.RetrieveResponse)
@@ -186,6 +190,7 @@ class AgentClient:
             num_retrieved_chunks=resp.num_retrieved_chunks,
             bytes_moved=resp.bytes_moved,
             miss_cause=resp.miss_cause or "none",
+            chunk_offsets=list(resp.chunk_offsets),
         )
 
     def store(
@@ -217,8 +222,13 @@ class AgentClient:
         )
 
     def release(self, instance_id: str, request_id: str) -> int:
-        resp = self._call("Release", agent_pb2.ReleaseRequest(instance_id=instance_id, request_id=request_id))
-        return int(resp.released_pins)  # type: ignore[attr-defined]
+        """Drop the request's pins (the count) and end its engine_copies lease."""
+        return int(self.release_all(instance_id, request_id).released_pins)
+
+    def release_all(self, instance_id: str, request_id: str) -> agent_pb2.ReleaseResponse:
+        """Release, answering both counts (pins, leased chunks)."""
+        req = agent_pb2.ReleaseRequest(instance_id=instance_id, request_id=request_id)
+        return self._call("Release", req)  # type: ignore[return-value]
 
     def snapshot(self) -> agent_pb2.SnapshotResponse:
         return self._call("Snapshot", agent_pb2.SnapshotRequest())  # type: ignore[return-value]

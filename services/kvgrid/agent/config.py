@@ -61,6 +61,15 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
     l1_pin_memory: Annotated[
         Switch, _d("Page-lock the L1 pool: auto (when CUDA is available), on, or off")
     ] = "auto"
+    l1_shared_dir: Annotated[
+        str,
+        _d(
+            "Put the L1 pool in a file in this directory (e.g. /dev/shm, shared with the engine's "
+            "container) so engines map it and run the transfer kernels in their own CUDA context "
+            "(connector option engine_copies); every engine registered here can then read all of L1. "
+            "Empty = a private pool, the agent copies"
+        ),
+    ] = ""
     eviction_policy: Annotated[
         EvictionPolicyName, _d("Which unreferenced chunks go first when L1 fills: lru or fifo")
     ] = "lru"

@@ -16,6 +16,12 @@ reads instead) before any peer fetch. Retrieve waits for pending chunks and stop
 read failed (the engine recomputes it); Release cancels what is not read yet. Local hits stay
 pinned or referenced meanwhile, so bringing chunks back never evicts the prefix it extends.
 
+Engine-side copies (``l1_shared_dir``): the pool is a shared file the engine maps. A Retrieve with
+``engine_copies`` copies nothing; it holds the leading ready chunks for the request (a lease: they
+cannot be evicted or rewritten) and answers their offsets in the file; the engine scatters them
+with the same kernels in its own CUDA context and ends the lease with Release. A registration that
+goes (unregister, re-registration, the engine's exit) ends its leases.
+
 Isolation and bounds: every read (lookup, its pins and peer fetch, retrieve) sees only chunks stored
 in the instance's own namespace and layout (the cache indexes chunks by namespace); a lookup pin
 lasts at most ``pin_ttl_max_ms`` (a longer request is clamped); store and retrieve take exactly one
@@ -45,9 +51,9 @@ from kvgrid.agent.promotion import Promoter, Promotion
 from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
 from kvgrid.agent.tiers.build import build_tier_chain
 from kvgrid.agent.tiers.metrics import TierMetrics
-from kvgrid.agent.transfer import ChunkMover, DoneSignal, build_mover
+from kvgrid.agent.transfer import ChunkMover, DoneSignal, build_mover, chunk_block_ids
 from kvgrid.common.errors import InvalidArgument, client_input
-from kvgrid.common.groups import EngineGroupInfo, expand_engine_block_ids, num_engine_groups
+from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.common.hashing import KeyNamespace, check_chunk_keys
 from kvgrid.common.identity import PodIdentity
 from kvgrid_kernels import TransferHandle
@@ -155,7 +161,14 @@ class AgentCore:
     ) -> None:
         self.config = config
         self.pod = pod
-        self.pool = L1Pool(config.l1_size, page_bytes=config.l1_page_size, pin=config.pin_memory)
+        self.pool = L1Pool(
+            config.l1_size,
+            page_bytes=config.l1_page_size,
+            pin=config.pin_memory,
+            shared_dir=config.l1_shared_dir or None,
+        )
+        # (instance_id, request_id) -> chunks an engine_copies Retrieve holds until Release.
+        self._leases: dict[tuple[str, str], list[Chunk]] = {}
         # Lower tiers (None when off): L1 evictions spill into them, lookups read them back.
         self.tiers = build_tier_chain(config)
         self.cache = ChunkCache(
@@ -262,6 +275,7 @@ class AgentCore:
                     # Under the lock: a lookup that sees the new registration pins only after this.
                     self.cache.unpin_instance(instance_id)
             if old is not None:
+                self._end_leases(instance_id)
                 log.info("instance %s re-registered; dropped the old registration's pins", instance_id)
             log.info(
                 "registered instance %s: %d layers, %d kernel groups, %d bytes per %d-token chunk, pid %d",
@@ -281,6 +295,7 @@ class AgentCore:
             if inst is None:
                 raise UnknownInstanceError(f"instance_id={instance_id!r} is not registered")
             released = self.cache.unpin_instance(instance_id)
+        self._end_leases(instance_id)
         if self.promoter is not None:
             self.promoter.cancel_instance(instance_id)
         self._changed()
@@ -318,6 +333,7 @@ class AgentCore:
                 del self._instances[iid]
                 # Under the lock: a re-registration under the same id must not lose its new pins.
                 n = self.cache.unpin_instance(iid)
+            self._end_leases(iid)
             if self.promoter is not None:
                 self.promoter.cancel_instance(iid)
             gone.append(iid)
@@ -343,64 +359,15 @@ class AgentCore:
         *,
         allow_holes: bool = False,
     ) -> list[list[np.ndarray]]:
-        """Per kernel group, per chunk in ``chunks``: the block ids the copy uses.
-
-        ``block_ids`` holds one list per engine group (covering the request from token 0). Blocks
-        that lie wholly inside the first ``skip_first_n_tokens`` tokens become -1 (not copied).
-        With ``allow_holes`` (retrieve) an id of -1 is a hole: the engine keeps no block there (a
-        sliding-window group outside its window), so nothing is written there; a store must name
-        every block it gathers.
-        """
-        if inst.groups:
-            groups = num_engine_groups(inst.groups)
-            if len(block_ids) != groups:
-                raise InvalidArgument(
-                    f"block_ids has {len(block_ids)} lists; instance {inst.instance_id!r} registered "
-                    f"{groups} engine groups: expected one list per engine group"
-                )
-            with client_input():
-                per_info = expand_engine_block_ids(inst.groups, [list(b) for b in block_ids])
-        else:
-            if len(block_ids) != 1:
-                raise InvalidArgument(
-                    f"block_ids has {len(block_ids)} lists; instance {inst.instance_id!r} registered a "
-                    f"single non-hybrid group, so expected exactly 1"
-                )
-            per_info = [list(block_ids[0])]
-        out: list[list[np.ndarray]] = []
-        manager = inst.mover.manager
-        for k, kg in enumerate(manager.kernel_groups):
-            info = manager.info_index(k)
-            ids = np.asarray(per_info[info], dtype=np.int64)
-            bpc = manager.blocks_per_chunk(k)
-            need = chunks.stop * bpc
-            if len(ids) < need:
-                raise InvalidArgument(
-                    f"block_ids for info {info} (engine group {kg.engine_group_idx}) has "
-                    f"{len(ids)} ids; "
-                    f"{chunks.stop} chunks of {inst.tokens_per_chunk} tokens need {need} "
-                    f"({bpc} per chunk at {kg.tokens_per_block} tokens per block)"
-                )
-            used = ids[chunks.start * bpc : need]
-            num_blocks = kg.shape.num_blocks
-            bad = (used < (-1 if allow_holes else 0)) | (used >= num_blocks)
-            if bad.any():
-                j = int(np.argmax(bad))
-                raise InvalidArgument(
-                    f"block_ids for info {info} (engine group {kg.engine_group_idx}): id "
-                    f"{int(used[j])} at position {chunks.start * bpc + j} is outside "
-                    f"[0, {num_blocks}) (the layer tensors' num_blocks)"
-                    + ("; -1 marks a hole" if allow_holes else "")
-                )
-            per_chunk = []
-            for c in chunks:
-                cid = ids[c * bpc : (c + 1) * bpc].copy()
-                if skip_first_n_tokens:
-                    first_token = c * inst.tokens_per_chunk + np.arange(bpc) * kg.tokens_per_block
-                    cid[first_token + kg.tokens_per_block <= skip_first_n_tokens] = -1
-                per_chunk.append(cid)
-            out.append(per_chunk)
-        return out
+        return chunk_block_ids(
+            inst.mover,
+            inst.groups,
+            block_ids,
+            chunks,
+            skip_first_n_tokens,
+            allow_holes=allow_holes,
+            who=f"instance {inst.instance_id!r}",
+        )
 
     # ---- lookup / retrieve / store / release -----------------------------------------------
 
@@ -517,11 +484,30 @@ class AgentCore:
             counter.add(asked - hits, {"result": f"miss_{cause}" if cause != MissCause.NONE else "miss"})
 
     def release(self, instance_id: str, request_id: str) -> int:
+        """Drop the request's lookup pins (the count) and end its engine-copies lease."""
         self.instance(instance_id)
         released = self.cache.unpin((instance_id, request_id))
         if self.promoter is not None and request_id:
             self.promoter.cancel((instance_id, request_id))  # after the unpin: nobody wants its chunks
+        self.end_lease(instance_id, request_id)
         return released
+
+    def end_lease(self, instance_id: str, request_id: str) -> int:
+        """Release the chunks an engine_copies Retrieve held for the request; how many."""
+        with self._lock:
+            chunks = self._leases.pop((instance_id, request_id), [])
+        self.cache.release(chunks)
+        return len(chunks)
+
+    def leased_chunks(self) -> int:
+        with self._lock:
+            return sum(len(c) for c in self._leases.values())
+
+    def _end_leases(self, instance_id: str) -> None:
+        with self._lock:
+            owners = [o for o in self._leases if o[0] == instance_id]
+            chunks = [c for o in owners for c in self._leases.pop(o)]
+        self.cache.release(chunks)
 
     def retrieve(
         self,
@@ -532,11 +518,28 @@ class AgentCore:
         skip_first_n_tokens: int = 0,
         after_fence: bool = False,
         signal_done: bool = False,
+        engine_copies: bool = False,
     ) -> RetrieveResult:
         """Scatter the leading held chunks into the engine's blocks (prefix semantics). With
         ``signal_done`` answer once the copies are queued: the chunks stay referenced until they
-        landed, and the engine's done event is recorded after them."""
+        landed, and the engine's done event is recorded after them. With ``engine_copies`` copy
+        nothing: lease the chunks to the request and answer their offsets (module docstring)."""
         inst = self.instance(instance_id)
+        if engine_copies:
+            if not self.pool.shared_file:
+                raise InvalidArgument(
+                    "engine_copies=true but this agent's L1 is private; expected an agent started "
+                    "with l1_shared_dir (e.g. --l1-shared-dir /dev/shm)"
+                )
+            if not request_id:
+                raise InvalidArgument(
+                    "engine_copies=true needs a request_id: Release(request_id) ends the lease"
+                )
+            if signal_done or after_fence:
+                raise InvalidArgument(
+                    "engine_copies=true with signal_done or after_fence: the engine copies itself, "
+                    "so there is nothing for the agent to wait for or signal"
+                )
         fence = inst.wait_event(after_fence)
         if signal_done and inst.done is None:
             raise InvalidArgument(
@@ -560,8 +563,14 @@ class AgentCore:
             n = len(chunks)
             t0 = time.perf_counter()
             handle = None
+            offsets: list[int] = []
             try:
-                if n:
+                if engine_copies:
+                    offsets = [self.pool.file_offset(c.buffer) for c in chunks]
+                    with self._lock:
+                        self._leases.setdefault((instance_id, request_id), []).extend(chunks)
+                    chunks = []
+                elif n:
                     handle = inst.mover.retrieve_async(
                         [c.buffer for c in chunks], [per_chunk[:n] for per_chunk in ids], wait_event=fence
                     )
@@ -586,13 +595,14 @@ class AgentCore:
         self._count_hits(self.metrics.retrieve_chunks, len(keys), n, cause)
         with self._totals_lock:
             self.totals.retrieved_chunks += n
-        if not signal_done:
+        if not signal_done and not engine_copies:
             self._record_transfer("retrieve", nbytes, dt)
         return RetrieveResult(
             hit_mask=[i < n for i in range(len(keys))],
             num_retrieved_chunks=n,
-            bytes_moved=nbytes,
+            bytes_moved=0 if engine_copies else nbytes,
             miss_cause=str(cause),
+            chunk_offsets=offsets,
         )
 
     def _release_landed(self, handle: TransferHandle, chunks: list[Chunk], t0: float, nbytes: int) -> None:
@@ -679,6 +689,7 @@ class AgentCore:
         self._completer.shutdown(wait=True)
         with self._lock:
             self._instances.clear()
+        self.pool.close()
         self.peers.close()
         if self.promoter is not None:
             self.promoter.close()

@@ -4,23 +4,81 @@ The pool is a single uint8 tensor (pinned host memory when CUDA is available, so
 kernels can DMA into it; plain pageable memory otherwise). Chunks are views into it: no torch
 allocation happens per chunk, so the agent's memory use is fixed at start and cannot grow under
 load. The allocator hands out runs of contiguous, ``align_bytes``-aligned pages.
+
+With ``shared_dir`` the pool is a file there (``kvgrid-l1-{pid}``, mode 0600, page-locked with
+``cudaHostRegister`` when pinned) that engines map to run the transfer kernels in their own CUDA
+context (agent option ``share_l1``); a chunk is then named by its byte offset in that file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import re
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-__all__ = ["Chunk", "L1Pool", "PageAllocator", "allocate_pool_tensor"]
+__all__ = [
+    "Chunk",
+    "L1Pool",
+    "PageAllocator",
+    "allocate_pool_tensor",
+    "host_register",
+    "map_shared_pool",
+    "remove_stale_pool_files",
+]
 
 log = logging.getLogger(__name__)
 
+POOL_FILE_PREFIX = "kvgrid-l1-"
+_POOL_FILE = re.compile(rf"^{POOL_FILE_PREFIX}(\d+)$")
 
-def allocate_pool_tensor(nbytes: int, *, pin: bool | None = None) -> tuple[torch.Tensor, bool]:
-    """A uint8 tensor of ``nbytes`` and whether it is page-locked.
+
+def host_register(t: torch.Tensor, *, read_only: bool = False) -> bool:
+    """Page-lock ``t``'s memory for this process's CUDA context (``cudaHostRegister``); False (and
+    a warning) when that fails -- copies still work, from pageable memory, slower."""
+    flags = 8 if read_only else 0  # cudaHostRegisterReadOnly: the device only reads it
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), flags)
+        if int(rc) == 0:
+            return True
+        log.warning("cudaHostRegister of %d bytes returned %s; stays pageable", t.numel(), rc)
+    except (RuntimeError, AttributeError) as e:
+        log.warning("cudaHostRegister unavailable (%s); memory stays pageable", e)
+    return False
+
+
+def remove_stale_pool_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """Unlink shared L1 files of agents that no longer run (kill -9 skips the agent's cleanup)."""
+    removed = []
+    for path in Path(directory).glob(f"{POOL_FILE_PREFIX}*"):
+        m = _POOL_FILE.match(path.name)
+        if m is None or Path(f"/proc/{m.group(1)}").exists():
+            continue
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+def map_shared_pool(path: str, nbytes: int) -> torch.Tensor:
+    """An engine's mapping of an agent's shared L1 file (all ``nbytes`` of it), as uint8."""
+    size = os.stat(path).st_size
+    if size != nbytes:
+        raise ValueError(f"shared L1 file {path!r} has {size} bytes; the agent announced {nbytes}")
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def allocate_pool_tensor(
+    nbytes: int, *, pin: bool | None = None, shared_dir: str | None = None
+) -> tuple[torch.Tensor, bool, str]:
+    """A uint8 tensor of ``nbytes``, whether it is page-locked, and its shared file ("" if none).
 
     ``pin=None`` pins exactly when CUDA is available. Large ``pin_memory=True`` allocations can fail
     on some drivers, so a failure falls back to plain memory registered with ``cudaHostRegister``,
@@ -29,23 +87,26 @@ def allocate_pool_tensor(nbytes: int, *, pin: bool | None = None) -> tuple[torch
     if nbytes <= 0:
         raise ValueError(f"L1 size {nbytes} bytes: expected > 0")
     want_pin = torch.cuda.is_available() if pin is None else pin
+    if shared_dir is not None:
+        remove_stale_pool_files(shared_dir)
+        path = os.path.join(shared_dir, f"{POOL_FILE_PREFIX}{os.getpid()}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)  # committed now: no SIGBUS on a full tmpfs later
+        finally:
+            os.close(fd)
+        t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        return t, want_pin and host_register(t), path
     if not want_pin:
         # Touch every page now: the memory is committed at start (no page faults mid-transfer,
         # and no out-of-memory kill later under load).
-        return torch.zeros(nbytes, dtype=torch.uint8), False
+        return torch.zeros(nbytes, dtype=torch.uint8), False, ""
     try:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True, ""
     except RuntimeError as e:
         log.warning("pinned allocation of %d bytes failed (%s); trying cudaHostRegister", nbytes, e)
     t = torch.empty(nbytes, dtype=torch.uint8)
-    try:
-        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
-        if int(rc) == 0:
-            return t, True
-        log.warning("cudaHostRegister returned %s; L1 stays pageable", rc)
-    except (RuntimeError, AttributeError) as e:
-        log.warning("cudaHostRegister unavailable (%s); L1 stays pageable", e)
-    return t, False
+    return t, host_register(t), ""
 
 
 class PageAllocator:
@@ -159,7 +220,14 @@ class Chunk:
 class L1Pool:
     """The pool tensor plus its page allocator. ``page_bytes`` is the alignment of every chunk."""
 
-    def __init__(self, capacity_bytes: int, *, page_bytes: int = 64 * 1024, pin: bool | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        page_bytes: int = 64 * 1024,
+        pin: bool | None = None,
+        shared_dir: str | None = None,
+    ) -> None:
         if page_bytes <= 0 or page_bytes & (page_bytes - 1):
             raise ValueError(f"page_bytes={page_bytes}: expected a power of two")
         num_pages = capacity_bytes // page_bytes
@@ -170,12 +238,29 @@ class L1Pool:
         self.page_bytes = page_bytes
         self.capacity_bytes = num_pages * page_bytes
         # Over-allocate one page so the first page starts on a page boundary.
-        raw, self.pinned = allocate_pool_tensor(self.capacity_bytes + page_bytes, pin=pin)
+        raw, self.pinned, self.shared_file = allocate_pool_tensor(
+            self.capacity_bytes + page_bytes, pin=pin, shared_dir=shared_dir
+        )
         skew = (-raw.data_ptr()) % page_bytes
         self.tensor = raw[skew : skew + self.capacity_bytes]
         self._raw = raw
         self.allocator = PageAllocator(num_pages)
         self.lock = threading.Lock()
+
+    @property
+    def file_bytes(self) -> int:
+        """Size of the shared file (the whole raw allocation)."""
+        return self._raw.numel()
+
+    def file_offset(self, buffer: torch.Tensor) -> int:
+        """Byte offset of a chunk buffer (a view into the pool) in the shared file."""
+        return buffer.data_ptr() - self._raw.data_ptr()
+
+    def close(self) -> None:
+        """Unlink the shared file (mappings stay valid until their tensors go)."""
+        if self.shared_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shared_file)
 
     @property
     def used_bytes(self) -> int:

@@ -31,3 +31,5 @@ class RetrieveResult(msgspec.Struct, frozen=True):
     num_retrieved_chunks: int
     bytes_moved: int
     miss_cause: str = "none"
+    chunk_offsets: list[int] = []
+    """engine_copies: each retrieved chunk's byte offset in the agent's shared L1 file."""

@@ -114,6 +114,8 @@ class AgentServicer:
             layout_id=inst.layout_id,
             namespace_id=inst.namespace_id,
             tokens_per_chunk=inst.tokens_per_chunk,
+            l1_file=self.core.pool.shared_file,
+            l1_file_bytes=self.core.pool.file_bytes if self.core.pool.shared_file else 0,
         )
 
     def UnregisterKVCaches(
@@ -142,12 +144,14 @@ class AgentServicer:
             req.skip_first_n_tokens,
             after_fence=req.after_fence,
             signal_done=req.signal_done,
+            engine_copies=req.engine_copies,
         )
         return agent_pb2.RetrieveResponse(
             hit_mask=r.hit_mask,
             num_retrieved_chunks=r.num_retrieved_chunks,
             bytes_moved=r.bytes_moved,
             miss_cause=r.miss_cause,
+            chunk_offsets=r.chunk_offsets,
         )
 
     def Store(self, req: agent_pb2.StoreRequest) -> agent_pb2.StoreResponse:
@@ -166,7 +170,10 @@ class AgentServicer:
         )
 
     def Release(self, req: agent_pb2.ReleaseRequest) -> agent_pb2.ReleaseResponse:
-        return agent_pb2.ReleaseResponse(released_pins=self.core.release(req.instance_id, req.request_id))
+        self.core.instance(req.instance_id)
+        chunks = self.core.end_lease(req.instance_id, req.request_id)
+        pins = self.core.release(req.instance_id, req.request_id)
+        return agent_pb2.ReleaseResponse(released_pins=pins, released_chunks=chunks)
 
     def Snapshot(self, req: agent_pb2.SnapshotRequest) -> agent_pb2.SnapshotResponse:
         by_ns, last_seq = self.core.cache.snapshot()
@@ -197,6 +204,7 @@ class AgentServicer:
             peer_served_chunks=peer.served_chunks,
             retrieved_chunks=self.core.totals.retrieved_chunks,
             stored_chunks=self.core.totals.stored_chunks,
+            num_leased_chunks=self.core.leased_chunks(),
         )
 
     def FetchChunks(self, req: agent_pb2.FetchChunksRequest) -> ChunkSender:

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from kvgrid.agent.tensors import dtype_name
-from kvgrid.common.groups import EngineGroupInfo
+from kvgrid.common.errors import InvalidArgument, client_input
+from kvgrid.common.groups import EngineGroupInfo, expand_engine_block_ids, num_engine_groups
 from kvgrid.common.layer_groups import KVLayerGroupsManager
 from kvgrid.common.layouts import KVFormat, block_view, detect_kv_format
 from kvgrid_kernels import KernelGroupPages, TransferHandle, TransferPlan, page_view
@@ -26,6 +27,7 @@ __all__ = [
     "ChunkMover",
     "DoneSignal",
     "build_mover",
+    "chunk_block_ids",
     "format_page_view",
     "kernel_group_pages",
     "parse_layout_hints",
@@ -209,3 +211,74 @@ def build_mover(
             "no kernel groups: every layer is excluded; expected at least one transferable layer"
         )
     return ChunkMover(manager, tensors, tokens_per_chunk)
+
+
+def chunk_block_ids(
+    mover: ChunkMover,
+    groups: Sequence[EngineGroupInfo],
+    block_ids: Sequence[Sequence[int]],
+    chunks: range,
+    skip_first_n_tokens: int = 0,
+    *,
+    allow_holes: bool = False,
+    who: str = "the engine",
+) -> list[list[np.ndarray]]:
+    """Per kernel group, per chunk in ``chunks``: the block ids ``mover``'s copy uses (the agent's
+    check of a request, and an engine copying itself over the agent's shared L1).
+
+    ``block_ids`` holds one list per engine group (covering the request from token 0). Blocks
+    that lie wholly inside the first ``skip_first_n_tokens`` tokens become -1 (not copied).
+    With ``allow_holes`` (retrieve) an id of -1 is a hole: the engine keeps no block there (a
+    sliding-window group outside its window), so nothing is written there; a store must name
+    every block it gathers.
+    """
+    if groups:
+        n_groups = num_engine_groups(groups)
+        if len(block_ids) != n_groups:
+            raise InvalidArgument(
+                f"block_ids has {len(block_ids)} lists; {who} registered "
+                f"{n_groups} engine groups: expected one list per engine group"
+            )
+        with client_input():
+            per_info = expand_engine_block_ids(groups, [list(b) for b in block_ids])
+    else:
+        if len(block_ids) != 1:
+            raise InvalidArgument(
+                f"block_ids has {len(block_ids)} lists; {who} registered a "
+                f"single non-hybrid group, so expected exactly 1"
+            )
+        per_info = [list(block_ids[0])]
+    out: list[list[np.ndarray]] = []
+    manager = mover.manager
+    for k, kg in enumerate(manager.kernel_groups):
+        info = manager.info_index(k)
+        ids = np.asarray(per_info[info], dtype=np.int64)
+        bpc = manager.blocks_per_chunk(k)
+        need = chunks.stop * bpc
+        if len(ids) < need:
+            raise InvalidArgument(
+                f"block_ids for info {info} (engine group {kg.engine_group_idx}) has "
+                f"{len(ids)} ids; "
+                f"{chunks.stop} chunks of {mover.tokens_per_chunk} tokens need {need} "
+                f"({bpc} per chunk at {kg.tokens_per_block} tokens per block)"
+            )
+        used = ids[chunks.start * bpc : need]
+        num_blocks = kg.shape.num_blocks
+        bad = (used < (-1 if allow_holes else 0)) | (used >= num_blocks)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise InvalidArgument(
+                f"block_ids for info {info} (engine group {kg.engine_group_idx}): id "
+                f"{int(used[j])} at position {chunks.start * bpc + j} is outside "
+                f"[0, {num_blocks}) (the layer tensors' num_blocks)"
+                + ("; -1 marks a hole" if allow_holes else "")
+            )
+        per_chunk = []
+        for c in chunks:
+            cid = ids[c * bpc : (c + 1) * bpc].copy()
+            if skip_first_n_tokens:
+                first_token = c * mover.tokens_per_chunk + np.arange(bpc) * kg.tokens_per_block
+                cid[first_token + kg.tokens_per_block <= skip_first_n_tokens] = -1
+            per_chunk.append(cid)
+        out.append(per_chunk)
+    return out

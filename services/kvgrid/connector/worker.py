@@ -28,6 +28,11 @@ Fences (CUDA)
     reported) the engine's stream waits for the event -- on the GPU, so the host goes on queueing
     the forward while the bytes move. Loads run one at a time on the loader thread, so the event's
     last record covers every load reported so far.
+Engine-side copies (``engine_copies``)
+    when the agent shares its L1 file, loads run the same kernels in the engine's own process and
+    CUDA context (:mod:`kvgrid.connector.engine_copies`): the Retrieve answers leased chunk offsets,
+    the worker queues the scatter after the fence and records the load-done event after it, and
+    Release ends the lease once the bytes landed. Stores still go through the agent.
 Agent restarts
     a call that fails because the agent is away or forgot this instance marks the registration
     stale; the worker registers the same KV memory again (at most every
@@ -59,6 +64,7 @@ from kvgrid.agent.client import AgentClient
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.connector.chunk_policy import NULL_BLOCK_ID, failed_block_ids
 from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
+from kvgrid.connector.engine_copies import EngineCopier, open_engine_copier
 from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder
 from kvgrid.connector.scheduler import rpc_text
 from kvgrid.connector.shm import shared_memory_file
@@ -114,6 +120,8 @@ class WorkerStats:
     """Store orders dropped while the agent was away (registration stale)."""
     flushed_requests: int = 0
     """Requests ``handle_preemptions`` named (vLLM freed their blocks with stores ordered)."""
+    chunks_engine_copied: int = 0
+    """Chunks loaded by the engine's own kernels over the agent's shared L1 (engine_copies)."""
 
 
 @dataclass
@@ -152,6 +160,8 @@ class ConnectorWorker:
         self._loaded: torch.cuda.Event | None = None
         self._stores_in_flight: dict[str, Future[None]] = {}
         """Request id -> the latest background store covering it (async_store)."""
+        self._copier: EngineCopier | None = None
+        """Engine-side loads over the agent's shared L1 (None: the agent copies)."""
         self.stats = WorkerStats()
 
     # ---- registration ---------------------------------------------------------------------------
@@ -199,7 +209,7 @@ class ConnectorWorker:
     def _send_registration(self) -> None:
         reg = self._registration
         assert reg is not None
-        self.agent.register_kv_caches(
+        resp = self.agent.register_kv_caches(
             self.identity.instance_id,
             reg.tensors,
             namespace=self.identity.namespace(self.identity.rank),
@@ -212,6 +222,21 @@ class ConnectorWorker:
         )
         self._stale = False
         self.stats.registrations += 1
+        self._open_copier(resp, reg)
+
+    def _open_copier(self, resp: Any, reg: _Registration) -> None:
+        """Engine-side copies when configured (unset: CUDA engines) and the agent shares its L1. A
+        registration with the same file keeps the mapping (the agent did not restart)."""
+        want = self._cuda if self.config.engine_copies is None else self.config.engine_copies
+        old = self._copier
+        if old is not None and want and old.l1_file == resp.l1_file:
+            return
+        with self._lock:
+            self._copier = None
+        if old is not None:
+            old.close()
+        if want:
+            self._copier = open_engine_copier(resp, reg.tensors, reg.infos, reg.hints, self._loaded)
 
     def _note_failure(self, what: str, request_id: str, e: grpc.RpcError) -> None:
         code = e.code() if isinstance(e, grpc.Call) else None
@@ -289,6 +314,9 @@ class ConnectorWorker:
 
     def _load(self, order: LoadOrder) -> LoadOutcome:
         keys = self._my_keys(order.keys)
+        copier = self._copier
+        if copier is not None:
+            return self._load_here(order, keys, copier)
         try:
             with agent_call_span("kvgrid.connector.retrieve", order.request_id):
                 res = self.agent.retrieve(
@@ -308,6 +336,37 @@ class ConnectorWorker:
             log.exception("kvgrid retrieve for request %s raised", order.request_id)
             loaded = 0
         return LoadOutcome(order, loaded, len(keys))
+
+    def _load_here(self, order: LoadOrder, keys: list[bytes], copier: EngineCopier) -> LoadOutcome:
+        """Engine-side load: lease the chunks, scatter them here, Release once they landed."""
+        block_ids = agent_block_ids(order.block_ids)
+        loaded = 0
+        try:
+            with agent_call_span("kvgrid.connector.retrieve", order.request_id):
+                res = self.agent.retrieve(
+                    self.identity.instance_id, order.request_id, keys, block_ids,
+                    skip_first_n_tokens=order.skip_first_n_tokens, engine_copies=True,
+                )  # fmt: skip
+            copier.scatter(
+                res.chunk_offsets,
+                block_ids,
+                order.skip_first_n_tokens,
+                fence=self._fence,
+                release=lambda: self._release_lease(order.request_id),
+            )
+            loaded = len(res.chunk_offsets)
+            self.stats.chunks_engine_copied += loaded
+        except grpc.RpcError as e:
+            self._note_failure("retrieve", order.request_id, e)
+        except Exception:  # a bug must not leave the request waiting forever: report it failed
+            log.exception("kvgrid engine-side load for request %s raised", order.request_id)
+        return LoadOutcome(order, loaded, len(keys))
+
+    def _release_lease(self, request_id: str) -> None:
+        try:
+            self.agent.release_all(self.identity.instance_id, request_id)
+        except grpc.RpcError as e:  # the agent went: its leases went with it
+            log.info("kvgrid release of request %s's lease failed: %s", request_id, rpc_text(e))
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) of the loads that ended since the last call."""
@@ -447,6 +506,9 @@ class ConnectorWorker:
         # Loads still running finish (their blocks are still held by vLLM until reported).
         self.flush_stores()
         self._loader.shutdown(wait=True)
+        if self._copier is not None:
+            self._copier.close()  # copies queued so far land and their leases end
+            self._copier = None
         self._saver.shutdown(wait=True)
         self._registrar.shutdown(wait=True)
         if self._registration is not None:

@@ -268,6 +268,8 @@ class RegisterKVCachesResponse(_message.Message):
     LAYOUT_ID_FIELD_NUMBER: _builtins.int
     NAMESPACE_ID_FIELD_NUMBER: _builtins.int
     TOKENS_PER_CHUNK_FIELD_NUMBER: _builtins.int
+    L1_FILE_FIELD_NUMBER: _builtins.int
+    L1_FILE_BYTES_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     bytes_per_chunk: _builtins.int
     layout_id: _builtins.str
@@ -275,6 +277,11 @@ class RegisterKVCachesResponse(_message.Message):
     namespace_id: _builtins.str
     """Hex id of the registration's key namespace."""
     tokens_per_chunk: _builtins.int
+    l1_file: _builtins.str
+    """The shared file holding the agent's L1 pool (agent option share_l1), empty when not shared:
+    an engine maps it to run the transfer kernels itself (RetrieveRequest.engine_copies).
+    """
+    l1_file_bytes: _builtins.int
     @_builtins.property
     def kernel_groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KernelGroupSummary]: ...
     def __init__(
@@ -286,10 +293,12 @@ class RegisterKVCachesResponse(_message.Message):
         layout_id: _builtins.str = ...,
         namespace_id: _builtins.str = ...,
         tokens_per_chunk: _builtins.int = ...,
+        l1_file: _builtins.str = ...,
+        l1_file_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_chunk", b"bytes_per_chunk", "instance_id", b"instance_id", "kernel_groups", b"kernel_groups", "layout_id", b"layout_id", "namespace_id", b"namespace_id", "tokens_per_chunk", b"tokens_per_chunk"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_chunk", b"bytes_per_chunk", "instance_id", b"instance_id", "kernel_groups", b"kernel_groups", "l1_file", b"l1_file", "l1_file_bytes", b"l1_file_bytes", "layout_id", b"layout_id", "namespace_id", b"namespace_id", "tokens_per_chunk", b"tokens_per_chunk"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -412,6 +421,7 @@ class RetrieveRequest(_message.Message):
     SKIP_FIRST_N_TOKENS_FIELD_NUMBER: _builtins.int
     AFTER_FENCE_FIELD_NUMBER: _builtins.int
     SIGNAL_DONE_FIELD_NUMBER: _builtins.int
+    ENGINE_COPIES_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     request_id: _builtins.str
     skip_first_n_tokens: _builtins.int
@@ -422,6 +432,11 @@ class RetrieveRequest(_message.Message):
     """Answer once the copies are queued, not done: the agent records the engine's done_event
     (RegisterKVCachesRequest.done_event) after them, and the engine's stream waits for that event
     before it reads the blocks (its host never waits for the copy).
+    """
+    engine_copies: _builtins.bool
+    """Copy nothing: hold the leading ready chunks for request_id until Release and answer where they
+    lie in the shared L1 file (RegisterKVCachesResponse.l1_file); the engine scatters them itself,
+    in its own CUDA context. Needs the agent's share_l1 and a request_id.
     """
     @_builtins.property
     def chunk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
@@ -439,10 +454,11 @@ class RetrieveRequest(_message.Message):
         skip_first_n_tokens: _builtins.int = ...,
         after_fence: _builtins.bool = ...,
         signal_done: _builtins.bool = ...,
+        engine_copies: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_fence", b"after_fence", "block_ids", b"block_ids", "chunk_keys", b"chunk_keys", "instance_id", b"instance_id", "request_id", b"request_id", "signal_done", b"signal_done", "skip_first_n_tokens", b"skip_first_n_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_fence", b"after_fence", "block_ids", b"block_ids", "chunk_keys", b"chunk_keys", "engine_copies", b"engine_copies", "instance_id", b"instance_id", "request_id", b"request_id", "signal_done", b"signal_done", "skip_first_n_tokens", b"skip_first_n_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -456,6 +472,7 @@ class RetrieveResponse(_message.Message):
     NUM_RETRIEVED_CHUNKS_FIELD_NUMBER: _builtins.int
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
     MISS_CAUSE_FIELD_NUMBER: _builtins.int
+    CHUNK_OFFSETS_FIELD_NUMBER: _builtins.int
     num_retrieved_chunks: _builtins.int
     bytes_moved: _builtins.int
     miss_cause: _builtins.str
@@ -464,6 +481,12 @@ class RetrieveResponse(_message.Message):
     def hit_mask(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
         """One entry per requested chunk; true for the leading chunks that were written."""
 
+    @_builtins.property
+    def chunk_offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """engine_copies: byte offset of each retrieved chunk in the shared L1 file (each
+        RegisterKVCachesResponse.bytes_per_chunk long), held until Release.
+        """
+
     def __init__(
         self,
         *,
@@ -471,10 +494,11 @@ class RetrieveResponse(_message.Message):
         num_retrieved_chunks: _builtins.int = ...,
         bytes_moved: _builtins.int = ...,
         miss_cause: _builtins.str = ...,
+        chunk_offsets: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "hit_mask", b"hit_mask", "miss_cause", b"miss_cause", "num_retrieved_chunks", b"num_retrieved_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "chunk_offsets", b"chunk_offsets", "hit_mask", b"hit_mask", "miss_cause", b"miss_cause", "num_retrieved_chunks", b"num_retrieved_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -572,15 +596,19 @@ class ReleaseResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RELEASED_PINS_FIELD_NUMBER: _builtins.int
+    RELEASED_CHUNKS_FIELD_NUMBER: _builtins.int
     released_pins: _builtins.int
+    released_chunks: _builtins.int
+    """Chunks an engine_copies Retrieve held for the request."""
     def __init__(
         self,
         *,
         released_pins: _builtins.int = ...,
+        released_chunks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["released_pins", b"released_pins"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released_chunks", b"released_chunks", "released_pins", b"released_pins"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -695,6 +723,7 @@ class HealthResponse(_message.Message):
     PEER_SERVED_CHUNKS_FIELD_NUMBER: _builtins.int
     RETRIEVED_CHUNKS_FIELD_NUMBER: _builtins.int
     STORED_CHUNKS_FIELD_NUMBER: _builtins.int
+    NUM_LEASED_CHUNKS_FIELD_NUMBER: _builtins.int
     l1_capacity_bytes: _builtins.int
     l1_used_bytes: _builtins.int
     num_chunks: _builtins.int
@@ -710,6 +739,8 @@ class HealthResponse(_message.Message):
     retrieved_chunks: _builtins.int
     """Since start: chunks written into engines' blocks by retrieves, and chunks new to L1 by stores."""
     stored_chunks: _builtins.int
+    num_leased_chunks: _builtins.int
+    """Chunks engine_copies Retrieves hold for their engines until Release."""
     @_builtins.property
     def pod(self) -> _common_pb2.PodIdentity: ...
     @_builtins.property
@@ -729,10 +760,11 @@ class HealthResponse(_message.Message):
         peer_served_chunks: _builtins.int = ...,
         retrieved_chunks: _builtins.int = ...,
         stored_chunks: _builtins.int = ...,
+        num_leased_chunks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pod", b"pod"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_ids", b"instance_ids", "l1_capacity_bytes", b"l1_capacity_bytes", "l1_used_bytes", b"l1_used_bytes", "num_chunks", b"num_chunks", "num_evictions", b"num_evictions", "num_pinned_chunks", b"num_pinned_chunks", "peer_fetch_failures", b"peer_fetch_failures", "peer_fetched_chunks", b"peer_fetched_chunks", "peer_served_chunks", b"peer_served_chunks", "pod", b"pod", "retrieved_chunks", b"retrieved_chunks", "stored_chunks", b"stored_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_ids", b"instance_ids", "l1_capacity_bytes", b"l1_capacity_bytes", "l1_used_bytes", b"l1_used_bytes", "num_chunks", b"num_chunks", "num_evictions", b"num_evictions", "num_leased_chunks", b"num_leased_chunks", "num_pinned_chunks", b"num_pinned_chunks", "peer_fetch_failures", b"peer_fetch_failures", "peer_fetched_chunks", b"peer_fetched_chunks", "peer_served_chunks", b"peer_served_chunks", "pod", b"pod", "retrieved_chunks", b"retrieved_chunks", "stored_chunks", b"stored_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,145 @@
+"""Engine-side copies over the agent's shared L1 (agent ``--l1-shared-dir``, Retrieve
+``engine_copies``): a real agent process, this test process as the engine with its KV in
+shared-memory files (the hybrid layout of ``tests.agent.helpers``), and the connector's
+:class:`~kvgrid.connector.engine_copies.EngineCopier` doing the copy here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from kvgrid.agent.client import AgentClient
+from kvgrid.connector.engine_copies import open_engine_copier
+from tests.agent.helpers import (
+    GROUPS,
+    HINTS,
+    AgentProc,
+    block_ids,
+    blocks_of,
+    keys_for,
+    register_kv,
+    start_agent,
+)
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-copies")
+
+
+@pytest.fixture(scope="module")
+def dead_agents_file(shared_dir: Path) -> Path:
+    """An L1 file left by an agent that was killed: a pid that no longer exists."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    path = shared_dir / f"kvgrid-l1-{int(gone.stdout)}"
+    path.write_bytes(b"\0" * 4096)
+    return path
+
+
+@pytest.fixture(scope="module")
+def agent(shared_dir: Path, dead_agents_file: Path) -> Iterator[AgentProc]:
+    a = start_agent(shared_dir, "--l1-shared-dir", str(shared_dir), pod_uid="uid-shared-l1")
+    yield a
+    a.stop()
+
+
+@pytest.fixture(scope="module")
+def client(agent: AgentProc) -> Iterator[AgentClient]:
+    c = agent.client()
+    yield c
+    c.close()
+
+
+def invalid(fn: object, *args: object, **kw: object) -> str:
+    with pytest.raises(grpc.RpcError) as err:
+        fn(*args, **kw)  # type: ignore[operator]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    return err.value.details() or ""
+
+
+def test_the_engine_scatters_leased_chunks_itself_bit_exact(
+    agent: AgentProc, client: AgentClient, shared_dir: Path, dead_agents_file: Path
+) -> None:
+    tensors, reg = register_kv(client, "e1", shared_dir, seed=5)
+    assert reg.l1_file == str(shared_dir / f"kvgrid-l1-{agent.proc.pid}")
+    assert os.stat(reg.l1_file).st_size == reg.l1_file_bytes > 0
+    assert not dead_agents_file.exists()  # the killed agent's file was removed at start
+    keys, src, dst = keys_for(500, 3), block_ids(0, 3), block_ids(20, 3)
+    want = blocks_of(tensors, src)
+    assert client.store("e1", keys, src).num_stored_chunks == 3
+    assert [b.ne(w).any() for b, w in zip(blocks_of(tensors, dst), want, strict=True)] == [True] * 5
+
+    res = client.retrieve("e1", "req-1", keys, dst, engine_copies=True)
+    assert res.num_retrieved_chunks == 3 and len(res.chunk_offsets) == 3 and res.bytes_moved == 0
+    assert client.health().num_leased_chunks == 3
+    # The agent wrote nothing: the destination blocks are as they were.
+    assert [b.ne(w).any() for b, w in zip(blocks_of(tensors, dst), want, strict=True)] == [True] * 5
+
+    copier = open_engine_copier(reg, tensors, GROUPS, HINTS, None)
+    assert copier is not None and copier.mover.layout_id == reg.layout_id
+    released = threading.Event()
+    answers = []
+
+    def release() -> None:
+        answers.append(client.release_all("e1", "req-1"))
+        released.set()
+
+    copier.scatter(res.chunk_offsets, dst, 0, fence=None, release=release)
+    assert released.wait(10)
+    copier.close()
+    for got, w in zip(blocks_of(tensors, dst), want, strict=True):
+        assert torch.equal(got, w)
+    assert answers[0].released_chunks == 3
+    assert client.health().num_leased_chunks == 0
+
+
+def test_leases_end_with_the_registration(client: AgentClient, shared_dir: Path) -> None:
+    register_kv(client, "e2", shared_dir, seed=6)
+    keys = keys_for(600, 2)
+    assert client.store("e2", keys, block_ids(0, 2)).num_stored_chunks == 2
+    before = client.health().num_leased_chunks
+    client.retrieve("e2", "a", keys, block_ids(10, 2), engine_copies=True)
+    client.retrieve("e2", "b", keys, block_ids(20, 2), engine_copies=True)
+    assert client.health().num_leased_chunks == before + 4
+    client.unregister_kv_caches("e2")
+    assert client.health().num_leased_chunks == before
+
+
+def test_bad_engine_copies_requests_are_invalid_argument(client: AgentClient, shared_dir: Path) -> None:
+    register_kv(client, "e3", shared_dir, seed=7)
+    keys, ids = keys_for(700, 1), block_ids(0, 1)
+    assert "needs a request_id" in invalid(client.retrieve, "e3", "", keys, ids, engine_copies=True)
+    text = invalid(client.retrieve, "e3", "r", keys, ids, engine_copies=True, after_fence=True)
+    assert "nothing for the agent to wait for" in text
+    assert client.health().num_leased_chunks == 0
+    # The agent still serves.
+    assert client.store("e3", keys, ids).num_stored_chunks == 1
+
+
+def test_a_private_l1_refuses_engine_copies(tmp_path: Path) -> None:
+    agent = start_agent(tmp_path, pod_uid="uid-private-l1")
+    try:
+        with agent.client() as client:
+            _, reg = register_kv(client, "p", tmp_path, seed=8)
+            assert reg.l1_file == "" and reg.l1_file_bytes == 0
+            text = invalid(client.retrieve, "p", "r", keys_for(800, 1), block_ids(0, 1), engine_copies=True)
+            assert "engine_copies=true but this agent's L1 is private" in text
+            assert "--l1-shared-dir" in text
+    finally:
+        agent.stop()
+
+
+def test_the_agent_removes_its_file_when_it_stops(tmp_path: Path) -> None:
+    agent = start_agent(tmp_path, "--l1-shared-dir", str(tmp_path), pod_uid="uid-stops")
+    path = tmp_path / f"kvgrid-l1-{agent.proc.pid}"
+    assert path.exists()
+    agent.stop()
+    assert not path.exists()

