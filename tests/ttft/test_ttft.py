@@ -81,11 +81,13 @@ def test_hit_logits_equal_the_miss_and_a_wrong_byte_shows(agent: AgentProcess, l
         eng.close()
 
 
-def _bench_row(device: str, prompt_tokens: int, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+def _bench_row(
+    device: str, prompt_tokens: int, capsys: pytest.CaptureFixture[str], *flags: str
+) -> dict[str, Any]:
     """``kvgrid bench ttft --json`` of the tiny model, one prompt length, 64-token chunks: the one
     row, once the run exited 0 and reported no failures."""
     argv = ["bench", "ttft", "--device", device, "--model", "tiny", "--prompts", str(prompt_tokens),
-            "--chunk-size", "64", "--iters", "1", "--json"]  # fmt: skip
+            "--chunk-size", "64", "--iters", "1", "--json", *flags]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["failures"] == []
@@ -114,10 +116,12 @@ def test_bad_values_are_refused_with_their_name() -> None:
 
 
 @pytest.mark.gpu
-def test_bench_runs_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
-    """The same bench with the KV cache on the GPU (handed to the agent by CUDA IPC): the hit
-    equals a tail prefill over the same KV bit for bit (checked by the bench: failures empty)."""
-    row = _bench_row("cuda", 300, capsys)
+@pytest.mark.parametrize("copies", ["agent", "engine"])
+def test_bench_runs_on_cuda(capsys: pytest.CaptureFixture[str], copies: str) -> None:
+    """The same bench with the KV cache on the GPU (handed to the agent by CUDA IPC; with engine
+    copies the engine's own kernels load from the agent's shared L1): the hit equals a tail
+    prefill over the same KV bit for bit (checked by the bench: failures empty)."""
+    row = _bench_row("cuda", 300, capsys, "--copies", copies)
     assert row["hit_tokens"] == 256
     for mode in ("whole", "layerwise"):
         assert row[mode]["hit_vs_miss_max_abs_logit_diff"] < 0.1  # bf16 rounding of other kernel shapes

@@ -22,6 +22,8 @@ hit, ``ceiling`` = prefill / copy (issue 11's definition), ``limit`` = prefill /
 a hit can reach at the copy limit, tail included), and ``of ceiling`` = speed-up / ceiling (goal
 >= 0.8 at 8k and 32k). ``stored`` is the miss's time until its stores landed in the agent: with
 asynchronous stores (``--store async``, the default on CUDA) the first token does not wait for them.
+With ``--copies engine`` the loads run in the engine's process and CUDA context over the agent's L1
+shared in a file (connector ``engine_copies``), instead of in the agent's.
 
 Correctness, every run: the hit's first-token logits must equal, bit for bit, the logits of the
 tail computed without the connector over the prefix KV the model computed itself (same kernels,
@@ -98,6 +100,11 @@ class TTFTBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
         _d("the connector's async_store: sync (wait_for_save returns when the agent holds the chunks), "
            "async (it returns at once; the copy waits for the forward on the GPU), auto = async on cuda"),
     ] = "auto"  # fmt: skip
+    copies: Annotated[
+        Literal["agent", "engine"],
+        _d("who runs a load's kernels: agent (in the agent's process and CUDA context) or engine (in "
+           "the engine's, over the agent's L1 shared in a file under /dev/shm: connector engine_copies)"),
+    ] = "agent"  # fmt: skip
     iters: Annotated[int, msgspec.Meta(ge=1, description="timed misses and hits per figure (median)")] = 3
     seed: Annotated[int, _d("weights and prompts seed")] = 0
     json: Annotated[bool, _d("print one JSON object instead of a table")] = False
@@ -176,7 +183,10 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
     model = PagedLlama(shape, device=device, dtype=dtype, seed=cfg.seed)
     per_token = shape.kv_bytes_per_token(dtype)
     l1 = 3 * max(prompts) * per_token + (64 << 20)
-    agent = AgentProcess(work, l1)
+    shared = ""
+    if cfg.copies == "engine":
+        shared = "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * l1 else str(work)
+    agent = AgentProcess(work, l1, l1_shared_dir=shared)
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
     try:
@@ -185,6 +195,7 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
                 model, agent.uds_path, work, max_prompt_tokens=max(prompts), block_size=cfg.block_size,
                 chunk_size=cfg.chunk_size, layerwise=mode == "layerwise", engine_id=f"ttft-{mode}",
                 async_store={"auto": None, "sync": False, "async": True}[cfg.store],
+                engine_copies=cfg.copies == "engine",
             )
             for mode in cfg.modes
         }  # fmt: skip
@@ -203,6 +214,7 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
         "chunk_size": cfg.chunk_size,
         "iters": cfg.iters,
         "store": cfg.store,
+        "copies": cfg.copies,
         "rows": rows,
         "failures": failures,
     }
@@ -343,7 +355,7 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         f"{result['device']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']}/{m['kv_heads']} heads "
         f"of {m['head_size']}, bf16; block {result['block_size']}, chunk {result['chunk_size']}; "
-        f"median of {result['iters']}; stores {result['store']}"
+        f"median of {result['iters']}; stores {result['store']}; loads copied by the {result['copies']}"
     )
     print(
         f"{'prompt':>7} {'mode':>9} {'miss ms':>9} {'store +%':>9} {'stored ms':>9} {'hit ms':>9} "

@@ -55,13 +55,15 @@ __all__ = ["AgentProcess", "RunResult", "TTFTEngine", "kv_buffer", "slots_of"]
 class AgentProcess:
     """A ``kvgrid agent`` process on a Unix socket in ``directory`` (CPU KV files allowed there)."""
 
-    def __init__(self, directory: Path, l1_size: int) -> None:
+    def __init__(self, directory: Path, l1_size: int, *, l1_shared_dir: str = "") -> None:
+        """``l1_shared_dir``: the agent keeps L1 in a file there (engines copy themselves)."""
         self.uds_path = str(directory / "agent.sock")
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
         env["OTEL_SDK_DISABLED"] = "true"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvgrid.cli", "agent", "--uds-path", self.uds_path, "--tcp-port", "-1",
-             "--l1-size", str(l1_size), "--shm-allowed-dirs", str(directory), "--log-level", "warning"],
+             "--l1-size", str(l1_size), "--shm-allowed-dirs", str(directory), "--log-level", "warning",
+             "--l1-shared-dir", l1_shared_dir],
             stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         assert self.proc.stdout is not None
@@ -180,6 +182,7 @@ class TTFTEngine:
         chunk_size: int = 256,
         layerwise: bool = False,
         async_store: bool | None = None,
+        engine_copies: bool = False,
         engine_id: str = "ttft",
     ) -> None:
         from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -237,6 +240,7 @@ class TTFTEngine:
                     "chunk_size": chunk_size,
                     "layerwise": layerwise,
                     "async_store": async_store,
+                    "engine_copies": engine_copies,
                     "rpc_timeout_s": 600.0,
                 },
             ),
