@@ -219,6 +219,10 @@ instead; see docs/deploy.md.
 - {{ printf "--uds-path=%s" (include "kvgrid.agentSocketPath" .) | quote }}
 - {{ printf "--tcp-port=%s" (include "kvgrid.agentPort" .) | quote }}
 - {{ printf "--l1-size=%v" $v.agent.l1Size | quote }}
+{{- if $v.agent.l1Shared }}
+{{- /* The L1 file lies in the kvgrid-shm emptyDir, which the engine mounts at /dev/shm too. */}}
+- "--l1-shared-dir=/dev/shm"
+{{- end }}
 - {{ printf "--eviction-policy=%v" $v.agent.evictionPolicy | quote }}
 - {{ printf "--peer-data-plane=%v" $v.agent.peerDataPlane | quote }}
 - {{ printf "--peer-fetch-mode=%v" $v.agent.peerFetchMode | quote }}
@@ -501,6 +505,18 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 {{- fail (printf "agent.l1Size=%v does not fit agent.resources.limits.memory=%v: the L1 pool is allocated at start, so the agent would be OOM-killed. Expected an L1 smaller than the memory limit (leave ~1-2Gi for the process), e.g. a limit of %dGi or a smaller l1Size" $.Values.agent.l1Size .memory (add 2 (ceil (divf $l1 1073741824.0) | int))) }}
 {{- end }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- if .Values.agent.l1Shared }}
+{{- if not .Values.agent.shm.enabled }}
+{{- fail "agent.l1Shared=true needs agent.shm.enabled=true: the shared L1 file lives in the /dev/shm emptyDir that the sidecar and the engine both mount (agent.shm)" }}
+{{- end }}
+{{- /* Each agent's file is its pool plus one 64Ki page (alignment); a tmpfs cannot hold more than sizeLimit. */}}
+{{- $file := addf (include "kvgrid.bytes" .Values.agent.l1Size | float64) 65536.0 }}
+{{- $need := mulf $file $n }}
+{{- $shm := include "kvgrid.bytes" .Values.agent.shm.sizeLimit | float64 }}
+{{- if lt $shm $need }}
+{{- fail (printf "agent.l1Shared=true with agent.shm.sizeLimit=%v: the /dev/shm emptyDir must hold agent.sidecarsPerPod=%d L1 file(s) of agent.l1Size=%v plus 64Ki each (%d bytes), or the agent cannot allocate its L1 at start. Expected agent.shm.sizeLimit of at least %dGi (plus what the engine keeps in /dev/shm), or a smaller agent.l1Size" .Values.agent.shm.sizeLimit $n .Values.agent.l1Size ($need | int64) (ceil (divf $need 1073741824.0) | int)) }}
 {{- end }}
 {{- end }}
 {{- $tiers := .Values.agent.tiers }}
