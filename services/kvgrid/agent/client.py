@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import grpc
 import torch
 
+from kvgrid.agent.hotpath import HOT_METHODS, HotPathClient, hot_path_of
 from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
 from kvgrid.agent.tensors import export_layer_tensor
 from kvgrid.api.v1 import agent_pb2
@@ -49,11 +50,17 @@ class AgentClient:
         timeout_s: float = 60.0,
         max_message_bytes: int = 64 << 20,
         tls: ClientTls | None = None,
+        hot_path: bool = True,
     ) -> None:
-        """``tls``: mTLS credentials for a TCP target (ignored for a Unix socket, always plaintext)."""
+        """``tls``: mTLS credentials for a TCP target (ignored for a Unix socket, always plaintext).
+        ``hot_path``: on a Unix socket, send Lookup/Retrieve/Store/Release over the agent's hot path
+        (``kvgrid.agent.hotpath``) whenever the agent serves it; gRPC otherwise."""
         self.target = agent_target(address)
         self.timeout_s = timeout_s
         unix = self.target.startswith(("unix:", "unix-abstract:"))
+        self.hot: HotPathClient | None = None
+        if hot_path and self.target.startswith("unix:"):
+            self.hot = HotPathClient(hot_path_of(self.target.removeprefix("unix:")), timeout_s=timeout_s)
         # traced: the caller's current span (the connector's) is the parent of the agent's spans
         self.channel = traced_channel(
             make_channel(
@@ -84,6 +91,8 @@ class AgentClient:
             )
 
     def _call(self, name: str, req: object, timeout_s: float | None = None) -> object:
+        if self.hot is not None and name in HOT_METHODS and self.hot.available():
+            return self.hot.call(name, req, timeout_s)  # type: ignore[arg-type]
         return self._calls[name](req, timeout=timeout_s or self.timeout_s)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
@@ -260,6 +269,8 @@ class AgentClient:
         return stream
 
     def close(self) -> None:
+        if self.hot is not None:
+            self.hot.close()
         self.channel.close()
 
     def __enter__(self) -> AgentClient:

@@ -34,6 +34,7 @@ from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.core import AgentCore
 from kvgrid.agent.events import EventLog, EventPublisher
+from kvgrid.agent.hotpath import HotPathServer, hot_path_of
 from kvgrid.agent.p2p import DataPlaneServer
 from kvgrid.agent.peers import ChunkSender
 from kvgrid.agent.tensors import SharedFileCache, dtype_name, open_ipc_event, open_layer_tensor
@@ -253,6 +254,7 @@ class AgentServer:
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self.data_plane: DataPlaneServer | None = None
+        self.hot_path: HotPathServer | None = None
 
     def start(self) -> AgentServer:
         cfg = self.config
@@ -299,6 +301,18 @@ class AgentServer:
 
             self.data_plane = DataPlaneServer(cfg.tcp_host, cfg.peer_data_port, tls=tls, on_sent=sent).start()
         servicer = AgentServicer(self.core, self.events, self.data_plane)
+        if self.uds_path:
+            hot = hot_path_of(self.uds_path)
+            if cfg.hot_path:
+                self.hot_path = HotPathServer(
+                    hot,
+                    servicer,
+                    max_message_bytes=cfg.max_message_bytes,
+                    metrics=rpc_metrics,
+                    tracer=self._tracer,
+                ).start()
+            else:
+                Path(hot).unlink(missing_ok=True)  # a previous run's: clients would try it
         for rpc in servers:
             if id(rpc) in tcp_servers:
                 rpc.add_service(
@@ -363,6 +377,8 @@ class AgentServer:
         self._stop.set()
         if self.publisher is not None:
             self.publisher.stop()
+        if self.hot_path is not None:
+            self.hot_path.stop()
         stopping = [rpc.server.stop(grace) for rpc in self.servers]
         for done in stopping:
             done.wait()

@@ -30,6 +30,7 @@ __all__ = [
     "context_from_headers",
     "inject_headers",
     "server_span",
+    "span_under",
     "traced_channel",
 ]
 
@@ -128,7 +129,16 @@ def server_span(
 
     With a no-op tracer (nothing exported) no span is made: the caller's context, if any, is made
     current as it is, so outgoing calls still carry the caller's trace id."""
-    parent = _remote_parent(context)
+    with span_under(tracer, service, method, _remote_parent(context)) as span:
+        yield span
+
+
+@contextmanager
+def span_under(
+    tracer: trace.Tracer, service: str, method: str, parent: otel_context.Context | None
+) -> Iterator[Span]:
+    """:func:`server_span` for a call that came with ``parent`` (from :func:`context_from_headers`)
+    by another transport than gRPC (the agent's hot path)."""
     if isinstance(tracer, trace.NoOpTracer):
         if parent is None:
             yield trace.INVALID_SPAN
