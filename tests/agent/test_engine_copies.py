@@ -5,9 +5,8 @@ shared-memory files (the hybrid layout of ``tests.agent.helpers``), and the conn
 
 from __future__ import annotations
 
+import fcntl
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from kvgrid.agent.client import AgentClient
+from kvgrid.agent.l1 import L1Pool
 from kvgrid.connector.engine_copies import open_engine_copier
 from tests.agent.helpers import (
     GROUPS,
@@ -37,15 +37,26 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def dead_agents_file(shared_dir: Path) -> Path:
-    """An L1 file left by an agent that was killed: a pid that no longer exists."""
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
-    path = shared_dir / f"kvgrid-l1-{int(gone.stdout)}"
+    """An L1 file left by an agent that was killed (nobody holds its lock)."""
+    path = shared_dir / "kvgrid-l1-1-0badc0de"
     path.write_bytes(b"\0" * 4096)
     return path
 
 
 @pytest.fixture(scope="module")
-def agent(shared_dir: Path, dead_agents_file: Path) -> Iterator[AgentProc]:
+def live_agents_file(shared_dir: Path) -> Iterator[Path]:
+    """The L1 file of an agent that runs (its lock held): in another pid namespace it may have the
+    same pid as ours, so only the lock tells."""
+    path = shared_dir / "kvgrid-l1-1-11ve0000"
+    path.write_bytes(b"\0" * 4096)
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield path
+    os.close(fd)
+
+
+@pytest.fixture(scope="module")
+def agent(shared_dir: Path, dead_agents_file: Path, live_agents_file: Path) -> Iterator[AgentProc]:
     a = start_agent(shared_dir, "--l1-shared-dir", str(shared_dir), pod_uid="uid-shared-l1")
     yield a
     a.stop()
@@ -66,12 +77,14 @@ def invalid(fn: object, *args: object, **kw: object) -> str:
 
 
 def test_the_engine_scatters_leased_chunks_itself_bit_exact(
-    agent: AgentProc, client: AgentClient, shared_dir: Path, dead_agents_file: Path
+    agent: AgentProc, client: AgentClient, shared_dir: Path, dead_agents_file: Path, live_agents_file: Path
 ) -> None:
     tensors, reg = register_kv(client, "e1", shared_dir, seed=5)
-    assert reg.l1_file == str(shared_dir / f"kvgrid-l1-{agent.proc.pid}")
+    assert Path(reg.l1_file).parent == shared_dir
+    assert Path(reg.l1_file).name.startswith(f"kvgrid-l1-{agent.proc.pid}-")
     assert os.stat(reg.l1_file).st_size == reg.l1_file_bytes > 0
     assert not dead_agents_file.exists()  # the killed agent's file was removed at start
+    assert live_agents_file.exists()  # a running agent's was not
     keys, src, dst = keys_for(500, 3), block_ids(0, 3), block_ids(20, 3)
     want = blocks_of(tensors, src)
     assert client.store("e1", keys, src).num_stored_chunks == 3
@@ -139,7 +152,14 @@ def test_a_private_l1_refuses_engine_copies(tmp_path: Path) -> None:
 
 def test_the_agent_removes_its_file_when_it_stops(tmp_path: Path) -> None:
     agent = start_agent(tmp_path, "--l1-shared-dir", str(tmp_path), pod_uid="uid-stops")
-    path = tmp_path / f"kvgrid-l1-{agent.proc.pid}"
-    assert path.exists()
+    (path,) = tmp_path.glob("kvgrid-l1-*")
     agent.stop()
     assert not path.exists()
+
+
+def test_a_shared_l1_that_does_not_fit_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match=rf"l1_shared_dir='{tmp_path}': cannot allocate the \d+-byte L1 file"
+    ):
+        L1Pool(1 << 52, shared_dir=str(tmp_path), pin=False)
+    assert list(tmp_path.glob("kvgrid-l1-*")) == []

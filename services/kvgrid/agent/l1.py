@@ -5,17 +5,23 @@ kernels can DMA into it; plain pageable memory otherwise). Chunks are views into
 allocation happens per chunk, so the agent's memory use is fixed at start and cannot grow under
 load. The allocator hands out runs of contiguous, ``align_bytes``-aligned pages.
 
-With ``shared_dir`` the pool is a file there (``kvgrid-l1-{pid}``, mode 0600, page-locked with
-``cudaHostRegister`` when pinned) that engines map to run the transfer kernels in their own CUDA
-context (agent option ``share_l1``); a chunk is then named by its byte offset in that file.
+With ``shared_dir`` the pool is a file there (``kvgrid-l1-{pid}-{random}``, mode 0600, page-locked
+with ``cudaHostRegister`` when pinned) that engines map to run the transfer kernels in their own
+CUDA context (agent option ``l1_shared_dir``); a chunk is then named by its byte offset in that
+file. The agent holds an exclusive ``flock`` on its file while it lives: a file nobody holds locked
+is a dead agent's and is removed at the next start. Names and locks do not depend on pid
+namespaces: sidecars that are each pid 1 in their own container still get their own files, and an
+agent restarted in place makes a new file (a new name), which is how engines see that it restarted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
-import re
+import secrets
+import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +32,7 @@ __all__ = [
     "Chunk",
     "L1Pool",
     "PageAllocator",
+    "SharedPoolFile",
     "allocate_pool_tensor",
     "host_register",
     "map_shared_pool",
@@ -35,7 +42,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 POOL_FILE_PREFIX = "kvgrid-l1-"
-_POOL_FILE = re.compile(rf"^{POOL_FILE_PREFIX}(\d+)$")
 
 
 def host_register(t: torch.Tensor, *, read_only: bool = False) -> bool:
@@ -53,18 +59,48 @@ def host_register(t: torch.Tensor, *, read_only: bool = False) -> bool:
 
 
 def remove_stale_pool_files(directory: str | os.PathLike[str]) -> list[Path]:
-    """Unlink shared L1 files of agents that no longer run (kill -9 skips the agent's cleanup)."""
+    """Unlink shared L1 files no live agent holds locked (kill -9 skips the agent's cleanup)."""
     removed = []
     for path in Path(directory).glob(f"{POOL_FILE_PREFIX}*"):
-        m = _POOL_FILE.match(path.name)
-        if m is None or Path(f"/proc/{m.group(1)}").exists():
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
             continue
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live agent: BlockingIOError
             path.unlink()
             removed.append(path)
         except OSError:
             continue
+        finally:
+            os.close(fd)
     return removed
+
+
+class SharedPoolFile:
+    """The file of a shared pool, locked (``flock``) while this process holds it open."""
+
+    def __init__(self, directory: str, nbytes: int) -> None:
+        remove_stale_pool_files(directory)
+        self.path = os.path.join(directory, f"{POOL_FILE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.posix_fallocate(self.fd, 0, nbytes)  # committed now: no SIGBUS on a full tmpfs later
+        except OSError as e:
+            self.close()
+            free = shutil.disk_usage(directory).free
+            raise ValueError(
+                f"l1_shared_dir={directory!r}: cannot allocate the {nbytes}-byte L1 file ({e.strerror}); "
+                f"expected a directory (a tmpfs such as /dev/shm) with that much free, it has {free} bytes"
+            ) from None
+
+    def close(self) -> None:
+        """Unlink the file and drop the lock (mappings stay valid until their tensors go)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
 
 
 def map_shared_pool(path: str, nbytes: int) -> torch.Tensor:
@@ -77,8 +113,8 @@ def map_shared_pool(path: str, nbytes: int) -> torch.Tensor:
 
 def allocate_pool_tensor(
     nbytes: int, *, pin: bool | None = None, shared_dir: str | None = None
-) -> tuple[torch.Tensor, bool, str]:
-    """A uint8 tensor of ``nbytes``, whether it is page-locked, and its shared file ("" if none).
+) -> tuple[torch.Tensor, bool, SharedPoolFile | None]:
+    """A uint8 tensor of ``nbytes``, whether it is page-locked, and its shared file (if any).
 
     ``pin=None`` pins exactly when CUDA is available. Large ``pin_memory=True`` allocations can fail
     on some drivers, so a failure falls back to plain memory registered with ``cudaHostRegister``,
@@ -88,25 +124,19 @@ def allocate_pool_tensor(
         raise ValueError(f"L1 size {nbytes} bytes: expected > 0")
     want_pin = torch.cuda.is_available() if pin is None else pin
     if shared_dir is not None:
-        remove_stale_pool_files(shared_dir)
-        path = os.path.join(shared_dir, f"{POOL_FILE_PREFIX}{os.getpid()}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)  # committed now: no SIGBUS on a full tmpfs later
-        finally:
-            os.close(fd)
-        t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        return t, want_pin and host_register(t), path
+        file = SharedPoolFile(shared_dir, nbytes)
+        t = torch.from_file(file.path, shared=True, size=nbytes, dtype=torch.uint8)
+        return t, want_pin and host_register(t), file
     if not want_pin:
         # Touch every page now: the memory is committed at start (no page faults mid-transfer,
         # and no out-of-memory kill later under load).
-        return torch.zeros(nbytes, dtype=torch.uint8), False, ""
+        return torch.zeros(nbytes, dtype=torch.uint8), False, None
     try:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True, ""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True, None
     except RuntimeError as e:
         log.warning("pinned allocation of %d bytes failed (%s); trying cudaHostRegister", nbytes, e)
     t = torch.empty(nbytes, dtype=torch.uint8)
-    return t, host_register(t), ""
+    return t, host_register(t), None
 
 
 class PageAllocator:
@@ -238,7 +268,7 @@ class L1Pool:
         self.page_bytes = page_bytes
         self.capacity_bytes = num_pages * page_bytes
         # Over-allocate one page so the first page starts on a page boundary.
-        raw, self.pinned, self.shared_file = allocate_pool_tensor(
+        raw, self.pinned, self._file = allocate_pool_tensor(
             self.capacity_bytes + page_bytes, pin=pin, shared_dir=shared_dir
         )
         skew = (-raw.data_ptr()) % page_bytes
@@ -246,6 +276,11 @@ class L1Pool:
         self._raw = raw
         self.allocator = PageAllocator(num_pages)
         self.lock = threading.Lock()
+
+    @property
+    def shared_file(self) -> str:
+        """Path of the shared file; "" for a private pool."""
+        return self._file.path if self._file is not None else ""
 
     @property
     def file_bytes(self) -> int:
@@ -258,9 +293,8 @@ class L1Pool:
 
     def close(self) -> None:
         """Unlink the shared file (mappings stay valid until their tensors go)."""
-        if self.shared_file:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.shared_file)
+        if self._file is not None:
+            self._file.close()
 
     @property
     def used_bytes(self) -> int:
