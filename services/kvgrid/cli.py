@@ -34,6 +34,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "chunk checksums (xxh3-128, blake2b, crc32): GB/s vs a memory copy of the same bytes",
     ),
     "hashing": ("kvgrid.common.hashing_bench", "chunk keys for a long prompt: µs and MB/s of token bytes"),
+    "hotpath": (
+        "kvgrid.agent.hotpath_bench",
+        "one request's agent calls: µs over the hot path vs gRPC vs bare socket round trips",
+    ),
     "lookup": ("kvgrid.controller.bench", "MatchPrefix ops/s, p50/p99 over gRPC, ingest rate, bytes/entry"),
     "p2p": (
         "kvgrid.agent.p2p_bench",

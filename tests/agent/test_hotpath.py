@@ -177,3 +177,22 @@ def _release(instance: str) -> object:
     from kvgrid.api.v1 import agent_pb2
 
     return agent_pb2.ReleaseRequest(instance_id=instance, request_id="r")
+
+
+def test_bench_hotpath_times_both_transports_against_bare_round_trips(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    from kvgrid.cli import main
+
+    assert main(["bench", "hotpath", "--iters", "20", "--chunks", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    hot, grpc_ = r["hot"], r["grpc"]
+    for t in (hot, grpc_):
+        assert t["request_us"] > 0
+        assert t["request_us"] == pytest.approx(
+            sum(t[f"{c}_us"] for c in ("lookup", "retrieve", "release", "store")), rel=0.5
+        )
+    assert r["hot_vs_grpc"] == pytest.approx(hot["request_us"] / grpc_["request_us"], rel=1e-3)
+    assert r["limit_vs_hot"] == pytest.approx(4 * r["echo_rtt_us"] / hot["request_us"], rel=1e-3)

@@ -1,0 +1,179 @@
+"""``kvgrid bench hotpath``: the host time of one request's calls to its agent, per transport.
+
+One request of a serving engine makes four calls to its agent: Lookup (the scheduler), Retrieve
+(with ``engine_copies``: the agent only leases the chunks, so no bytes move), Release (ends the
+lease) and Store (its chunks are held already: no bytes move either). This bench starts a real
+``kvgrid agent`` (L1 shared, hot path on), registers a one-layer CPU KV cache and times that
+sequence, median over ``--iters`` requests, over
+
+* the hot path (``kvgrid.agent.hotpath``, a plain Unix socket),
+* gRPC over the agent's Unix socket (what every call cost before),
+
+and, as the limit in the same run, four round trips of a bare Unix-socket echo between this process
+and a child process (no framing, no agent work). Printed: microseconds per request and per call,
+and the ratios hot / gRPC and limit / hot. Issue 11's goal: <= 100 us per request on the hot path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+import torch
+
+from kvgrid.agent.bench_procs import AgentDidNotStart, bench_env, shm_scratch, start_agent, stop_all
+from kvgrid.common.config import add_config_arguments, config_from_args
+
+__all__ = ["HotPathBenchConfig", "add_arguments", "run"]
+
+_ECHO = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1); print("ready", flush=True)
+c, _ = s.accept()
+while True:
+    b = c.recv(65536)
+    if not b:
+        break
+    c.sendall(b)
+"""
+
+
+def _d(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class HotPathBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
+    iters: Annotated[int, msgspec.Meta(ge=10, description="requests timed per transport (median)")] = 2000
+    chunks: Annotated[int, msgspec.Meta(ge=1, le=1024, description="chunks per request (keys per call)")] = 8
+    json: Annotated[bool, _d("print one JSON object instead of a table")] = False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, HotPathBenchConfig)
+
+
+def _echo_rtt(tmp: Path, iters: int, nbytes: int) -> float:
+    """Median seconds of one round trip of ``nbytes`` through a bare Unix-socket echo process."""
+    path = str(tmp / "echo.sock")
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+            msg, times = b"x" * nbytes, []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                s.sendall(msg)
+                got = 0
+                while got < nbytes:
+                    got += len(s.recv(65536))
+                times.append(time.perf_counter() - t0)
+    finally:
+        proc.wait(10)
+    return statistics.median(times)
+
+
+def measure(cfg: HotPathBenchConfig, tmp: Path) -> dict[str, object]:
+    from kvgrid.agent.client import AgentClient
+    from kvgrid.agent.tensors import allocate_shared_tensor
+    from kvgrid.common.hashing import KeyNamespace, chunk_keys
+
+    block, tpc = 16, 64
+    bpc = tpc // block
+    shape = (bpc * cfg.chunks, 2, block, 2, 8)
+    kv = allocate_shared_tensor(tmp / "layer0.kv", shape, torch.bfloat16)
+    kv.copy_(torch.randn(shape).to(torch.bfloat16))
+    uds = tmp / "agent.sock"
+    agent, _ = start_agent(
+        "hotpath",
+        ["--uds-path", str(uds), "--tcp-port", "-1", "--l1-size", "64MiB", "--shm-allowed-dirs", str(tmp),
+         "--l1-shared-dir", str(tmp), "--log-level", "warning"],
+        bench_env(),
+    )  # fmt: skip
+    clients = {
+        "hot": AgentClient(str(uds), timeout_s=60),
+        "grpc": AgentClient(str(uds), timeout_s=60, hot_path=False),
+    }
+    try:
+        ns = KeyNamespace(model="bench-hotpath", tokens_per_chunk=tpc)
+        hints = [{"backend": "FLASHINFER"}]
+        clients["grpc"].register_kv_caches(
+            "bench", [kv], namespace=ns, shm_paths=[str(tmp / "layer0.kv")], layout_hints=hints
+        )
+        keys = chunk_keys(list(range(cfg.chunks * tpc)), ns)
+        ids = [list(range(bpc * cfg.chunks))]
+        clients["grpc"].store("bench", keys, ids)
+        per_call: dict[str, dict[str, list[float]]] = {}
+        for name, c in clients.items():
+            calls: dict[str, list[float]] = {"lookup": [], "retrieve": [], "release": [], "store": []}
+            for i in range(cfg.iters + 50):  # the first 50 warm up (connections, caches)
+                rid = f"{name}-{i}"
+                t = [time.perf_counter()]
+                hits = c.lookup("bench", rid, keys).num_hit_chunks
+                t.append(time.perf_counter())
+                got = len(c.retrieve("bench", rid, keys, ids, engine_copies=True).chunk_offsets)
+                t.append(time.perf_counter())
+                c.release_all("bench", rid)
+                t.append(time.perf_counter())
+                held = c.store("bench", keys, ids, skip_first_n_chunks=cfg.chunks).num_stored_chunks
+                t.append(time.perf_counter())
+                if (hits, got, held) != (cfg.chunks,) * 3:
+                    raise RuntimeError(f"{name}: lookup {hits}, retrieve {got}, store {held} of {cfg.chunks}")
+                if i >= 50:
+                    for k, step in enumerate(calls):
+                        calls[step].append(t[k + 1] - t[k])
+            per_call[name] = calls
+    finally:
+        stop_all(clients.values(), [agent])
+    echo = _echo_rtt(tmp, cfg.iters, 64 + 16 * cfg.chunks)
+
+    def us(x: float) -> float:
+        return float(f"{x * 1e6:.4g}")
+
+    out: dict[str, object] = {"iters": cfg.iters, "chunks": cfg.chunks, "echo_rtt_us": us(echo)}
+    for name, calls in per_call.items():
+        per_request = [sum(xs) for xs in zip(*calls.values(), strict=True)]
+        out[name] = {
+            "request_us": us(statistics.median(per_request)),
+            **{f"{k}_us": us(statistics.median(v)) for k, v in calls.items()},
+        }
+    hot, grpc_ = out["hot"], out["grpc"]
+    assert isinstance(hot, dict) and isinstance(grpc_, dict)
+    out["hot_vs_grpc"] = float(f"{hot['request_us'] / grpc_['request_us']:.4g}")
+    out["limit_vs_hot"] = float(f"{4 * echo * 1e6 / hot['request_us']:.4g}")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(HotPathBenchConfig, args)
+    with shm_scratch("kvgrid-bench-hotpath-") as tmp:
+        try:
+            result = measure(cfg, tmp)
+        except AgentDidNotStart as e:
+            print(f"kvgrid bench hotpath: {e}", file=sys.stderr)
+            return 1
+    if cfg.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"one request's agent calls ({cfg.chunks} chunks, no bytes moved), median of {cfg.iters}; "
+        f"limit: 4 bare Unix-socket round trips = {4 * result['echo_rtt_us']:.4g} us"  # type: ignore[operator]
+    )
+    print(f"{'':6}{'request us':>11}{'lookup':>9}{'retrieve':>10}{'release':>9}{'store':>8}")
+    for name in ("hot", "grpc"):
+        r = result[name]
+        assert isinstance(r, dict)
+        print(
+            f"{name:6}{r['request_us']:>11.4g}{r['lookup_us']:>9.4g}{r['retrieve_us']:>10.4g}"
+            f"{r['release_us']:>9.4g}{r['store_us']:>8.4g}"
+        )
+    print(f"hot / grpc {result['hot_vs_grpc']:.4g}; limit / hot {result['limit_vs_hot']:.4g}")
+    return 0
