@@ -552,9 +552,14 @@ class AgentCore:
             "agent.retrieve", attributes={"instance_id": instance_id, "chunks": len(keys)}
         ) as span:
             # Ids of every requested chunk, checked up front: a bad request fails the same way
-            # whether or not its chunks happen to be cached.
-            ids = self._ids_per_chunk(
-                inst, block_ids, range(len(keys)), skip_first_n_tokens, allow_holes=True
+            # whether or not its chunks happen to be cached. Engine copies write nothing here: the
+            # engine checks its ids itself (the same chunk_block_ids).
+            ids = (
+                []
+                if engine_copies
+                else self._ids_per_chunk(
+                    inst, block_ids, range(len(keys)), skip_first_n_tokens, allow_holes=True
+                )
             )
             # Waits for chunks still being promoted; stops before one whose promotion failed.
             chunks, cause = self.cache.acquire_ready_prefix(

@@ -273,12 +273,13 @@ def chunk_block_ids(
                 f"[0, {num_blocks}) (the layer tensors' num_blocks)"
                 + ("; -1 marks a hole" if allow_holes else "")
             )
-        per_chunk = []
-        for c in chunks:
-            cid = ids[c * bpc : (c + 1) * bpc].copy()
-            if skip_first_n_tokens:
-                first_token = c * mover.tokens_per_chunk + np.arange(bpc) * kg.tokens_per_block
-                cid[first_token + kg.tokens_per_block <= skip_first_n_tokens] = -1
-            per_chunk.append(cid)
-        out.append(per_chunk)
+        # One [chunks, bpc] array (a copy: the skip below writes it); its rows are the chunks.
+        rows = ids[chunks.start * bpc : chunks.stop * bpc].reshape(len(chunks), bpc).copy()
+        if skip_first_n_tokens:
+            first_token = (
+                np.arange(chunks.start, chunks.stop)[:, None] * mover.tokens_per_chunk
+                + np.arange(bpc)[None, :] * kg.tokens_per_block
+            )
+            rows[first_token + kg.tokens_per_block <= skip_first_n_tokens] = -1
+        out.append(list(rows))
     return out
