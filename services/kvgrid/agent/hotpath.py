@@ -17,10 +17,10 @@ errors and results are identical by construction; only the framing differs::
 
 Invariants and bounds:
 
-- One thread per connection, one call at a time on it, replies in order. A frame longer than
-  ``max_message_bytes`` gets an INVALID_ARGUMENT reply and the connection is closed (its stream
-  position is lost); an unknown method or an undecodable message gets INVALID_ARGUMENT and the
-  connection goes on. At most ``max_connections`` connections are served; more are closed at once.
+- One thread per connection, one call at a time on it: a client sends its next request only after
+  the reply. A frame longer than ``max_message_bytes``, or a second frame sent before the reply,
+  gets an INVALID_ARGUMENT reply and the connection is closed (its stream position is lost); an
+  unknown method or an undecodable message gets INVALID_ARGUMENT and the connection goes on. At most ``max_connections`` connections are served; more are closed at once.
 - The socket is created with mode 0600 beside the gRPC socket: the same trust as the engine API.
 - The client keeps one connection per thread. A call that fails between sending and a whole reply
   (timeout, the agent gone) closes its connection, since a late reply would pair with the next
@@ -44,6 +44,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.errors import InvalidArgument
@@ -77,6 +78,29 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError(f"connection closed after {got} of {n} bytes")
         got += k
     return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket, limit: int) -> bytes:
+    """One frame's body. The first read asks for up to 64 KiB, so a small frame (every lookup,
+    release, most retrieves and stores) costs one system call, length included. ValueError for a
+    length over ``limit`` (the rest of the frame is not read)."""
+    first = sock.recv(65536)
+    if not first:
+        raise EOFError
+    while len(first) < _LEN.size:
+        more = sock.recv(65536)
+        if not more:
+            raise ConnectionError("connection closed inside a frame's length")
+        first += more
+    (n,) = _LEN.unpack_from(first)
+    if n > limit:
+        raise ValueError(f"hot path frame of {n} bytes: expected at most {limit}")
+    body = first[_LEN.size :]
+    if len(body) > n:
+        raise ValueError(
+            f"hot path frame of {n} bytes followed by {len(body) - n} more: expected one at a time"
+        )
+    return body if len(body) == n else body + _recv_exact(sock, n - len(body))
 
 
 def _frame(kind: int, payload: bytes, head: bytes | None = None) -> bytes:
@@ -147,14 +171,17 @@ class HotPathServer:
         try:
             while True:
                 try:
-                    (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
-                except ConnectionError:
+                    body = _recv_frame(conn, self.max_message_bytes)
+                except EOFError:
                     return  # the engine closed the connection between calls
-                if n > self.max_message_bytes or n < _HEAD.size:
-                    text = f"hot path frame of {n} bytes: expected {_HEAD.size}..{self.max_message_bytes}"
+                except ValueError as e:  # too long, or pipelined: the stream position is lost
+                    conn.sendall(_frame(grpc.StatusCode.INVALID_ARGUMENT.value[0], str(e).encode()))
+                    return
+                if len(body) < _HEAD.size:
+                    text = f"hot path frame of {len(body)} bytes: expected at least {_HEAD.size}"
                     conn.sendall(_frame(grpc.StatusCode.INVALID_ARGUMENT.value[0], text.encode()))
                     return
-                conn.sendall(self._call(_recv_exact(conn, n)))
+                conn.sendall(self._call(body))
         except OSError:
             return  # the peer went away mid-frame
         finally:
@@ -171,7 +198,7 @@ class HotPathServer:
             for line in body[_HEAD.size : _HEAD.size + head_len].decode("utf-8", "replace").split("\n")
             if "=" in line
         )
-        with span_under(self._tracer, _SERVICE, method, context_from_headers(headers)):
+        with span_under(self._tracer, _SERVICE, method, context_from_headers(headers)) as span:
             try:
                 if kind >= len(HOT_METHODS):
                     raise InvalidArgument(
@@ -188,6 +215,11 @@ class HotPathServer:
                 if code is grpc.StatusCode.INTERNAL:
                     log.error("hot path %s failed", method, exc_info=exc)
                 reply = _frame(code.value[0], detail.encode())
+            if span.is_recording():  # the same attributes a gRPC server span carries (common/rpc.py)
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
+                span.set_attribute("kvgrid.transport", "hotpath")
+                if code is not grpc.StatusCode.OK:
+                    span.set_status(Status(StatusCode.ERROR, code.name))
         self._metrics.record(method, code, time.perf_counter() - t0)
         return reply
 
@@ -279,17 +311,16 @@ class HotPathClient:
         sock.settimeout(timeout_s or self.timeout_s)
         try:
             sock.sendall(frame)
-            (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-            body = _recv_exact(sock, n)
+            body = _recv_frame(sock, 1 << 31)
         except TimeoutError:
             self._drop()
             raise HotPathError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"agent hot path {method}: no reply in {timeout_s or self.timeout_s} s",
             ) from None
-        except (OSError, ConnectionError) as e:
+        except (OSError, EOFError, ValueError) as e:
             self._drop()
-            raise HotPathError(grpc.StatusCode.UNAVAILABLE, f"agent hot path {method}: {e}") from None
+            raise HotPathError(grpc.StatusCode.UNAVAILABLE, f"agent hot path {method}: {e!r}") from None
         status = body[0]
         if status:
             raise HotPathError(
