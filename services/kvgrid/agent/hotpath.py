@@ -20,7 +20,8 @@ Invariants and bounds:
 - One thread per connection, one call at a time on it: a client sends its next request only after
   the reply. A frame longer than ``max_message_bytes``, or a second frame sent before the reply,
   gets an INVALID_ARGUMENT reply and the connection is closed (its stream position is lost); an
-  unknown method or an undecodable message gets INVALID_ARGUMENT and the connection goes on. At most ``max_connections`` connections are served; more are closed at once.
+  unknown method or an undecodable message gets INVALID_ARGUMENT and the connection goes on. At
+  most ``max_connections`` connections are served; more are closed at once.
 - The socket is created with mode 0600 beside the gRPC socket: the same trust as the engine API.
 - The client keeps one connection per thread. A call that fails between sending and a whole reply
   (timeout, the agent gone) closes its connection, since a late reply would pair with the next
