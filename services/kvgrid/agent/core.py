@@ -56,6 +56,7 @@ from kvgrid.common.errors import InvalidArgument, client_input
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.common.hashing import KeyNamespace, check_chunk_keys
 from kvgrid.common.identity import PodIdentity
+from kvgrid.common.tracing import local_span
 from kvgrid_kernels import TransferHandle
 
 __all__ = [
@@ -241,7 +242,7 @@ class AgentCore:
             raise InvalidArgument("instance_id='': expected a non-empty id chosen by the engine")
         if not tensors:
             raise InvalidArgument("layers is empty: expected one tensor per KV cache layer")
-        with self.tracer.start_as_current_span("agent.register", attributes={"instance_id": instance_id}):
+        with local_span(self.tracer, "agent.register", {"instance_id": instance_id}):
             with client_input():  # the layers do not fit the groups (or each other)
                 mover = build_mover(
                     list(tensors), list(engine_groups), namespace.tokens_per_chunk, layout_hints=layout_hints
@@ -391,8 +392,8 @@ class AgentCore:
         # Clamped: a pin only protects chunks from eviction until Retrieve; no client may hold L1 longer.
         ttl = min(pin_ttl_ms or self.config.pin_ttl_ms, self.config.pin_ttl_max_ms) / 1000.0
         owner = (instance_id, request_id)
-        with self.tracer.start_as_current_span(
-            "agent.lookup", attributes={"instance_id": instance_id, "chunks": len(keys)}
+        with local_span(
+            self.tracer, "agent.lookup", {"instance_id": instance_id, "chunks": len(keys)}
         ) as span:
             # Local hits stay referenced while a peer fetch runs: its reservations may evict, and
             # must not evict the prefix it extends.
@@ -548,8 +549,8 @@ class AgentCore:
             )
         with client_input():
             keys = check_chunk_keys(keys)
-        with self.tracer.start_as_current_span(
-            "agent.retrieve", attributes={"instance_id": instance_id, "chunks": len(keys)}
+        with local_span(
+            self.tracer, "agent.retrieve", {"instance_id": instance_id, "chunks": len(keys)}
         ) as span:
             # Ids of every requested chunk, checked up front: a bad request fails the same way
             # whether or not its chunks happen to be cached. Engine copies write nothing here: the
@@ -637,8 +638,8 @@ class AgentCore:
             raise InvalidArgument(
                 f"skip_first_n_chunks={skip_first_n_chunks}: expected <= {len(keys)} (chunk_keys)"
             )
-        with self.tracer.start_as_current_span(
-            "agent.store", attributes={"instance_id": instance_id, "chunks": len(keys)}
+        with local_span(
+            self.tracer, "agent.store", {"instance_id": instance_id, "chunks": len(keys)}
         ) as span:
             ids = self._ids_per_chunk(inst, block_ids, range(len(keys)))
             res = self.cache.reserve_store(
