@@ -196,3 +196,19 @@ def test_bench_hotpath_times_both_transports_against_bare_round_trips(
         )
     assert r["hot_vs_grpc"] == pytest.approx(hot["request_us"] / grpc_["request_us"], rel=1e-3)
     assert r["limit_vs_hot"] == pytest.approx(4 * r["echo_rtt_us"] / hot["request_us"], rel=1e-3)
+
+
+def test_the_first_call_after_an_agent_restart_reaches_the_new_agent(tmp_path: Path) -> None:
+    agent = start_agent(tmp_path, pod_uid="uid-hotpath-restart")
+    client = agent.client()
+    try:
+        register_kv(client, "r", tmp_path, seed=5)
+        assert client.lookup("r", "q", keys_for(80, 1)).num_hit_chunks == 0  # a hot connection now
+        agent.stop()
+        agent = start_agent(tmp_path, pod_uid="uid-hotpath-restart")
+        register_kv(client, "r", tmp_path, seed=5)  # over gRPC, as the connector re-registers
+        # The old connection went with the old agent: not used, so no UNAVAILABLE here.
+        assert client.lookup("r", "q", keys_for(80, 1)).num_hit_chunks == 0
+    finally:
+        client.close()
+        agent.stop()

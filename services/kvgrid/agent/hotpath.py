@@ -285,7 +285,17 @@ class HotPathClient:
         return os.path.exists(self.path)
 
     def _conn(self) -> socket.socket:
+        """This thread's connection. A restarted agent made a new socket file (another inode): a
+        connection to the old one is dropped before it is used, so the first call after a restart
+        reaches the new agent instead of failing on a dead peer."""
+        try:
+            ino = os.stat(self.path).st_ino
+        except OSError as e:
+            raise HotPathError(grpc.StatusCode.UNAVAILABLE, f"agent hot path {self.path}: {e}") from None
         sock: socket.socket | None = getattr(self._local, "sock", None)
+        if sock is not None and getattr(self._local, "ino", None) != ino:
+            self._drop()
+            sock = None
         if sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -293,7 +303,7 @@ class HotPathClient:
             except OSError as e:
                 sock.close()
                 raise HotPathError(grpc.StatusCode.UNAVAILABLE, f"agent hot path {self.path}: {e}") from None
-            self._local.sock = sock
+            self._local.sock, self._local.ino = sock, ino
             with self._lock:
                 self._all.append(sock)
         return sock
