@@ -485,20 +485,19 @@ class AgentCore:
             counter.add(asked - hits, {"result": f"miss_{cause}" if cause != MissCause.NONE else "miss"})
 
     def release(self, instance_id: str, request_id: str) -> int:
-        """Drop the request's lookup pins (the count) and end its engine-copies lease."""
+        """Drop the request's lookup pins and end its engine-copies lease; the pins dropped."""
+        return self.release_request(instance_id, request_id)[0]
+
+    def release_request(self, instance_id: str, request_id: str) -> tuple[int, int]:
+        """:meth:`release`, answering (pins dropped, leased chunks released)."""
         self.instance(instance_id)
         released = self.cache.unpin((instance_id, request_id))
         if self.promoter is not None and request_id:
             self.promoter.cancel((instance_id, request_id))  # after the unpin: nobody wants its chunks
-        self.end_lease(instance_id, request_id)
-        return released
-
-    def end_lease(self, instance_id: str, request_id: str) -> int:
-        """Release the chunks an engine_copies Retrieve held for the request; how many."""
         with self._lock:
             chunks = self._leases.pop((instance_id, request_id), [])
         self.cache.release(chunks)
-        return len(chunks)
+        return released, len(chunks)
 
     def leased_chunks(self) -> int:
         with self._lock:

@@ -304,8 +304,8 @@ class HotPathClient:
                 sock.close()
                 raise HotPathError(grpc.StatusCode.UNAVAILABLE, f"agent hot path {self.path}: {e}") from None
             self._local.sock, self._local.ino = sock, ino
-            with self._lock:
-                self._all.append(sock)
+            with self._lock:  # closed ones (dropped after a failure or a restart) go
+                self._all = [s for s in self._all if s.fileno() != -1] + [sock]
         return sock
 
     def _drop(self) -> None:

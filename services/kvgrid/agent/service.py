@@ -171,9 +171,7 @@ class AgentServicer:
         )
 
     def Release(self, req: agent_pb2.ReleaseRequest) -> agent_pb2.ReleaseResponse:
-        self.core.instance(req.instance_id)
-        chunks = self.core.end_lease(req.instance_id, req.request_id)
-        pins = self.core.release(req.instance_id, req.request_id)
+        pins, chunks = self.core.release_request(req.instance_id, req.request_id)
         return agent_pb2.ReleaseResponse(released_pins=pins, released_chunks=chunks)
 
     def Snapshot(self, req: agent_pb2.SnapshotRequest) -> agent_pb2.SnapshotResponse:
