@@ -25,6 +25,8 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from kvgrid.ttft.graphs import GraphCache
+
 __all__ = ["LLAMA3_8B", "LayerHooks", "ModelShape", "PagedLlama", "layer_name"]
 
 
@@ -94,8 +96,14 @@ class PagedLlama:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
+        cuda_graphs: bool = True,
+        graph_max_tokens: int = 512,
     ) -> None:
+        """``cuda_graphs``: on CUDA, run forwards of at most ``graph_max_tokens`` tokens as piecewise
+        CUDA graphs (module docstring); ignored on CPU."""
         shape.check()
+        if graph_max_tokens < 0:
+            raise ValueError(f"graph_max_tokens={graph_max_tokens}; expected >= 0 (0: never capture)")
         self.shape = shape
         self.device = torch.device(device)
         self.dtype = dtype
@@ -110,11 +118,52 @@ class PagedLlama:
         self._inv_freq = 1.0 / (
             shape.rope_theta ** (torch.arange(half, device=self.device, dtype=torch.float32) / half)
         )
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.graph_max_tokens = graph_max_tokens
+        self._graphs = GraphCache(self) if self.cuda_graphs else None
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding (Llama's rotate-half form) of ``x`` [T, heads, head_size]."""
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        """Token counts whose forward has been captured (replayed from then on), ascending."""
+        return self._graphs.sizes() if self._graphs is not None else ()
+
+    # The pieces of a forward. Eager forwards and graph captures call the same methods in the same
+    # order, so a replay runs the kernels an eager forward runs on the same shapes (bit-exact).
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin (float32 ``[T, 1, head_size / 2]``) at ``positions``, once per forward."""
         freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
-        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed)
+
+    def project(
+        self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s norm, QKV projection and RoPE: (q ``[T, heads, head_size]``, a strided view;
+        the new KV ``[T, kv_heads, 2 * head_size]``, K then V as the cache stores it)."""
+        s, layer = self.shape, self.layers[i]
+        heads = (self._norm(h, layer.norm1) @ layer.qkv.T).view(h.shape[0], -1, s.head_size)
+        qk = self._rope(heads[:, : s.heads + s.kv_heads], cos, sin)  # q's and k's heads in one go
+        kv = torch.cat((qk[:, s.heads :], heads[:, s.heads + s.kv_heads :]), dim=-1)
+        return qk[:, : s.heads], kv
+
+    def mlp(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Layer ``i`` after attention (``attn`` ``[T, heads * head_size]``, contiguous): o-proj,
+        residual, norm, MLP, residual."""
+        layer = self.layers[i]
+        h = h + attn @ layer.o.T
+        gate, up = (self._norm(h, layer.norm2) @ layer.gate_up.T).chunk(2, dim=-1)
+        return h + (F.silu(gate) * up) @ layer.down.T
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The last row's logits, in the model's dtype (``[vocab]``)."""
+        return (self._norm(h[-1:], self.final_norm) @ self.lm_head.T)[0]
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding (Llama's rotate-half form) of ``x`` [T, heads, head_size]."""
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -137,51 +186,74 @@ class PagedLlama:
         s = self.shape
         n = token_ids.numel()
         end = start + n
+        if n < 1:
+            raise ValueError("forward: no tokens; expected at least 1")
         if slots.numel() < end:
             raise ValueError(f"forward: {slots.numel()} slots for positions [0, {end}); expected {end}")
         if len(kv_caches) != s.layers:
             raise ValueError(f"forward: {len(kv_caches)} KV caches for {s.layers} layers")
+        token_ids = token_ids.to(self.device)
         positions = torch.arange(start, end, device=self.device)
-        new_slots, ctx_slots = slots[start:end], slots[:end]
         mask = None
         if start:  # queries at start.. see keys 0..their own position
             mask = torch.arange(end, device=self.device)[None, :] <= positions[:, None]
-        q_size, kv_size = s.heads * s.head_size, s.kv_heads * s.head_size
-        h = self.embed[token_ids]
-        for i, layer in enumerate(self.layers):
-            x = self._norm(h, layer.norm1)
-            q, k, v = (x @ layer.qkv.T).split((q_size, kv_size, kv_size), dim=-1)
-            q = self._rope(q.view(n, s.heads, s.head_size), positions)
-            k = self._rope(k.view(n, s.kv_heads, s.head_size), positions)
-            if hooks is not None:
-                hooks.before_attention(i)
-            cache = kv_caches[i]
-            # The view is logically [NB, H, BS, C] and stored [NB, BS, H, C]: slots are rows.
-            stored = cache.permute(0, 2, 1, 3)
-            if not stored.is_contiguous():
-                raise ValueError(
-                    f"layer {i}: KV cache of shape {tuple(cache.shape)} strides {cache.stride()} is not "
-                    f"stored [blocks, slots, heads, 2*head_size] (vLLM's LBNHC view)"
-                )
-            flat = stored.view(-1, s.kv_heads, 2 * s.head_size)
-            flat[new_slots] = torch.cat((k, v.view(n, s.kv_heads, s.head_size)), dim=-1)
-            ctx = flat[ctx_slots]
-            keys = ctx[..., : s.head_size].transpose(0, 1)[None]
-            values = ctx[..., s.head_size :].transpose(0, 1)[None]
-            gqa = True
-            if mask is not None and self.device.type == "cuda":
-                # A masked tail on CUDA: the memory-efficient kernel takes a mask but not enable_gqa
-                # (torch would fall back to the math kernel), so repeat the KV heads instead.
-                # Unmeasured so far (no GPU in the session that wrote it).
-                rep = s.heads // s.kv_heads
-                keys, values, gqa = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), False
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
+        attention = _Attention(self, kv_caches, slots[start:end], slots[:end], mask, hooks)
+        if self._graphs is not None and n <= self.graph_max_tokens:
+            return self._graphs.get(n).run(token_ids, positions, attention).float()
+        cos, sin = self.rope_tables(positions)
+        h = self.embed_tokens(token_ids)
+        q, kv = self.project(0, h, cos, sin)
+        for i in range(s.layers):
+            out = attention(i, q.contiguous(), kv)
+            h = self.mlp(i, h, out.reshape(n, s.heads * s.head_size))
+            if i + 1 < s.layers:
+                q, kv = self.project(i + 1, h, cos, sin)
+        return self.head(h).float()
+
+
+class _Attention:
+    """One forward's attention of layer ``i`` over the paged cache, eager in every mode (it depends on
+    the slots and the context length): the hooks, the cache write of the new KV, the gather of
+    positions ``[0, end)`` and SDPA. Returns ``[T, heads, head_size]`` (a strided view)."""
+
+    def __init__(
+        self,
+        model: PagedLlama,
+        kv_caches: list[torch.Tensor],
+        new_slots: torch.Tensor,
+        ctx_slots: torch.Tensor,
+        mask: torch.Tensor | None,
+        hooks: LayerHooks | None,
+    ) -> None:
+        self.model, self.kv_caches, self.hooks = model, kv_caches, hooks
+        self.new_slots, self.ctx_slots, self.mask = new_slots, ctx_slots, mask
+
+    def __call__(self, i: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        s, mask = self.model.shape, self.mask
+        if self.hooks is not None:
+            self.hooks.before_attention(i)
+        cache = self.kv_caches[i]
+        # The view is logically [NB, H, BS, C] and stored [NB, BS, H, C]: slots are rows.
+        stored = cache.permute(0, 2, 1, 3)
+        if not stored.is_contiguous():
+            raise ValueError(
+                f"layer {i}: KV cache of shape {tuple(cache.shape)} strides {cache.stride()} is not "
+                f"stored [blocks, slots, heads, 2*head_size] (vLLM's LBNHC view)"
             )
-            if hooks is not None:
-                hooks.after_attention(i, cache)
-            h = h + out[0].transpose(0, 1).reshape(n, q_size) @ layer.o.T
-            x = self._norm(h, layer.norm2)
-            gate, up = (x @ layer.gate_up.T).chunk(2, dim=-1)
-            h = h + (F.silu(gate) * up) @ layer.down.T
-        return (self._norm(h[-1:], self.final_norm) @ self.lm_head.T)[0].float()
+        flat = stored.view(-1, s.kv_heads, 2 * s.head_size)
+        flat[self.new_slots] = kv
+        ctx = flat[self.ctx_slots]
+        keys = ctx[..., : s.head_size].transpose(0, 1)[None]
+        values = ctx[..., s.head_size :].transpose(0, 1)[None]
+        gqa = True
+        if mask is not None and self.model.device.type == "cuda":
+            # A masked tail on CUDA: the memory-efficient kernel takes a mask but not enable_gqa
+            # (torch would fall back to the math kernel), so repeat the KV heads instead.
+            rep = s.heads // s.kv_heads
+            keys, values, gqa = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
+        )
+        if self.hooks is not None:
+            self.hooks.after_attention(i, cache)
+        return out[0].transpose(0, 1)
