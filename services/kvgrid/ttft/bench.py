@@ -25,6 +25,13 @@ asynchronous stores (``--store async``, the default on CUDA) the first token doe
 With ``--copies engine`` the loads run in the engine's process and CUDA context over the agent's L1
 shared in a file (connector ``engine_copies``), instead of in the agent's.
 
+On CUDA the model runs forwards of at most 512 tokens (every hit's tail) as piecewise CUDA graphs
+around an eager attention, as vLLM does (:mod:`kvgrid.ttft.graphs`), captured the first time a
+token count is seen (in the warm-up round: both the hit and its tail reference have the same count);
+``--cuda-graphs false`` runs every forward eager, for a row to compare. Each bit-exact check below
+compares two forwards of the same token count (miss and full prefill, hit and tail reference), so
+both sides take the same path.
+
 Correctness, every run: the hit's first-token logits must equal, bit for bit, the logits of the
 tail computed without the connector over the prefix KV the model computed itself (same kernels,
 same shapes: any difference is a byte the load got wrong); the miss's logits must equal the
@@ -106,6 +113,11 @@ class TTFTBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
            "the engine's, over the agent's L1 shared in a file under /dev/shm: connector engine_copies)"),
     ] = "agent"  # fmt: skip
     iters: Annotated[int, msgspec.Meta(ge=1, description="timed misses and hits per figure (median)")] = 3
+    cuda_graphs: Annotated[
+        bool,
+        _d("on cuda, run forwards of <= 512 tokens (the hit's tail) as piecewise CUDA graphs around eager "
+           "attention, as vLLM does; false: every forward eager"),
+    ] = True  # fmt: skip
     seed: Annotated[int, _d("weights and prompts seed")] = 0
     json: Annotated[bool, _d("print one JSON object instead of a table")] = False
 
@@ -180,7 +192,7 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
     shape, prompts = resolve(cfg)
     device = torch.device(cfg.device)
     dtype = torch.bfloat16
-    model = PagedLlama(shape, device=device, dtype=dtype, seed=cfg.seed)
+    model = PagedLlama(shape, device=device, dtype=dtype, seed=cfg.seed, cuda_graphs=cfg.cuda_graphs)
     per_token = shape.kv_bytes_per_token(dtype)
     l1 = 3 * max(prompts) * per_token + (64 << 20)
     shared = ""
@@ -215,6 +227,9 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
         "iters": cfg.iters,
         "store": cfg.store,
         "copies": cfg.copies,
+        "cuda_graphs": model.cuda_graphs,
+        "graph_max_tokens": model.graph_max_tokens,
+        "graph_sizes": list(model.graph_sizes),
         "rows": rows,
         "failures": failures,
     }
@@ -355,7 +370,13 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         f"{result['device']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']}/{m['kv_heads']} heads "
         f"of {m['head_size']}, bf16; block {result['block_size']}, chunk {result['chunk_size']}; "
-        f"median of {result['iters']}; stores {result['store']}; loads copied by the {result['copies']}"
+        f"median of {result['iters']}; stores {result['store']}; loads copied by the {result['copies']}; "
+        + (
+            f"forwards of <= {result['graph_max_tokens']} tokens as piecewise CUDA graphs (captured: "
+            f"{', '.join(map(str, result['graph_sizes'])) or 'none'})"
+            if result["cuda_graphs"]
+            else "eager forwards"
+        )
     )
     print(
         f"{'prompt':>7} {'mode':>9} {'miss ms':>9} {'store +%':>9} {'stored ms':>9} {'hit ms':>9} "

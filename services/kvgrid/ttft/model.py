@@ -15,6 +15,11 @@ Invariants:
 * ``hooks`` see each layer in order: ``before_attention(i)`` before layer ``i`` reads the cache
   (where vLLM calls ``wait_for_layer_load``), ``after_attention(i)`` once its KV is written and its
   attention ran (where vLLM calls ``save_kv_layer``).
+* On CUDA (``cuda_graphs``, the default there) a forward of at most ``graph_max_tokens`` tokens runs
+  as vLLM runs such sizes: piecewise CUDA graphs around an eager attention (:mod:`kvgrid.ttft.graphs`),
+  the hooks where they are above. Its results equal the eager forward's bit for bit; longer
+  forwards stay eager. Whether a forward is replayed depends only on its token count, so two
+  forwards of the same count always take the same path.
 """
 
 from __future__ import annotations
