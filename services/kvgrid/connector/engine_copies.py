@@ -14,6 +14,15 @@ over its own KV tensors, and per load:
    waits for that event on the GPU before it reads the blocks, as for an agent-side load;
 3. once the copy landed a completer thread sends Release, which ends the lease.
 
+Layer-wise loads (:meth:`EngineCopier.scatter_staged`) copy the layers in ``stages`` stages of
+consecutive layers, in order, and let each layer wait only for its own stage (seed 002's layer-wise
+pipeline: loading stage s+1 overlaps the compute of stage s's layers). A stage is moved by plans over
+just its layers (the chunk layout keeps each kernel group's layers contiguous, so a stage's bytes of
+a chunk are one contiguous slice of it). On CUDA every stage is queued at once, each after the
+previous one on the GPU (so the DMA engine serves them in layer order), and a layer's attention
+waits for its stage's event on the engine's stream; on CPU (no DMA engine to overlap with) a
+stage is copied by the engine's thread when its first layer asks for it.
+
 Invariants: a leased chunk is referenced in the agent, so it is neither evicted nor rewritten while
 the engine reads it; the worker's mover and the agent's agree on the chunk layout (same
 ``layout_id``, checked at registration, else the worker falls back to agent-side loads). The
@@ -22,21 +31,88 @@ mapping is page-locked for the engine's context (``cudaHostRegister``, read-only
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvgrid.agent.l1 import host_register, map_shared_pool
 from kvgrid.agent.transfer import ChunkMover, DoneSignal, build_mover, chunk_block_ids
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.groups import EngineGroupInfo
+from kvgrid_kernels.pages import KernelGroupPages
+from kvgrid_kernels.plan import TransferHandle, TransferPlan
 
-__all__ = ["EngineCopier", "open_engine_copier"]
+__all__ = ["EngineCopier", "StagedLoad", "open_engine_copier", "stage_bounds"]
 
 log = logging.getLogger(__name__)
+
+
+def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """``stages`` (at most ``num_layers``) ranges of consecutive layers covering ``[0, num_layers)``,
+    sizes differing by at most one."""
+    n = max(1, min(stages, num_layers))
+    return [(s * num_layers // n, (s + 1) * num_layers // n) for s in range(n)]
+
+
+@dataclass(frozen=True)
+class _StagePart:
+    """One kernel group's layers of one stage: ``plan`` moves bytes ``[offset, offset + nbytes)``
+    of every chunk."""
+
+    group: int
+    offset: int
+    nbytes: int
+    plan: TransferPlan
+
+
+class StagedLoad:
+    """A layer-wise load in flight: :meth:`wait` (stage) before a layer of that stage reads its KV,
+    :meth:`finish` once the step's layers ran. Both run on the engine's thread."""
+
+    def __init__(
+        self,
+        handles: list[TransferHandle] | None,
+        copy_stage: Callable[[int], object] | None,
+        num_stages: int,
+        release: Callable[[], Any],
+    ) -> None:
+        self._handles = handles  # CUDA: every stage queued; None on CPU
+        self._copy_stage = copy_stage  # CPU: copies one stage now
+        self._copied = 0  # CPU: stages [0, _copied) are in the blocks
+        self._num_stages = num_stages
+        self._release: Callable[[], Any] | None = release if handles is None else None
+
+    def wait(self, stage: int) -> None:
+        """The engine's KV of ``stage`` is loaded before anything queued after this call reads it
+        (CUDA: the engine's stream waits on the GPU; CPU: copied now, with the stages before it)."""
+        if self._handles is not None:
+            self._handles[stage].wait_stream(torch.cuda.current_stream())
+            return
+        while self._copied <= stage and self._copy_stage is not None:
+            try:
+                self._copy_stage(self._copied)
+            except BaseException:
+                self._end()
+                raise
+            self._copied += 1
+        if self._copied >= self._num_stages:
+            self._end()
+
+    def finish(self) -> None:
+        """Every stage is loaded before what is queued next (the step's end, or layers no hook named)."""
+        self.wait(self._num_stages - 1)
+
+    def _end(self) -> None:
+        release, self._release, self._copy_stage = self._release, None, None
+        if release is not None:
+            release()
 
 
 class EngineCopier:
@@ -52,6 +128,7 @@ class EngineCopier:
         device: torch.device,
         *,
         registered: bool = False,
+        stages: int = 0,
     ) -> None:
         self.pool = pool
         self.l1_file = l1_file
@@ -62,6 +139,44 @@ class EngineCopier:
         self._done = DoneSignal(done, device) if done is not None else None
         # Releases leases in the order the copies were queued, once each landed.
         self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-lease")
+        self._stage_lock = threading.Lock()
+        self.stage_of_layer: dict[int, int] = {}
+        """Index of a registered layer tensor -> its stage (layer-wise loads)."""
+        self._stages = self._build_stages(stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self._stages)
+
+    def _build_stages(self, stages: int) -> list[list[_StagePart]]:
+        """Per stage, one plan per kernel group over the group's layers in that stage. Kernel groups
+        list their layers in registration order, so a stage's layers of a group are consecutive.
+        ``stages`` 0: none (no layer-wise loads here)."""
+        if stages < 1:
+            return []
+        manager = self.mover.manager
+        plan = self.mover.plan
+        layout = plan.layout
+        num_layers = 1 + max(i for kg in manager.kernel_groups for i in kg.layer_indices)
+        out: list[list[_StagePart]] = []
+        for s, (lo, hi) in enumerate(stage_bounds(num_layers, stages)):
+            self.stage_of_layer.update((i, s) for i in range(lo, hi))
+            parts = []
+            for k, kg in enumerate(manager.kernel_groups):
+                mine = [j for j, i in enumerate(kg.layer_indices) if lo <= i < hi]
+                if not mine:
+                    continue
+                j0, j1 = mine[0], mine[-1] + 1
+                if mine != list(range(j0, j1)):
+                    raise ValueError(f"kernel group {k}'s layers {list(kg.layer_indices)} are not in order")
+                pages = plan.groups[k]
+                geometry = dataclasses.replace(pages.geometry, num_layers=j1 - j0)
+                sub = KernelGroupPages(pages.layers[j0:j1], geometry, name=pages.name)
+                lb = layout.layer_bytes(k)
+                part_plan = TransferPlan([sub], plan.tokens_per_chunk)
+                parts.append(_StagePart(k, layout.group_offsets[k] + j0 * lb, (j1 - j0) * lb, part_plan))
+            out.append(parts)
+        return out
 
     def scatter(
         self,
@@ -103,6 +218,72 @@ class EngineCopier:
 
         self._completer.submit(land)
 
+    def scatter_staged(
+        self,
+        offsets: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        skip_first_n_tokens: int,
+        *,
+        fence: torch.cuda.Event | None,
+        release: Callable[[], Any],
+    ) -> StagedLoad:
+        """Like :meth:`scatter`, stage by stage (module docstring): the engine calls the answer's
+        ``wait(stage)`` before a layer of that stage reads its KV. ``release`` runs once every stage
+        landed (or a copy failed)."""
+        if not offsets:
+            release()
+            if self._done is not None:
+                self._done.after(None)
+            return StagedLoad(None, None, 0, lambda: None)
+        try:
+            ids = chunk_block_ids(
+                self.mover, self.groups, block_ids, range(len(offsets)), skip_first_n_tokens, allow_holes=True
+            )
+            flat = [np.concatenate(per_chunk) for per_chunk in ids]
+        except BaseException:
+            release()
+            raise
+
+        def parts_of(stage: int, wait_event: torch.cuda.Event | None) -> TransferHandle | None:
+            handle = None
+            for part in self._stages[stage]:
+                buffers = [self.pool[o + part.offset : o + part.offset + part.nbytes] for o in offsets]
+                handle = part.plan.retrieve_async(buffers, [flat[part.group]], wait_event=wait_event)
+                wait_event = handle.event  # the next part (and stage) starts after this one
+            return handle
+
+        if self.mover.plan.device.type != "cuda":  # CPU copies are synchronous: one stage per wait
+            return StagedLoad(None, lambda stage: parts_of(stage, None), self.num_stages, release)
+        handles: list[TransferHandle] = []
+        try:
+            with self._stage_lock:  # one load's stages are queued back to back
+                event = fence
+                last: TransferHandle | None = None
+                for stage in range(self.num_stages):
+                    handle = parts_of(stage, event)
+                    if handle is None:  # no layer of this stage moves: it waits like the one before
+                        handle = last if last is not None else TransferHandle(None)
+                    handles.append(handle)
+                    last = handle
+                    event = handle.event if handle.event is not None else event
+            if self._done is not None:
+                self._done.after(last)
+        except BaseException:
+            for h in handles:
+                h.wait()
+            release()
+            raise
+        done = handles[-1]
+
+        def land() -> None:
+            try:
+                done.wait()
+            finally:
+                release()
+
+        self._completer.submit(land)
+        return StagedLoad(handles, None, self.num_stages, release)
+
     def close(self) -> None:
         self._completer.shutdown(wait=True)
         if self.registered:
@@ -116,9 +297,12 @@ def open_engine_copier(
     groups: Sequence[EngineGroupInfo],
     hints: Sequence[Any],
     done: torch.cuda.Event | None,
+    *,
+    stages: int = 0,
 ) -> EngineCopier | None:
     """An :class:`EngineCopier` for what RegisterKVCaches answered, or None (with a warning) when the
-    agent's L1 is private or the engine cannot copy the agent's layout."""
+    agent's L1 is private or the engine cannot copy the agent's layout. ``stages``: layer-wise loads
+    move the layers in that many stages (:meth:`EngineCopier.scatter_staged`; 0: no such loads)."""
     if not reg.l1_file:
         return None
     try:
@@ -130,4 +314,6 @@ def open_engine_copier(
         log.warning("kvgrid: engine-side copies off, the agent copies (%s)", e)
         return None
     registered = tensors[0].is_cuda and host_register(pool, read_only=True)
-    return EngineCopier(pool, reg.l1_file, mover, groups, done, tensors[0].device, registered=registered)
+    return EngineCopier(
+        pool, reg.l1_file, mover, groups, done, tensors[0].device, registered=registered, stages=stages
+    )

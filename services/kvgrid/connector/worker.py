@@ -32,7 +32,10 @@ Engine-side copies (``engine_copies``)
     when the agent shares its L1 file, loads run the same kernels in the engine's own process and
     CUDA context (:mod:`kvgrid.connector.engine_copies`): the Retrieve answers leased chunk offsets,
     the worker queues the scatter after the fence and records the load-done event after it, and
-    Release ends the lease once the bytes landed. Stores still go through the agent.
+    Release ends the lease once the bytes landed. Stores still go through the agent. Layer-wise
+    loads are copied in ``layerwise_stages`` stages of consecutive layers, each layer waiting only
+    for its own stage (on the GPU, on a per-stage event): loading stage s+1 overlaps the compute of
+    stage s, and the request costs one Retrieve and one Release whatever the number of layers.
 Agent restarts
     a call that fails because the agent is away or forgot this instance marks the registration
     stale; the worker registers the same KV memory again (at most every
@@ -64,7 +67,7 @@ from kvgrid.agent.client import AgentClient
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.connector.chunk_policy import NULL_BLOCK_ID, failed_block_ids
 from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
-from kvgrid.connector.engine_copies import EngineCopier, open_engine_copier
+from kvgrid.connector.engine_copies import EngineCopier, StagedLoad, open_engine_copier
 from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder
 from kvgrid.connector.scheduler import rpc_text
 from kvgrid.connector.shm import shared_memory_file
@@ -102,6 +105,8 @@ class LoadOutcome:
     order: LoadOrder
     loaded: int
     wanted: int
+    staged: StagedLoad | None = None
+    """A layer-wise engine-side load still landing stage by stage (the layers wait for it)."""
 
 
 @dataclass
@@ -122,10 +127,13 @@ class WorkerStats:
     """Requests ``handle_preemptions`` named (vLLM freed their blocks with stores ordered)."""
     chunks_engine_copied: int = 0
     """Chunks loaded by the engine's own kernels over the agent's shared L1 (engine_copies)."""
+    loads_staged: int = 0
+    """Layer-wise engine-side loads copied stage by stage (each layer waited for its own stage)."""
 
 
 @dataclass
 class _Registration:
+    names: list[str]
     tensors: list[torch.Tensor]
     infos: list[EngineGroupInfo]
     shm_paths: list[str] | None
@@ -162,6 +170,10 @@ class ConnectorWorker:
         """Request id -> the latest background store covering it (async_store)."""
         self._copier: EngineCopier | None = None
         """Engine-side loads over the agent's shared L1 (None: the agent copies)."""
+        self._stage_of: dict[str, int] = {}
+        """Layer name -> its stage of the copier's layer-wise loads."""
+        self._staged: list[StagedLoad] = []
+        """This step's layer-wise engine-side loads (settled, still landing stage by stage)."""
         self.stats = WorkerStats()
 
     # ---- registration ---------------------------------------------------------------------------
@@ -189,7 +201,7 @@ class ConnectorWorker:
         if self._cuda and self._fence is None:  # both kept across re-registrations
             self._fence = torch.cuda.Event(interprocess=True)
             self._loaded = torch.cuda.Event(interprocess=True)
-        self._registration = _Registration(tensors, infos, shm_paths, hints, names[-1])
+        self._registration = _Registration(names, tensors, infos, shm_paths, hints, names[-1])
         try:
             self._send_registration()
         except grpc.RpcError as e:
@@ -235,8 +247,14 @@ class ConnectorWorker:
             self._copier = None
         if old is not None:
             old.close()
+        self._stage_of = {}
         if want:
-            self._copier = open_engine_copier(resp, reg.tensors, reg.infos, reg.hints, self._loaded)
+            stages = self.config.layerwise_stages if self.config.layerwise else 0
+            copier = open_engine_copier(resp, reg.tensors, reg.infos, reg.hints, self._loaded, stages=stages)
+            if copier is not None:
+                stage_of = copier.stage_of_layer
+                self._stage_of = {n: stage_of[i] for i, n in enumerate(reg.names) if i in stage_of}
+            self._copier = copier
 
     def _note_failure(self, what: str, request_id: str, e: grpc.RpcError) -> None:
         code = e.code() if isinstance(e, grpc.Call) else None
@@ -282,18 +300,41 @@ class ConnectorWorker:
                     self._loading[order.request_id] = future
 
     def wait_for_layer(self, layer_name: str) -> None:
-        """Layer-wise: return once the step's loads have written ``layer_name``'s KV. The agent
-        moves a request's layers in one call, so the first layer waits for all of them."""
+        """Layer-wise: return once the step's loads have written ``layer_name``'s KV (on CUDA: once
+        the engine's stream waits for it). A load the agent copies moves every layer in one call,
+        so the first layer waits for all of them; an engine-side load waits for the layer's stage."""
         if self._step_loads:
-            self._finish_step_loads()
+            self._settle_step_loads()
+        stage = self._stage_of.get(layer_name)
+        for load in self._staged:
+            if stage is None:
+                load.finish()
+            else:
+                load.wait(stage)
 
-    def _finish_step_loads(self) -> None:
-        """Wait for the step's in-step loads; their missing blocks are reported this step."""
+    def _settle_step_loads(self) -> None:
+        """Wait for the step's in-step loads to be answered (and queued); their missing blocks are
+        reported this step. Loads not staged: the engine's stream waits for them to land."""
         loads, self._step_loads = self._step_loads, []
+        whole = False
         for future in loads:
             self.stats.loads_in_step += 1
-            self._settle(future.result())  # in-step loads are one-group only: never "failed"
-        self._wait_loaded()
+            out = future.result()
+            self._settle(out)  # in-step loads are one-group only: never "failed"
+            if out.staged is not None:
+                self._staged.append(out.staged)
+            else:
+                whole = True
+        if whole:
+            self._wait_loaded()
+
+    def _finish_step_loads(self) -> None:
+        """The step's end: every in-step load has landed before the next step reads its blocks."""
+        if self._step_loads:
+            self._settle_step_loads()
+        staged, self._staged = self._staged, []
+        for load in staged:
+            load.finish()
 
     def _wait_loaded(self) -> None:
         """The engine's stream waits (on the GPU) for the loads answered so far to land."""
@@ -341,26 +382,30 @@ class ConnectorWorker:
         """Engine-side load: lease the chunks, scatter them here, Release once they landed."""
         block_ids = agent_block_ids(order.block_ids)
         loaded = 0
+        staged: StagedLoad | None = None
         try:
             with agent_call_span("kvgrid.connector.retrieve", order.request_id):
                 res = self.agent.retrieve(
                     self.identity.instance_id, order.request_id, keys, block_ids,
                     skip_first_n_tokens=order.skip_first_n_tokens, engine_copies=True,
                 )  # fmt: skip
-            copier.scatter(
-                res.chunk_offsets,
-                block_ids,
-                order.skip_first_n_tokens,
-                fence=self._fence,
-                release=lambda: self._release_lease(order.request_id),
-            )
+
+            def release() -> None:
+                self._release_lease(order.request_id)
+
+            args = (res.chunk_offsets, block_ids, order.skip_first_n_tokens)
+            if order.in_step and copier.num_stages:
+                staged = copier.scatter_staged(*args, fence=self._fence, release=release)
+                self.stats.loads_staged += 1
+            else:
+                copier.scatter(*args, fence=self._fence, release=release)
             loaded = len(res.chunk_offsets)
             self.stats.chunks_engine_copied += loaded
         except grpc.RpcError as e:
             self._note_failure("retrieve", order.request_id, e)
         except Exception:  # a bug must not leave the request waiting forever: report it failed
             log.exception("kvgrid engine-side load for request %s raised", order.request_id)
-        return LoadOutcome(order, loaded, len(keys))
+        return LoadOutcome(order, loaded, len(keys), staged)
 
     def _release_lease(self, request_id: str) -> None:
         try:
@@ -435,8 +480,7 @@ class ConnectorWorker:
         """End of the step (``wait_for_save``): finish in-step loads that no layer waited for, then
         issue this step's Stores (or take those the last layer started). Synchronous: return when
         the agent holds the chunks (best effort). ``async_store``: return at once."""
-        if self._step_loads:
-            self._finish_step_loads()
+        self._finish_step_loads()
         saving, self._saving = self._saving, None  # started by the last layer (layer-wise)
         if saving is None and meta.stores:
             self._fence_engine_stream()  # the forward's KV writes must land before the agent reads
