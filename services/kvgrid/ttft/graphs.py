@@ -15,10 +15,10 @@ Invariants:
 
 * Static inputs live outside the graph pool and are written only by copies on the current stream
   before the replay that reads them: the token ids and positions (so one ``n`` serves every
-  ``start``), the attention output of the layer before. Each piece ends by copying its q and new KV
-  into static outputs that the eager attention reads. Nothing else crosses a piece boundary except
-  the hidden state and the RoPE tables, which are pool tensors written and read by the pieces of
-  one forward, in capture order.
+  ``start``), the attention output of the layer before. Each piece but the last ends by copying its
+  q and new KV into static outputs that the eager attention reads. Nothing else crosses a piece
+  boundary except the hidden state and the RoPE tables, which are pool tensors written and read by
+  the pieces of one forward, in capture order.
 * One pool serves every piece of every ``n``: pool memory carries nothing from one forward to the
   next (the logits are copied out by the caller's ``.float()`` before another replay can run, all on
   one stream), so captures may reuse each other's blocks; forwards run one at a time.
