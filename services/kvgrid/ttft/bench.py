@@ -112,6 +112,11 @@ class TTFTBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
         _d("who runs a load's kernels: agent (in the agent's process and CUDA context) or engine (in "
            "the engine's, over the agent's L1 shared in a file under /dev/shm: connector engine_copies)"),
     ] = "agent"  # fmt: skip
+    layerwise_stages: Annotated[
+        int,
+        msgspec.Meta(ge=1, description="with --copies engine: the connector's layerwise_stages (a layer-wise "
+                     "load moves in that many stages of layers, each layer waiting for its own; 1: for all)"),
+    ] = 8  # fmt: skip
     iters: Annotated[int, msgspec.Meta(ge=1, description="timed misses and hits per figure (median)")] = 3
     cuda_graphs: Annotated[
         bool,
@@ -207,7 +212,7 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
                 model, agent.uds_path, work, max_prompt_tokens=max(prompts), block_size=cfg.block_size,
                 chunk_size=cfg.chunk_size, layerwise=mode == "layerwise", engine_id=f"ttft-{mode}",
                 async_store={"auto": None, "sync": False, "async": True}[cfg.store],
-                engine_copies=cfg.copies == "engine",
+                engine_copies=cfg.copies == "engine", layerwise_stages=cfg.layerwise_stages,
             )
             for mode in cfg.modes
         }  # fmt: skip
@@ -227,6 +232,7 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
         "iters": cfg.iters,
         "store": cfg.store,
         "copies": cfg.copies,
+        "layerwise_stages": cfg.layerwise_stages,
         "cuda_graphs": model.cuda_graphs,
         "graph_max_tokens": model.graph_max_tokens,
         "graph_sizes": list(model.graph_sizes),
@@ -370,7 +376,9 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         f"{result['device']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']}/{m['kv_heads']} heads "
         f"of {m['head_size']}, bf16; block {result['block_size']}, chunk {result['chunk_size']}; "
-        f"median of {result['iters']}; stores {result['store']}; loads copied by the {result['copies']}; "
+        f"median of {result['iters']}; stores {result['store']}; loads copied by the {result['copies']}"
+        + (f" (layer-wise in up to {result['layerwise_stages']} stages)" if result["copies"] == "engine" else "")
+        + "; "
         + (
             f"forwards of <= {result['graph_max_tokens']} tokens as piecewise CUDA graphs (captured: "
             f"{', '.join(map(str, result['graph_sizes'])) or 'none'})"

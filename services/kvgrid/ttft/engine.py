@@ -183,6 +183,7 @@ class TTFTEngine:
         layerwise: bool = False,
         async_store: bool | None = None,
         engine_copies: bool = False,
+        layerwise_stages: int = 8,
         engine_id: str = "ttft",
     ) -> None:
         from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -241,6 +242,7 @@ class TTFTEngine:
                     "layerwise": layerwise,
                     "async_store": async_store,
                     "engine_copies": engine_copies,
+                    "layerwise_stages": layerwise_stages,
                     "rpc_timeout_s": 600.0,
                 },
             ),
