@@ -377,7 +377,11 @@ def print_table(result: dict[str, Any]) -> None:
         f"{result['device']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']}/{m['kv_heads']} heads "
         f"of {m['head_size']}, bf16; block {result['block_size']}, chunk {result['chunk_size']}; "
         f"median of {result['iters']}; stores {result['store']}; loads copied by the {result['copies']}"
-        + (f" (layer-wise in up to {result['layerwise_stages']} stages)" if result["copies"] == "engine" else "")
+        + (
+            f" (layer-wise in up to {result['layerwise_stages']} stages)"
+            if result["copies"] == "engine"
+            else ""
+        )
         + "; "
         + (
             f"forwards of <= {result['graph_max_tokens']} tokens as piecewise CUDA graphs (captured: "
