@@ -67,7 +67,10 @@ def _capture(
         # End the capture so the stream is usable again; the original error is the one to see.
         with contextlib.suppress(RuntimeError):
             graph.capture_end()
-        raise RuntimeError(f"CUDA graph capture of {what} failed: {e}") from e
+        raise RuntimeError(
+            f"CUDA graph capture of {what} failed ({e}); PagedLlama(cuda_graphs=False) or "
+            f"'kvgrid bench ttft --cuda-graphs false' runs every forward eager"
+        ) from e
     graph.capture_end()
     return graph, out
 
