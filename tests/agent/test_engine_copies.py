@@ -17,7 +17,9 @@ import torch
 
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.l1 import L1Pool
-from kvgrid.connector.engine_copies import open_engine_copier
+from kvgrid.agent.transfer import build_mover
+from kvgrid.common.groups import EngineGroupInfo
+from kvgrid.connector.engine_copies import EngineCopier, open_engine_copier
 from tests.agent.helpers import (
     GROUPS,
     HINTS,
@@ -214,3 +216,46 @@ def test_a_shared_l1_that_does_not_fit_is_a_clear_error(tmp_path: Path) -> None:
     ):
         L1Pool(1 << 52, shared_dir=str(tmp_path), pin=False)
     assert list(tmp_path.glob("kvgrid-l1-*")) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("stages", [1, 3, 8])
+def test_cuda_staged_loads_equal_a_whole_load_bit_for_bit(stages: int) -> None:
+    """On CUDA a layer-wise load moves each stage by DMA into a GPU ring buffer and scatters it from
+    there; what a layer reads right after its stage's wait (queued on the engine's stream) equals
+    a whole load of the same chunks, for loads of several sizes that grow and reuse the ring, and
+    each load's lease is released once it landed."""
+    dev = torch.device("cuda")
+    layers, nb = 8, 256
+    groups = [EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(layers)), tokens_per_block=16)]
+    hints = [{"backend": "FLASHINFER"}] * layers
+    nan = float("nan")
+    staged_kv, whole_kv = (
+        [torch.full((nb, 2, 16, 2, 64), nan, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+        for _ in range(2)
+    )
+    movers = [build_mover(t, groups, 64, layout_hints=hints) for t in (staged_kv, whole_kv)]
+    bpc = movers[0].bytes_per_chunk
+    pool = torch.randint(0, 255, (40 * bpc,), dtype=torch.uint8).pin_memory()
+    staged = EngineCopier(pool, "", movers[0], groups, None, dev, stages=stages)
+    whole = EngineCopier(pool, "", movers[1], groups, None, dev)
+    gen = torch.Generator().manual_seed(stages)
+    for num_chunks in (3, 9, 5):  # 9 grows the ring, 5 reuses it
+        offsets = [int(c) * bpc for c in torch.randperm(40, generator=gen)[:num_chunks]]
+        blocks = torch.randperm(nb, generator=gen)[: num_chunks * 4].tolist()
+        released, copied = threading.Event(), threading.Event()
+        load = staged.scatter_staged(offsets, [blocks], 0, fence=None, release=released.set)
+        seen = []
+        for i in range(layers):
+            load.wait(staged.stage_of_layer[i])
+            seen.append(staged_kv[i][blocks].clone())  # queued on the engine's stream after the wait
+        load.finish()
+        whole.scatter(offsets, [blocks], 0, fence=None, release=copied.set)
+        assert released.wait(30) and copied.wait(30)
+        torch.cuda.synchronize()
+        for i in range(layers):
+            want = whole_kv[i][blocks].view(torch.int16)
+            assert torch.equal(seen[i].view(torch.int16), want), (num_chunks, i)
+    staged.close()
+    whole.close()

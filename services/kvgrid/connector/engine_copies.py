@@ -46,6 +46,7 @@ from kvgrid.agent.l1 import host_register, map_shared_pool
 from kvgrid.agent.transfer import ChunkMover, DoneSignal, build_mover, chunk_block_ids
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.groups import EngineGroupInfo
+from kvgrid_kernels.cuda_driver import Driver
 from kvgrid_kernels.pages import KernelGroupPages
 from kvgrid_kernels.plan import TransferHandle, TransferPlan
 
@@ -140,6 +141,11 @@ class EngineCopier:
         # Releases leases in the order the copies were queued, once each landed.
         self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-lease")
         self._stage_lock = threading.Lock()
+        self.pool_device = device
+        # CUDA layer-wise loads: L1 -> GPU ring by DMA, then scatters from there (_queue_stages).
+        self._ring: list[torch.Tensor | None] = [None, None]
+        self._ring_free: list[torch.cuda.Event | None] = [None, None]
+        self._dma_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.stage_of_layer: dict[int, int] = {}
         """Index of a registered layer tensor -> its stage (layer-wise loads)."""
         self._stages = self._build_stages(stages)
@@ -256,18 +262,10 @@ class EngineCopier:
             return StagedLoad(None, lambda stage: parts_of(stage, None), self.num_stages, release)
         handles: list[TransferHandle] = []
         try:
-            with self._stage_lock:  # one load's stages are queued back to back
-                event = fence
-                last: TransferHandle | None = None
-                for stage in range(self.num_stages):
-                    handle = parts_of(stage, event)
-                    if handle is None:  # no layer of this stage moves: it waits like the one before
-                        handle = last if last is not None else TransferHandle(None)
-                    handles.append(handle)
-                    last = handle
-                    event = handle.event if handle.event is not None else event
+            with self._stage_lock, torch.cuda.device(self.pool_device):
+                handles = self._queue_stages(offsets, flat, fence)
             if self._done is not None:
-                self._done.after(last)
+                self._done.after(handles[-1])
         except BaseException:
             for h in handles:
                 h.wait()
@@ -283,6 +281,65 @@ class EngineCopier:
 
         self._completer.submit(land)
         return StagedLoad(handles, None, self.num_stages, release)
+
+    def _queue_stages(
+        self, offsets: Sequence[int], flat: list[np.ndarray], fence: torch.cuda.Event | None
+    ) -> list[TransferHandle]:
+        """CUDA: queue every stage; per stage one handle that completes once its KV is in the blocks.
+
+        A stage's bytes first move by DMA (no SM work) from L1 into one of two GPU ring buffers
+        (stage s into buffer s % 2, after the scatter that last read that buffer), then a
+        scatter reads them there in place. Why not the pinned-chunk plan with its two small staging
+        slots: its DMAs wait for its scatters, and a scatter gets no SM while the engine's kernels
+        fill the GPU, so on the H200 a staged load ran only while the engine waited for it (no
+        overlap at all: docs/benchmarks.md). Here the DMAs run ahead through a whole stage, and the
+        scatter of stage s, small against the DMA, runs when the engine waits for that stage."""
+        drv = Driver.get()
+        n = len(offsets)
+        pool_ptr = self.pool.data_ptr()
+        dma = self._dma_stream
+        assert dma is not None  # CUDA
+        raw = dma.cuda_stream
+        if fence is not None:
+            dma.wait_event(fence)  # the scatters wait for the DMAs, so for the runner's zeroing too
+        handles: list[TransferHandle] = []
+        last: TransferHandle | None = None
+        for stage, parts in enumerate(self._stages):
+            slot = stage % len(self._ring)
+            buf = self._ring_buffer(slot, n * sum(p.nbytes for p in parts))
+            if (free := self._ring_free[slot]) is not None:
+                dma.wait_event(free)
+            views: list[list[torch.Tensor]] = []
+            base = 0
+            for part in parts:
+                region = buf[base : base + n * part.nbytes]
+                dst = region.data_ptr()
+                for c, o in enumerate(offsets):
+                    drv.memcpy_async(dst + c * part.nbytes, pool_ptr + o + part.offset, part.nbytes, raw)
+                views.append([region[c * part.nbytes : (c + 1) * part.nbytes] for c in range(n)])
+                base += n * part.nbytes
+            landed = torch.cuda.Event()
+            landed.record(dma)
+            event: torch.cuda.Event | None = landed
+            for part, chunk_views in zip(parts, views, strict=True):
+                last = part.plan.retrieve_async(chunk_views, [flat[part.group]], wait_event=event)
+                event = last.event
+            if parts and last is not None:
+                self._ring_free[slot] = last.event
+            handles.append(last if last is not None else TransferHandle(landed))
+        return handles
+
+    def _ring_buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Ring buffer ``slot`` with room for ``nbytes`` (grown when a longer load comes: the old
+        one is dropped only once the scatter that last read it finished)."""
+        buf = self._ring[slot]
+        if buf is None or buf.numel() < nbytes:
+            if (free := self._ring_free[slot]) is not None:
+                free.synchronize()
+            self._ring[slot] = None
+            buf = self._ring[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.pool_device)
+            self._ring_free[slot] = None
+        return buf
 
     def close(self) -> None:
         self._completer.shutdown(wait=True)
