@@ -288,12 +288,12 @@ class EngineCopier:
         """CUDA: queue every stage; per stage one handle that completes once its KV is in the blocks.
 
         A stage's bytes first move by DMA (no SM work) from L1 into one of two GPU ring buffers
-        (stage s into buffer s % 2, after the scatter that last read that buffer), then a
-        scatter reads them there in place. Why not the pinned-chunk plan with its two small staging
-        slots: its DMAs wait for its scatters, and a scatter gets no SM while the engine's kernels
-        fill the GPU, so on the H200 a staged load ran only while the engine waited for it (no
-        overlap at all: docs/benchmarks.md). Here the DMAs run ahead through a whole stage, and the
-        scatter of stage s, small against the DMA, runs when the engine waits for that stage."""
+        (stage s into buffer s % 2, after the scatter that last read that buffer and after the
+        previous stage's scatter), then a scatter reads them there in place. Measured on the H200
+        (docs/benchmarks.md, "Per-layer pipelining"): per-stage plans over the pinned chunks (the
+        agent's plan: small staging slots, each DMA waiting for a scatter) did not overlap the
+        engine's compute at all, a hit took copy + tail; with the ring they do.
+        """
         drv = Driver.get()
         n = len(offsets)
         pool_ptr = self.pool.data_ptr()
@@ -309,6 +309,11 @@ class EngineCopier:
             buf = self._ring_buffer(slot, n * sum(p.nbytes for p in parts))
             if (free := self._ring_free[slot]) is not None:
                 dma.wait_event(free)
+            if last is not None and last.event is not None:
+                # After the previous stage's scatter: its block-id upload is a small host->device copy,
+                # and copies to the device are served in order, so DMAs queued ahead of it would hold
+                # that scatter back by a whole stage (measured on the H200: stages landed in pairs).
+                dma.wait_event(last.event)
             views: list[list[torch.Tensor]] = []
             base = 0
             for part in parts:
