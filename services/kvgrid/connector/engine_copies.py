@@ -136,7 +136,8 @@ class EngineCopier:
         self.mover = mover
         self.groups = list(groups)
         self.registered = registered
-        """The mapping is page-locked for this process's CUDA context (unregistered at close)."""
+        """The mapping is page-locked for this process's CUDA context (shared with other copiers of
+        the same file in this process; unregistered when the last one closes)."""
         self._done = DoneSignal(done, device) if done is not None else None
         # Releases leases in the order the copies were queued, once each landed.
         self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-lease")
@@ -349,8 +350,44 @@ class EngineCopier:
     def close(self) -> None:
         self._completer.shutdown(wait=True)
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.pool.data_ptr())
+            _MAPPINGS.release(self.l1_file)
             self.registered = False
+
+
+class _Mappings:
+    """One page-locked mapping per L1 file in this process, shared by every copier that reads it
+    (engines of one process, or a copier re-opened for the same agent): a second
+    ``cudaHostRegister`` of the same file's pages is not needed, and where it fails the second
+    copier's DMAs would come from pageable memory, synchronous for the host."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_file: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def acquire(self, path: str, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """The file's mapping and whether it is page-locked (then :meth:`release` it once)."""
+        with self._lock:
+            held = self._by_file.get(path)
+            if held is not None and held[0].numel() == nbytes:
+                self._by_file[path] = (held[0], held[1] + 1)
+                return held[0], True
+            pool = map_shared_pool(path, nbytes)
+            if not host_register(pool, read_only=True):
+                return pool, False
+            self._by_file[path] = (pool, 1)
+            return pool, True
+
+    def release(self, path: str) -> None:
+        with self._lock:
+            pool, users = self._by_file[path]
+            if users > 1:
+                self._by_file[path] = (pool, users - 1)
+                return
+            del self._by_file[path]
+            torch.cuda.cudart().cudaHostUnregister(pool.data_ptr())
+
+
+_MAPPINGS = _Mappings()
 
 
 def open_engine_copier(
@@ -371,11 +408,13 @@ def open_engine_copier(
         mover = build_mover(tensors, list(groups), reg.tokens_per_chunk, layout_hints=hints)
         if mover.layout_id != reg.layout_id:
             raise ValueError(f"chunk layout {mover.layout_id} here, {reg.layout_id} in the agent")
-        pool = map_shared_pool(reg.l1_file, reg.l1_file_bytes)
+        if tensors[0].is_cuda:
+            pool, registered = _MAPPINGS.acquire(reg.l1_file, reg.l1_file_bytes)
+        else:
+            pool, registered = map_shared_pool(reg.l1_file, reg.l1_file_bytes), False
     except (OSError, ValueError) as e:
         log.warning("kvgrid: engine-side copies off, the agent copies (%s)", e)
         return None
-    registered = tensors[0].is_cuda and host_register(pool, read_only=True)
     return EngineCopier(
         pool, reg.l1_file, mover, groups, done, tensors[0].device, registered=registered, stages=stages
     )
