@@ -106,6 +106,10 @@ class StagedLoad:
         if self._copied >= self._num_stages:
             self._end()
 
+    def stage_events(self) -> list[torch.cuda.Event]:
+        """CUDA: each stage's completion event, in stage order (for timing; empty on CPU)."""
+        return [h.event for h in self._handles or [] if h.event is not None]
+
     def finish(self) -> None:
         """Every stage is loaded before what is queued next (the step's end, or layers no hook named)."""
         self.wait(self._num_stages - 1)
@@ -289,11 +293,12 @@ class EngineCopier:
         """CUDA: queue every stage; per stage one handle that completes once its KV is in the blocks.
 
         A stage's bytes first move by DMA (no SM work) from L1 into one of two GPU ring buffers
-        (stage s into buffer s % 2, after the scatter that last read that buffer and after the
-        previous stage's scatter), then a scatter reads them there in place. Measured on the H200
-        (docs/benchmarks.md, "Per-layer pipelining"): per-stage plans over the pinned chunks (the
-        agent's plan: small staging slots, each DMA waiting for a scatter) did not overlap the
-        engine's compute at all, a hit took copy + tail; with the ring they do.
+        (stage s into buffer s % 2, after the scatter that last read that buffer), then a scatter
+        reads them there in place. Measured on the H200 (docs/benchmarks.md, "Per-layer
+        pipelining"): per-stage plans over the pinned chunks (the agent's plan: small staging
+        slots, each DMA waiting for a scatter) did not overlap a matmul loop at all; with the ring
+        the copies overlap the engine's compute (stages landed in pairs there: a scatter's small
+        block-id upload seems to queue behind the next stage's DMAs -- not verified).
         """
         drv = Driver.get()
         n = len(offsets)
@@ -310,11 +315,6 @@ class EngineCopier:
             buf = self._ring_buffer(slot, n * sum(p.nbytes for p in parts))
             if (free := self._ring_free[slot]) is not None:
                 dma.wait_event(free)
-            if last is not None and last.event is not None:
-                # After the previous stage's scatter: its block-id upload is a small host->device copy,
-                # and copies to the device are served in order, so DMAs queued ahead of it would hold
-                # that scatter back by a whole stage (measured on the H200: stages landed in pairs).
-                dma.wait_event(last.event)
             views: list[list[torch.Tensor]] = []
             base = 0
             for part in parts:

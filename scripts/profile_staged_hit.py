@@ -1,0 +1,112 @@
+"""The timeline of layer-wise, engine-copied hits in the TTFT harness (GPU machine, by hand).
+
+    PYTHONPATH=services:kernels:<site> python3 scripts/profile_staged_hit.py [--prompt 8192]
+        [--max-prompt 8192] [--stages 8] [--iters 4] [--whole-engine]
+
+One Llama-3-8B-shaped engine (``kvgrid.ttft``) with ``layerwise`` and ``engine_copies`` over a real
+agent with a shared L1; per iteration a miss, the cache poisoned, then the hit, printing: the hit's
+time to first token; when the loader thread queued the stages (host ms from the hit's start); when
+each stage's copy ended on the GPU; and, every fourth layer, when the layer's wait returned on the
+host and when the engine's stream passed it on the GPU. ``--max-prompt`` sizes the KV cache and L1
+as ``kvgrid bench ttft`` does for its longest prompt; ``--whole-engine`` also builds an engine
+without layer-wise loads first, as the bench does. Not a benchmark (``kvgrid bench ttft`` is); it
+shows whether stages overlap the compute (the first iteration compiles, the second captures
+graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvgrid.connector import engine_copies
+from kvgrid.ttft.engine import AgentProcess, TTFTEngine
+from kvgrid.ttft.model import LLAMA3_8B, PagedLlama
+
+
+class _Marks:
+    """Wraps the engine's layer hooks: host time and a GPU event after each layer's wait."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.marks: list[tuple[int, float, torch.cuda.Event]] = []
+
+    def before_attention(self, i: int) -> None:
+        self.inner.before_attention(i)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.marks.append((i, time.perf_counter(), event))
+
+    def after_attention(self, i: int, kv: torch.Tensor) -> None:
+        self.inner.after_attention(i, kv)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompt", type=int, default=8192)
+    p.add_argument("--max-prompt", type=int, default=0, help="KV cache and L1 sized for this (0: --prompt)")
+    p.add_argument("--stages", type=int, default=8)
+    p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--whole-engine", action="store_true")
+    args = p.parse_args()
+    n, top = args.prompt, max(args.max_prompt, args.prompt)
+    model = PagedLlama(LLAMA3_8B, device="cuda", seed=0)
+    work = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    l1 = 3 * top * LLAMA3_8B.kv_bytes_per_token(torch.bfloat16) + (64 << 20)
+    agent = AgentProcess(work, l1, l1_shared_dir="/dev/shm")
+    engines = []
+    if args.whole_engine:
+        engines.append(TTFTEngine(model, agent.uds_path, work, max_prompt_tokens=top, engine_copies=True,
+                                  engine_id="whole"))  # fmt: skip
+    eng = TTFTEngine(model, agent.uds_path, work, max_prompt_tokens=top, layerwise=True, engine_copies=True,
+                     layerwise_stages=args.stages, engine_id="layerwise")  # fmt: skip
+    engines.append(eng)
+    queued: list[tuple[float, float, engine_copies.StagedLoad]] = []
+    scatter_staged = engine_copies.EngineCopier.scatter_staged
+
+    def timed_scatter(self: engine_copies.EngineCopier, *a: Any, **k: Any) -> engine_copies.StagedLoad:
+        t = time.perf_counter()
+        load = scatter_staged(self, *a, **k)
+        queued.append((t, time.perf_counter(), load))
+        return load
+
+    engine_copies.EngineCopier.scatter_staged = timed_scatter  # type: ignore[method-assign]
+    marks = _Marks(eng._hooks)
+    eng._hooks = marks
+    try:
+        for it in range(args.iters):
+            tokens = [(it * 7919 + j * 31) % LLAMA3_8B.vocab for j in range(n)]
+            eng.run(f"miss-{it}", tokens)
+            eng.poison()
+            torch.cuda.synchronize()
+            marks.marks.clear()
+            queued.clear()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            hit = eng.run(f"hit-{it}", tokens)
+            torch.cuda.synchronize()
+
+            def ms(t: float, t0: float = t0) -> float:
+                return round(1e3 * (t - t0), 2)
+
+            line = f"iter {it}: hit {1e3 * hit.ttft_s:.1f} ms, loaded {hit.loaded_tokens} tokens"
+            for q0, q1, load in queued:
+                ends = [round(start.elapsed_time(e), 1) for e in load.stage_events()]
+                line += f"; stages queued (host) {ms(q0)}..{ms(q1)}; stage copies end (GPU) {ends}"
+            layers = [(i, ms(t), round(start.elapsed_time(e), 1)) for i, t, e in marks.marks if i % 4 == 0]
+            print(f"{line}; layer (i, wait returned on host, passed on GPU) {layers}", flush=True)
+        print(eng.worker.worker.stats)
+    finally:
+        for e in engines:
+            e.close()
+        agent.stop()
+
+
+if __name__ == "__main__":
+    main()
