@@ -219,11 +219,14 @@ class EngineCopier:
         if handle is None:
             release()
             return
-        done = handle
+        self._release_when_landed(handle, release)
+
+    def _release_when_landed(self, handle: TransferHandle, release: Callable[[], Any]) -> None:
+        """``release`` on the completer thread once ``handle``'s copy landed (in queueing order)."""
 
         def land() -> None:
             try:
-                done.wait()
+                handle.wait()
             finally:
                 release()
 
@@ -276,15 +279,7 @@ class EngineCopier:
                 h.wait()
             release()
             raise
-        done = handles[-1]
-
-        def land() -> None:
-            try:
-                done.wait()
-            finally:
-                release()
-
-        self._completer.submit(land)
+        self._release_when_landed(handles[-1], release)
         return StagedLoad(handles, None, self.num_stages, release)
 
     def _queue_stages(

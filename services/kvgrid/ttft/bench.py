@@ -44,6 +44,7 @@ differently in bf16. A mismatch of the first two exits 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -219,6 +220,8 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
         try:
             for n in prompts:
                 rows.append(_one_length(cfg, n, model, engines, device, per_token, failures))
+            # How the loads went, per engine: e.g. whether layer-wise loads were staged by the engine.
+            stats = {mode: dataclasses.asdict(eng.worker.worker.stats) for mode, eng in engines.items()}
         finally:
             for eng in engines.values():
                 eng.close()
@@ -237,6 +240,7 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
         "graph_max_tokens": model.graph_max_tokens,
         "graph_sizes": list(model.graph_sizes),
         "rows": rows,
+        "worker_stats": stats,
         "failures": failures,
     }
 
@@ -411,4 +415,9 @@ def print_table(result: dict[str, Any]) -> None:
             f"tail {lim['tail_prefill_ms']:.4g} ms, "
             f"copy {lim['copy_ms']:.4g} ms ({lim['copy_gbps']:.4g} GB/s); ceiling {lim['ceiling']:.4g}x, "
             f"limit with tail {lim['limit']:.4g}x"
+        )
+    for mode, st in result["worker_stats"].items():
+        print(
+            f"{mode} engine: {st['chunks_loaded']} chunks loaded ({st['chunks_engine_copied']} by the "
+            f"engine's kernels), {st['loads_in_step']} in-step loads ({st['loads_staged']} staged by layer)"
         )
