@@ -27,7 +27,7 @@ fi
 export PYTHONPATH="$root/services:$root/kernels:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$root"
 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())'
-python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/kernels tests/agent/test_gpu.py \
+python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/kernels tests/agent/test_gpu.py tests/agent/test_engine_copies.py \
     2>&1 | tee "$out/pytest-gpu.log"
 # LMCache's kernel joins the transfer table when its wheel was fetched (fetch_gpu_wheels.sh --lmcache)
 lmcache=()
@@ -38,5 +38,7 @@ for n in 1 32; do
 done 2>&1 | tee "$out/bench-agent.txt"
 if ((ttft)); then
     python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/ttft 2>&1 | tee "$out/pytest-ttft.log"
-    python3 -m kvgrid.cli bench ttft --device cuda 2>&1 | tee "$out/bench-ttft.txt"
+    for copies in engine agent; do
+        python3 -m kvgrid.cli bench ttft --device cuda --copies "$copies"
+    done 2>&1 | tee "$out/bench-ttft.txt"
 fi
