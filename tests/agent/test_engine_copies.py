@@ -167,6 +167,21 @@ def test_a_staged_load_of_nothing_releases_at_once(client: AgentClient, shared_d
     copier.close()
 
 
+def test_offsets_outside_the_file_are_refused(client: AgentClient, shared_dir: Path) -> None:
+    """The staged path copies by raw pointer, so an offset the file does not hold is an error naming
+    it (the worker reports the load failed), and the lease is released exactly once."""
+    tensors, reg = register_kv(client, "e7", shared_dir, seed=10)
+    copier = open_engine_copier(reg, tensors, GROUPS, HINTS, None, stages=2)
+    assert copier is not None
+    bad = reg.l1_file_bytes - copier.mover.bytes_per_chunk + 1
+    for scatter in (copier.scatter, copier.scatter_staged):
+        calls: list[int] = []
+        with pytest.raises(ValueError, match=f"chunk offset {bad}: expected 0 <= offset"):
+            scatter([0, bad], block_ids(0, 2), 0, fence=None, release=lambda: calls.append(1))  # noqa: B023
+        assert calls == [1]
+    copier.close()
+
+
 def test_leases_end_with_the_registration(client: AgentClient, shared_dir: Path) -> None:
     register_kv(client, "e2", shared_dir, seed=6)
     keys = keys_for(600, 2)
@@ -241,7 +256,7 @@ def test_cuda_staged_loads_equal_a_whole_load_bit_for_bit(stages: int) -> None:
     staged = EngineCopier(pool, "", movers[0], groups, None, dev, stages=stages)
     whole = EngineCopier(pool, "", movers[1], groups, None, dev)
     gen = torch.Generator().manual_seed(stages)
-    for num_chunks in (3, 9, 5):  # 9 grows the ring, 5 reuses it
+    for num_chunks in (3, 9, 9, 9, 5):  # 9 grows the ring (then graph capture, replay), 5 reuses it
         offsets = [int(c) * bpc for c in torch.randperm(40, generator=gen)[:num_chunks]]
         blocks = torch.randperm(nb, generator=gen)[: num_chunks * 4].tolist()
         released, copied = threading.Event(), threading.Event()

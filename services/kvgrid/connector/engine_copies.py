@@ -18,10 +18,11 @@ Layer-wise loads (:meth:`EngineCopier.scatter_staged`) copy the layers in ``stag
 consecutive layers, in order, and let each layer wait only for its own stage (seed 002's layer-wise
 pipeline: loading stage s+1 overlaps the compute of stage s's layers). A stage is moved by plans over
 just its layers (the chunk layout keeps each kernel group's layers contiguous, so a stage's bytes of
-a chunk are one contiguous slice of it). On CUDA every stage is queued at once, each after the
-previous one on the GPU (so the DMA engine serves them in layer order), and a layer's attention
-waits for its stage's event on the engine's stream; on CPU (no DMA engine to overlap with) a
-stage is copied by the engine's thread when its first layer asks for it.
+a chunk are one contiguous slice of it). On CUDA every stage is queued at once: its DMAs into a GPU
+ring buffer, on one stream in stage order (so the DMA engine serves them in layer order), then its
+scatter from there; a layer's attention waits for its stage's event on the engine's stream, and
+the step's end (or a layer no stage names) for every stage's. On CPU (no DMA engine to overlap
+with) a stage is copied by the engine's thread when its first layer asks for it.
 
 Invariants: a leased chunk is referenced in the agent, so it is neither evicted nor rewritten while
 the engine reads it; the worker's mover and the agent's agree on the chunk layout (same
@@ -111,7 +112,13 @@ class StagedLoad:
         return [h.event for h in self._handles or [] if h.event is not None]
 
     def finish(self) -> None:
-        """Every stage is loaded before what is queued next (the step's end, or layers no hook named)."""
+        """Every stage is loaded before what is queued next (the step's end, or layers no hook named).
+        On CUDA each stage is waited for: the scatters of two stages run on different streams, so
+        the last stage's event does not cover the others."""
+        if self._handles is not None:
+            for handle in self._handles:
+                handle.wait_stream(torch.cuda.current_stream())
+            return
         self.wait(self._num_stages - 1)
 
     def _end(self) -> None:
@@ -203,6 +210,7 @@ class EngineCopier:
         failed). The load-done event is recorded after the copy."""
         handle = None
         try:
+            self._check_offsets(offsets)
             if offsets:
                 chunks = range(len(offsets))
                 ids = chunk_block_ids(
@@ -214,19 +222,31 @@ class EngineCopier:
             if self._done is not None:
                 self._done.after(handle)
         except BaseException:
+            if handle is not None:
+                handle.wait()  # queued copies still read the leased chunks
             release()
             raise
         if handle is None:
             release()
             return
-        self._release_when_landed(handle, release)
+        self._release_when_landed([handle], release)
 
-    def _release_when_landed(self, handle: TransferHandle, release: Callable[[], Any]) -> None:
-        """``release`` on the completer thread once ``handle``'s copy landed (in queueing order)."""
+    def _check_offsets(self, offsets: Sequence[int]) -> None:
+        """The agent's chunk offsets lie inside the mapped file (the staged path copies by raw
+        pointer): ValueError otherwise, and the load is reported failed."""
+        n, size = self.mover.bytes_per_chunk, self.pool.numel()
+        for o in offsets:
+            if o < 0 or o + n > size:
+                raise ValueError(f"chunk offset {o}: expected 0 <= offset <= {size - n} in {self.l1_file!r}")
+
+    def _release_when_landed(self, handles: Sequence[TransferHandle], release: Callable[[], Any]) -> None:
+        """``release`` on the completer thread once every one of ``handles`` landed (in queueing
+        order)."""
 
         def land() -> None:
             try:
-                handle.wait()
+                for handle in handles:
+                    handle.wait()
             finally:
                 release()
 
@@ -250,6 +270,7 @@ class EngineCopier:
                 self._done.after(None)
             return StagedLoad(None, None, 0, lambda: None)
         try:
+            self._check_offsets(offsets)
             ids = chunk_block_ids(
                 self.mover, self.groups, block_ids, range(len(offsets)), skip_first_n_tokens, allow_holes=True
             )
@@ -268,18 +289,19 @@ class EngineCopier:
 
         if self.mover.plan.device.type != "cuda":  # CPU copies are synchronous: one stage per wait
             return StagedLoad(None, lambda stage: parts_of(stage, None), self.num_stages, release)
-        handles: list[TransferHandle] = []
         try:
             with self._stage_lock, torch.cuda.device(self.pool_device):
                 handles = self._queue_stages(offsets, flat, fence)
-            if self._done is not None:
-                self._done.after(handles[-1])
+                if self._done is not None:
+                    for handle in handles:  # every stage: their scatters run on different streams
+                        self._done.after(handle)
         except BaseException:
-            for h in handles:
-                h.wait()
+            # Some stages may be queued: their DMAs read the leased chunks, their scatters write
+            # blocks and a ring buffer. A rare path, so wait for the whole device.
+            torch.cuda.synchronize(self.pool_device)
             release()
             raise
-        self._release_when_landed(handles[-1], release)
+        self._release_when_landed(handles, release)
         return StagedLoad(handles, None, self.num_stages, release)
 
     def _queue_stages(
@@ -338,7 +360,9 @@ class EngineCopier:
             if (free := self._ring_free[slot]) is not None:
                 free.synchronize()
             self._ring[slot] = None
-            buf = self._ring[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.pool_device)
+            assert self._dma_stream is not None
+            with torch.cuda.stream(self._dma_stream):  # allocated where it is first used
+                buf = self._ring[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.pool_device)
             self._ring_free[slot] = None
         return buf
 
@@ -379,7 +403,9 @@ class _Mappings:
                 self._by_file[path] = (pool, users - 1)
                 return
             del self._by_file[path]
-            torch.cuda.cudart().cudaHostUnregister(pool.data_ptr())
+            rc = int(torch.cuda.cudart().cudaHostUnregister(pool.data_ptr()))
+            if rc:
+                log.warning("kvgrid: cudaHostUnregister of %r returned %d", path, rc)
 
 
 _MAPPINGS = _Mappings()
@@ -404,12 +430,19 @@ def open_engine_copier(
         if mover.layout_id != reg.layout_id:
             raise ValueError(f"chunk layout {mover.layout_id} here, {reg.layout_id} in the agent")
         if tensors[0].is_cuda:
-            pool, registered = _MAPPINGS.acquire(reg.l1_file, reg.l1_file_bytes)
+            with torch.cuda.device(tensors[0].device):  # page-locked for the engine's context
+                pool, registered = _MAPPINGS.acquire(reg.l1_file, reg.l1_file_bytes)
         else:
             pool, registered = map_shared_pool(reg.l1_file, reg.l1_file_bytes), False
     except (OSError, ValueError) as e:
         log.warning("kvgrid: engine-side copies off, the agent copies (%s)", e)
         return None
-    return EngineCopier(
-        pool, reg.l1_file, mover, groups, done, tensors[0].device, registered=registered, stages=stages
-    )
+    try:
+        return EngineCopier(
+            pool, reg.l1_file, mover, groups, done, tensors[0].device, registered=registered, stages=stages
+        )
+    except Exception as e:  # e.g. layers out of order for stages, or a CUDA error building plans
+        if registered:
+            _MAPPINGS.release(reg.l1_file)
+        log.warning("kvgrid: engine-side copies off, the agent copies (%s: %s)", type(e).__name__, e)
+        return None

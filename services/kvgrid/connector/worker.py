@@ -238,7 +238,11 @@ class ConnectorWorker:
 
     def _open_copier(self, resp: Any, reg: _Registration) -> None:
         """Engine-side copies when configured (unset: CUDA engines) and the agent shares its L1. A
-        registration with the same file keeps the mapping (the agent did not restart)."""
+        registration with the same file keeps the mapping (the agent did not restart). The swap
+        runs on the loader thread, between loads: no load is queueing on a copier being closed."""
+        self._loader.submit(self._swap_copier, resp, reg).result()
+
+    def _swap_copier(self, resp: Any, reg: _Registration) -> None:
         want = self._cuda if self.config.engine_copies is None else self.config.engine_copies
         old = self._copier
         if old is not None and want and old.l1_file == resp.l1_file:
@@ -246,13 +250,13 @@ class ConnectorWorker:
         with self._lock:
             self._copier = None
         if old is not None:
-            old.close()
-        self._stage_of = {}
+            old.close()  # its copies land and their leases end first
         if want:
             stages = self.config.layerwise_stages if self.config.layerwise else 0
             copier = open_engine_copier(resp, reg.tensors, reg.infos, reg.hints, self._loaded, stages=stages)
             if copier is not None:
                 stage_of = copier.stage_of_layer
+                # A layer missing here waits for every stage of the step's loads (StagedLoad.finish).
                 self._stage_of = {n: stage_of[i] for i, n in enumerate(reg.names) if i in stage_of}
             self._copier = copier
 
@@ -547,6 +551,8 @@ class ConnectorWorker:
             self._fence.record()
 
     def close(self) -> None:
+        # A re-registration in flight ends first (it swaps the copier on the loader thread).
+        self._registrar.shutdown(wait=True)
         # Loads still running finish (their blocks are still held by vLLM until reported).
         self.flush_stores()
         self._loader.shutdown(wait=True)
@@ -554,7 +560,6 @@ class ConnectorWorker:
             self._copier.close()  # copies queued so far land and their leases end
             self._copier = None
         self._saver.shutdown(wait=True)
-        self._registrar.shutdown(wait=True)
         if self._registration is not None:
             try:
                 self.agent.unregister_kv_caches(self.identity.instance_id)
