@@ -106,8 +106,10 @@ def test_bench_agent_options_load_like_a_service_config(tmp_path: Path) -> None:
 def test_bench_agent_tp_topologies_both_run(agents: str, processes: int) -> None:
     r = kvgrid(
         "bench", "agent", "--device", "cpu", "--layers", "2", "--kv-heads", "2", "--head-size", "64",
-        "--chunks", "2", "--iters", "2", "--engines", "2", "--agents", agents, "--json", timeout=240,
+        "--chunks", "2", "--iters", "10", "--engines", "2", "--agents", agents, "--json", timeout=240,
     )  # fmt: skip
+    # 10 rounds: the agents' CPU time is read in clock ticks (10 ms); one timed round of this tiny
+    # load could stay under a tick (CI saw 0.0 s with --iters 2).
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert (res["mode"], res["engines"], res["agents"]) == ("tp", 2, agents)
