@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import grpc
 import torch
 
-from kvgrid.agent.hotpath import HOT_METHODS, HotPathClient, hot_path_of
+from kvgrid.agent.hotpath import HOT_METHODS, HotPathAbsent, HotPathClient, hot_path_of
 from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
 from kvgrid.agent.tensors import export_layer_tensor
 from kvgrid.api.v1 import agent_pb2
@@ -91,8 +91,11 @@ class AgentClient:
             )
 
     def _call(self, name: str, req: object, timeout_s: float | None = None) -> object:
-        if self.hot is not None and name in HOT_METHODS and self.hot.available():
-            return self.hot.call(name, req, timeout_s)  # type: ignore[arg-type]
+        if self.hot is not None and name in HOT_METHODS:
+            try:
+                return self.hot.call(name, req, timeout_s)  # type: ignore[arg-type]
+            except HotPathAbsent:
+                pass  # the agent serves no hot path: gRPC
         return self._calls[name](req, timeout=timeout_s or self.timeout_s)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:

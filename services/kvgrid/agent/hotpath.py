@@ -52,7 +52,7 @@ from kvgrid.common.errors import InvalidArgument
 from kvgrid.common.rpc import RpcMetrics, status_of
 from kvgrid.common.tracing import context_from_headers, inject_headers, span_under
 
-__all__ = ["HOT_METHODS", "HotPathClient", "HotPathError", "HotPathServer", "hot_path_of"]
+__all__ = ["HOT_METHODS", "HotPathAbsent", "HotPathClient", "HotPathError", "HotPathServer", "hot_path_of"]
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +270,10 @@ class HotPathError(grpc.RpcError, grpc.Call):
         return False
 
 
+class HotPathAbsent(HotPathError):
+    """The agent serves no hot path (no socket file): the caller goes over gRPC instead."""
+
+
 class HotPathClient:
     """Calls :data:`HOT_METHODS` on an agent's hot-path socket; one connection per thread."""
 
@@ -280,16 +284,15 @@ class HotPathClient:
         self._all: list[socket.socket] = []
         self._lock = threading.Lock()
 
-    def available(self) -> bool:
-        """The agent serves the hot path (its socket exists)."""
-        return os.path.exists(self.path)
-
     def _conn(self) -> socket.socket:
         """This thread's connection. A restarted agent made a new socket file (another inode): a
         connection to the old one is dropped before it is used, so the first call after a restart
-        reaches the new agent instead of failing on a dead peer."""
+        reaches the new agent instead of failing on a dead peer. No socket file: :class:`HotPathAbsent`
+        (the one stat per call is both the presence check and the restart check)."""
         try:
             ino = os.stat(self.path).st_ino
+        except FileNotFoundError as e:
+            raise HotPathAbsent(grpc.StatusCode.UNAVAILABLE, f"agent hot path {self.path}: {e}") from None
         except OSError as e:
             raise HotPathError(grpc.StatusCode.UNAVAILABLE, f"agent hot path {self.path}: {e}") from None
         sock: socket.socket | None = getattr(self._local, "sock", None)
@@ -316,9 +319,9 @@ class HotPathClient:
 
     def call(self, method: str, req: Message, timeout_s: float | None = None) -> Message:
         """``method``'s response, or :class:`HotPathError` with the agent's status and text."""
+        sock = self._conn()
         head = "\n".join(f"{k}={v}" for k, v in inject_headers().items()).encode()
         frame = _frame(HOT_METHODS.index(method), req.SerializeToString(), head)
-        sock = self._conn()
         sock.settimeout(timeout_s or self.timeout_s)
         try:
             sock.sendall(frame)
