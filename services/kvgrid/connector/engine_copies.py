@@ -86,6 +86,7 @@ class StagedLoad:
         release: Callable[[], Any],
     ) -> None:
         self._handles = handles  # CUDA: every stage queued; None on CPU
+        self._waited: tuple[int, int] = (-1, 0)  # CUDA: (stage, stream) of the last stream wait
         self._copy_stage = copy_stage  # CPU: copies one stage now
         self._copied = 0  # CPU: stages [0, _copied) are in the blocks
         self._num_stages = num_stages
@@ -95,7 +96,10 @@ class StagedLoad:
         """The engine's KV of ``stage`` is loaded before anything queued after this call reads it
         (CUDA: the engine's stream waits on the GPU; CPU: copied now, with the stages before it)."""
         if self._handles is not None:
-            self._handles[stage].wait_stream(torch.cuda.current_stream())
+            stream = torch.cuda.current_stream()
+            if (stage, stream.cuda_stream) != self._waited:  # a stage's later layers: already waited
+                self._handles[stage].wait_stream(stream)
+                self._waited = (stage, stream.cuda_stream)
             return
         while self._copied <= stage and self._copy_stage is not None:
             try:

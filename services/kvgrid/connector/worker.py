@@ -247,8 +247,7 @@ class ConnectorWorker:
         old = self._copier
         if old is not None and want and old.l1_file == resp.l1_file:
             return
-        with self._lock:
-            self._copier = None
+        self._copier = None  # on the loader thread: no load reads it meanwhile
         if old is not None:
             old.close()  # its copies land and their leases end first
         if want:
