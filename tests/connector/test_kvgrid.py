@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.common.hashing import chunk_keys
+from kvgrid.connector import scheduler as connector_scheduler
 from kvgrid.connector.chunk_policy import (
     failed_block_ids,
     kv_identity,
@@ -457,6 +459,42 @@ def test_async_store_returns_at_once_and_lands_before_the_freed_blocks_are_writt
     engine.step(before_load=before_load)  # the asynchronous load ends inside this step
     for got, want in zip(engine.tokens_kv("C", 0, 192), a_kv, strict=True):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_agents_without_a_peer_address_are_asked_once_not_per_finished_request(
+    model_config: ModelConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished request that stored chunks carries its agents' peer addresses (P/D). An agent that
+    serves no peers answers "none", and that answer is kept: a Health RPC per finished request would
+    block vLLM's scheduler thread inside each request's time to first token."""
+    agent = start_agent(tmp_path, "--tcp-port", "-1")  # no TCP listener: no peer address
+    try:
+        engine = make_engine(agent, model_config, tmp_path)
+        sched = engine.connector.scheduler
+        assert sched is not None
+        (client,) = sched._agents.values()
+        asked: list[float] = []
+        real_health = client.health
+
+        def counted_health(*args: object, **kw: object) -> object:
+            asked.append(time.monotonic())
+            return real_health(*args, **kw)
+
+        monkeypatch.setattr(client, "health", counted_health)
+        for i in range(3):
+            engine.add(f"R{i}", prompt(200, seed=40 + i))
+            out, _ = engine.step()
+            assert out.kv_connector_metadata.stores  # type: ignore[union-attr]
+            assert f"R{i}" not in engine.scheduler.requests
+        assert len(asked) == 1
+        # Once the answer is older than the refresh interval, it is asked again, off the scheduler.
+        monkeypatch.setattr(connector_scheduler, "PEER_ADDRESS_REFRESH_S", 0.0)
+        engine.add("R3", prompt(200, seed=43))
+        engine.step()
+        sched._releaser.submit(lambda: None).result(timeout=30)  # the refresh queued before it ran
+        assert len(asked) == 2
+    finally:
+        agent.stop()
 
 
 def test_namespace_separates_cache_salt(engine: Engine) -> None:
