@@ -296,6 +296,11 @@ class TransferPlan:
 
     # ------------------------------------------------------------------ validation
 
+    def check_retrieve_ids(self, block_ids_per_info: Sequence[BlockIds], num_chunks: int) -> None:
+        """ValueError if ``retrieve_async`` would refuse these ids for ``num_chunks`` chunks: for a
+        caller that splits one load over several plans and must refuse it before queueing any."""
+        self._block_ids(block_ids_per_info, num_chunks, retrieve=True)
+
     def _chunks(self, chunk_buffers: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
         if isinstance(chunk_buffers, torch.Tensor):
             if chunk_buffers.dim() != 2:

@@ -182,6 +182,36 @@ def test_offsets_outside_the_file_are_refused(client: AgentClient, shared_dir: P
     copier.close()
 
 
+def test_a_repeated_block_id_is_refused_before_any_stage_copies(
+    client: AgentClient, shared_dir: Path
+) -> None:
+    """Block ids a copy would refuse are refused when the load is queued, on every path and device:
+    the worker then reports the load failed. (On CPU a staged load copies each stage later, inside
+    the forward, where the error would stop the engine.) Nothing is written and the lease ends once."""
+    tensors, reg = register_kv(client, "e9", shared_dir, seed=12)
+    keys, src = keys_for(900, 2), block_ids(0, 2)
+    assert client.store("e9", keys, src).num_stored_chunks == 2
+    copier = open_engine_copier(reg, tensors, GROUPS, HINTS, None, stages=2)
+    assert copier is not None
+    dst = block_ids(40, 2)
+    half = len(dst[0]) // 2
+    dst[0][half:] = dst[0][:half]  # the second chunk writes the first chunk's blocks again
+    before = blocks_of(tensors, dst)
+    for scatter in (copier.scatter, copier.scatter_staged):
+        res = client.retrieve("e9", "req-r", keys, dst, engine_copies=True)
+        calls: list[int] = []
+
+        def release() -> None:
+            client.release_all("e9", "req-r")
+            calls.append(1)  # noqa: B023
+
+        with pytest.raises(ValueError, match=r"block_ids_per_info\[0\] repeats a block id"):
+            scatter(res.chunk_offsets, dst, 0, fence=None, release=release)
+        assert calls == [1] and client.health().num_leased_chunks == 0
+        assert all(torch.equal(a, b) for a, b in zip(blocks_of(tensors, dst), before, strict=True))
+    copier.close()
+
+
 def test_leases_end_with_the_registration(client: AgentClient, shared_dir: Path) -> None:
     register_kv(client, "e2", shared_dir, seed=6)
     keys = keys_for(600, 2)

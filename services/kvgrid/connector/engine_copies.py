@@ -228,6 +228,8 @@ class EngineCopier:
         except BaseException:
             if handle is not None:
                 handle.wait()  # queued copies still read the leased chunks
+            elif offsets and self.pool_device.type == "cuda":
+                torch.cuda.synchronize(self.pool_device)  # a plan that raised midway may have queued some
             release()
             raise
         if handle is None:
@@ -279,6 +281,8 @@ class EngineCopier:
                 self.mover, self.groups, block_ids, range(len(offsets)), skip_first_n_tokens, allow_holes=True
             )
             flat = [np.concatenate(per_chunk) for per_chunk in ids]
+            # Refused now, as a whole load is: on CPU the stages copy later, inside the forward.
+            self.mover.plan.check_retrieve_ids(flat, len(offsets))
         except BaseException:
             release()
             raise
@@ -295,10 +299,10 @@ class EngineCopier:
             return StagedLoad(None, lambda stage: parts_of(stage, None), self.num_stages, release)
         try:
             with self._stage_lock, torch.cuda.device(self.pool_device):
+                # No load-done record: every layer waits for its own stage and the step's end for
+                # all (StagedLoad.finish). A stream parked on each stage in turn would wait for the
+                # whole load -- and may share a hardware queue with the engine's compute stream.
                 handles = self._queue_stages(offsets, flat, fence)
-                if self._done is not None:
-                    for handle in handles:  # every stage: their scatters run on different streams
-                        self._done.after(handle)
         except BaseException:
             # Some stages may be queued: their DMAs read the leased chunks, their scatters write
             # blocks and a ring buffer. A rare path, so wait for the whole device.
@@ -318,8 +322,9 @@ class EngineCopier:
         reads them there in place. Measured on the H200 (docs/benchmarks.md, "Per-layer
         pipelining"): per-stage plans over the pinned chunks (the agent's plan: small staging
         slots, each DMA waiting for a scatter) did not overlap a matmul loop at all; with the ring
-        the copies overlap the engine's compute (stages landed in pairs there: a scatter's small
-        block-id upload seems to queue behind the next stage's DMAs -- not verified).
+        the copies overlap the engine's compute. Stages landed in pairs there: a scatter's small
+        block-id upload queued behind the next stage's DMAs (a reading of the code, not verified),
+        so a stage's DMAs now wait for the previous stage's scatter (~0.1 ms idle per stage).
         """
         drv = Driver.get()
         n = len(offsets)
@@ -330,12 +335,17 @@ class EngineCopier:
         if fence is not None:
             dma.wait_event(fence)  # the scatters wait for the DMAs, so for the runner's zeroing too
         handles: list[TransferHandle] = []
-        last: TransferHandle | None = None
         for stage, parts in enumerate(self._stages):
+            last: TransferHandle | None = None  # this stage's (a stage with no parts hands out `landed`)
             slot = stage % len(self._ring)
             buf = self._ring_buffer(slot, n * sum(p.nbytes for p in parts))
             if (free := self._ring_free[slot]) is not None:
                 dma.wait_event(free)
+            if handles and handles[-1].event is not None:
+                # The previous stage's scatter starts with a small upload of its block ids, on the
+                # same copy engine: queued behind this stage's DMAs it would start only when they
+                # end (stages landed in pairs). The scatter is short: let it go first.
+                dma.wait_event(handles[-1].event)
             views: list[list[torch.Tensor]] = []
             base = 0
             for part in parts:

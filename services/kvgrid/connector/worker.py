@@ -34,8 +34,9 @@ Engine-side copies (``engine_copies``)
     the worker queues the scatter after the fence and records the load-done event after it, and
     Release ends the lease once the bytes landed. Stores still go through the agent. Layer-wise
     loads are copied in ``layerwise_stages`` stages of consecutive layers, each layer waiting only
-    for its own stage (on the GPU, on a per-stage event): loading stage s+1 overlaps the compute of
-    stage s, and the request costs one Retrieve and one Release whatever the number of layers.
+    for its own stage (on the GPU, on a per-stage event; no load-done record, the step's end waits
+    for every stage): loading stage s+1 overlaps the compute of stage s, and the request costs one
+    Retrieve and one Release whatever the number of layers.
 Agent restarts
     a call that fails because the agent is away or forgot this instance marks the registration
     stale; the worker registers the same KV memory again (at most every
