@@ -1,7 +1,7 @@
 """The timeline of layer-wise, engine-copied hits in the TTFT harness (GPU machine, by hand).
 
     PYTHONPATH=services:kernels:<site> python3 scripts/profile_staged_hit.py [--prompt 8192]
-        [--max-prompt 8192] [--stages 8] [--iters 4] [--whole-engine]
+        [--max-prompt 8192] [--stages 8] [--iters 4] [--whole-engine] [--no-marks]
 
 One Llama-3-8B-shaped engine (``kvgrid.ttft``) with ``layerwise`` and ``engine_copies`` over a real
 agent with a shared L1; per iteration a miss, the cache poisoned, then the hit, printing: the hit's
@@ -9,9 +9,10 @@ time to first token; when the loader thread queued the stages (host ms from the 
 each stage's copy ended on the GPU; and, every fourth layer, when the layer's wait returned on the
 host and when the engine's stream passed it on the GPU. ``--max-prompt`` sizes the KV cache and L1
 as ``kvgrid bench ttft`` does for its longest prompt; ``--whole-engine`` also builds an engine
-without layer-wise loads first, as the bench does. Not a benchmark (``kvgrid bench ttft`` is); it
-shows whether stages overlap the compute (the first iteration compiles, the second captures
-graphs).
+without layer-wise loads first, as the bench does; ``--no-marks`` leaves the layers' hooks as the
+bench runs them (no event per layer: only the hit times and the stages print). Not a benchmark
+(``kvgrid bench ttft`` is); it shows whether stages overlap the compute (the first iteration
+compiles, the second captures graphs).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=8)
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--whole-engine", action="store_true")
+    p.add_argument("--no-marks", action="store_true", help="no per-layer events (the bench's hooks)")
     args = p.parse_args()
     n, top = args.prompt, max(args.max_prompt, args.prompt)
     model = PagedLlama(LLAMA3_8B, device="cuda", seed=0)
@@ -77,7 +79,8 @@ def main() -> None:
 
     engine_copies.EngineCopier.scatter_staged = timed_scatter  # type: ignore[method-assign]
     marks = _Marks(eng._hooks)
-    eng._hooks = marks
+    if not args.no_marks:
+        eng._hooks = marks
     try:
         for it in range(args.iters):
             tokens = [(it * 7919 + j * 31) % LLAMA3_8B.vocab for j in range(n)]
