@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kvgrid.cli import main
 from kvgrid.ttft import graphs
-from kvgrid.ttft.model import ModelShape, PagedLlama
+from kvgrid.ttft.model import ModelShape, PagedLlama, masked_gqa_attention, tail_bias
 
 # Three layers: a first, a middle and a last piece; 4 query heads per 2 KV heads (GQA).
 SHAPE = ModelShape(layers=3, hidden=256, heads=4, kv_heads=2, head_size=64, intermediate=512, vocab=1024)
@@ -115,6 +115,25 @@ def test_forward_is_llama_over_the_paged_cache(device: str) -> None:
     torch.testing.assert_close(tail, _dense_reference(model, tokens), rtol=tol, atol=tol)
     if device == "cuda":
         assert model.graph_sizes == (40, 260)
+
+
+def test_the_cuda_tails_attention_is_gqa_under_the_mask() -> None:
+    """A masked tail on CUDA stacks the query heads that share a KV head along the query axis (no KV
+    head repeated) under a padded additive bias built once per forward; it must equal SDPA's own
+    GQA under the same mask. Checked on CPU, where both run; a wrong head or row mapping moves the
+    result by O(1)."""
+    g = torch.Generator().manual_seed(3)
+    t, length, heads, kv_heads, d = 5, 37, 8, 2, 16
+    q = torch.randn(t, heads, d, generator=g)
+    k, v = (torch.randn(1, kv_heads, length, d, generator=g) for _ in range(2))
+    positions = torch.arange(length - t, length)  # the tail: query t sees keys 0..length-t+t
+    mask = torch.arange(length)[None, :] <= positions[:, None]
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, enable_gqa=True)
+    bias = tail_bias(mask, heads // kv_heads, torch.float32)
+    assert bias.shape == (heads // kv_heads * t, length) and bias.stride(0) % 16 == 0
+    got = masked_gqa_attention(q, k, v, bias)
+    assert got.shape == (t, heads, d)
+    torch.testing.assert_close(got, want[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_runs_eager_and_bad_values_are_named() -> None:
