@@ -296,7 +296,13 @@ class EngineCopier:
             return handle
 
         if self.mover.plan.device.type != "cuda":  # CPU copies are synchronous: one stage per wait
-            return StagedLoad(None, lambda stage: parts_of(stage, None), self.num_stages, release)
+            # The lease ends on the completer thread, as on CUDA: not inside the engine's forward.
+            return StagedLoad(
+                None,
+                lambda stage: parts_of(stage, None),
+                self.num_stages,
+                lambda: self._completer.submit(release),
+            )
         try:
             with self._stage_lock, torch.cuda.device(self.pool_device):
                 # No load-done record: every layer waits for its own stage and the step's end for
