@@ -37,8 +37,14 @@ for n in 1 32; do
     python3 -m kvgrid.cli bench agent --device cuda --chunks "$n" --iters 10
 done 2>&1 | tee "$out/bench-agent.txt"
 if ((ttft)); then
-    python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/ttft 2>&1 | tee "$out/pytest-ttft.log"
+    # tests/ttft/test_tp.py's 2-GPU test runs here too; it skips itself on a host with fewer GPUs.
+    NCCL_NVLS_ENABLE=0 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/ttft 2>&1 | tee "$out/pytest-ttft.log"
     for copies in engine agent; do
         python3 -m kvgrid.cli bench ttft --device cuda --copies "$copies"
     done 2>&1 | tee "$out/bench-ttft.txt"
+    # Tensor parallelism 2 (issue 16): one rank process per GPU, NCCL with NVLink multicast off, one agent per rank.
+    if (($(nvidia-smi -L | wc -l) >= 2)); then
+        NCCL_NVLS_ENABLE=0 python3 -m kvgrid.cli bench ttft --device cuda --tp 2 --prompts 8192 2>&1 \
+            | tee "$out/bench-ttft-tp2.txt"
+    fi
 fi

@@ -32,18 +32,29 @@ token count is seen (in the warm-up round: both the hit and its tail reference h
 compares two forwards of the same token count (miss and full prefill, hit and tail reference), so
 both sides take the same path.
 
+With ``--tp N`` (tensor parallelism, :mod:`kvgrid.ttft.tp`) the model is sharded over N processes
+(one per GPU, NCCL; gloo on CPU), each rank with its own KV cache of its KV heads and its own agent;
+rank 0 runs vLLM's scheduler, whose lookup is the minimum over the ranks' agents. The rows are the
+same; the limits run on the same sharded model and caches (every rank computes), and ``copy`` is
+the bytes of ONE rank's hit KV (each rank moves its own shard in parallel), timed on rank 0 alone.
+With tp > 1 every forward runs eager: no CUDA graphs (an all-reduce inside a captured graph needs
+NCCL graph capture, which the harness's piecewise graphs do not set up); the table says so.
+
 Correctness, every run: the hit's first-token logits must equal, bit for bit, the logits of the
 tail computed without the connector over the prefix KV the model computed itself (same kernels,
 same shapes: any difference is a byte the load got wrong); the miss's logits must equal the
-full-prefill reference bit for bit. Hit against miss is reported as the largest absolute
-difference: the tail's projections and attention run with other shapes than the full prompt's
-(fewer query rows, an explicit mask instead of the causal flag), so on some kernels they round
-differently in bf16. A mismatch of the first two exits 1.
+full-prefill reference bit for bit. With tp > 1 both checks compare rank 0's logits, which are
+replicated on every rank after the final all-reduce: a wrong byte on any rank shows in them.
+Hit against miss is reported as the largest absolute difference: the tail's projections and
+attention run with other shapes than the full prompt's (fewer query rows, an explicit mask
+instead of the causal flag), so on some kernels they round differently in bf16. A mismatch of the
+first two exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -58,8 +69,9 @@ import msgspec
 import torch
 
 from kvgrid.common.config import add_config_arguments, config_from_args
-from kvgrid.ttft.engine import AgentProcess, TTFTEngine, slots_of
+from kvgrid.ttft.engine import AgentProcess, EngineOptions, TTFTEngine, slots_of
 from kvgrid.ttft.model import LLAMA3_8B, ModelShape, PagedLlama
+from kvgrid.ttft.tp import TPGroup
 
 __all__ = ["PRESETS", "TTFTBenchConfig", "add_arguments", "run"]
 
@@ -124,6 +136,11 @@ class TTFTBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
         _d("on cuda, run forwards of <= 512 tokens (the hit's tail) as piecewise CUDA graphs around eager "
            "attention, as vLLM does; false: every forward eager"),
     ] = True  # fmt: skip
+    tp: Annotated[
+        int,
+        msgspec.Meta(ge=1, description="tensor parallelism: ranks (one process and agent each; one GPU each "
+                     "on cuda); must divide the model's heads, kv_heads and intermediate"),
+    ] = 1  # fmt: skip
     seed: Annotated[int, _d("weights and prompts seed")] = 0
     json: Annotated[bool, _d("print one JSON object instead of a table")] = False
 
@@ -162,6 +179,11 @@ def resolve(cfg: TTFTBenchConfig) -> tuple[ModelShape, tuple[int, ...]]:
         raise ValueError(f"chunk_size={cfg.chunk_size} is not a multiple of block_size={cfg.block_size}")
     if not cfg.modes:
         raise ValueError("modes: empty; expected whole and/or layerwise")
+    shape.check_tp(cfg.tp)
+    if cfg.device == "cuda" and cfg.tp > torch.cuda.device_count():
+        raise ValueError(
+            f"tp={cfg.tp} on cuda: {torch.cuda.device_count()} GPUs visible; expected >= {cfg.tp}"
+        )
     return shape, prompts
 
 
@@ -198,38 +220,53 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
     shape, prompts = resolve(cfg)
     device = torch.device(cfg.device)
     dtype = torch.bfloat16
-    model = PagedLlama(shape, device=device, dtype=dtype, seed=cfg.seed, cuda_graphs=cfg.cuda_graphs)
-    per_token = shape.kv_bytes_per_token(dtype)
+    per_token = shape.sharded(cfg.tp).kv_bytes_per_token(dtype)  # one rank's KV
     l1 = 3 * max(prompts) * per_token + (64 << 20)
     shared = ""
     if cfg.copies == "engine":
-        shared = "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * l1 else str(work)
-    agent = AgentProcess(work, l1, l1_shared_dir=shared)
+        shared = "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * cfg.tp * l1 else str(work)
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
-    try:
-        engines = {
-            mode: TTFTEngine(
-                model, agent.uds_path, work, max_prompt_tokens=max(prompts), block_size=cfg.block_size,
-                chunk_size=cfg.chunk_size, layerwise=mode == "layerwise", engine_id=f"ttft-{mode}",
-                async_store={"auto": None, "sync": False, "async": True}[cfg.store],
-                engine_copies=cfg.copies == "engine", layerwise_stages=cfg.layerwise_stages,
-            )
-            for mode in cfg.modes
-        }  # fmt: skip
-        try:
-            for n in prompts:
-                rows.append(_one_length(cfg, n, model, engines, device, per_token, failures))
-            # How the loads went, per engine: e.g. whether layer-wise loads were staged by the engine.
-            stats = {mode: dataclasses.asdict(eng.worker.worker.stats) for mode, eng in engines.items()}
-        finally:
-            for eng in engines.values():
-                eng.close()
-    finally:
-        agent.stop()
+
+    def options(mode: Mode) -> EngineOptions:
+        return EngineOptions(
+            max_prompt_tokens=max(prompts), block_size=cfg.block_size, chunk_size=cfg.chunk_size,
+            layerwise=mode == "layerwise", engine_id=f"ttft-{mode}",
+            async_store={"auto": None, "sync": False, "async": True}[cfg.store],
+            engine_copies=cfg.copies == "engine", layerwise_stages=cfg.layerwise_stages,
+        )  # fmt: skip
+
+    with contextlib.ExitStack() as stack:
+        if cfg.tp > 1:
+            group = TPGroup(
+                shape, work, tp=cfg.tp, device=cfg.device, seed=cfg.seed, cuda_graphs=cfg.cuda_graphs,
+                l1_size=l1, l1_shared_dir=shared,
+            )  # fmt: skip
+            stack.callback(group.close)
+            model = group.model
+
+            def make(mode: Mode) -> TTFTEngine:
+                return group.engine(options(mode))
+        else:
+            model = PagedLlama(shape, device=device, dtype=dtype, seed=cfg.seed, cuda_graphs=cfg.cuda_graphs)
+            agent = AgentProcess(work, l1, l1_shared_dir=shared)
+            stack.callback(agent.stop)
+
+            def make(mode: Mode) -> TTFTEngine:
+                return TTFTEngine(model, agent.uds_path, work, **dataclasses.asdict(options(mode)))
+
+        engines: dict[Mode, TTFTEngine] = {}
+        for mode in cfg.modes:
+            engines[mode] = make(mode)
+            stack.callback(engines[mode].close)
+        for n in prompts:
+            rows.append(_one_length(cfg, n, model, engines, device, per_token, failures))
+        # How the loads went, per engine (rank 0's): e.g. whether layer-wise loads were staged by the engine.
+        stats = {mode: dataclasses.asdict(eng.worker.worker.stats) for mode, eng in engines.items()}
     return {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "model": msgspec.to_builtins(shape),
+        "tp": cfg.tp,
         "block_size": cfg.block_size,
         "chunk_size": cfg.chunk_size,
         "iters": cfg.iters,
@@ -291,13 +328,13 @@ def _one_length(
             if i == cfg.iters:  # references for the last prompt, computed without the connector
                 _check_references(eng, tokens, hit_tokens, miss.logits, hit.logits, failures, mode)
         # Limits without the connector, on the first engine's cache (no request holds blocks now).
-        kv = next(iter(engines.values())).kv_list
+        first = next(iter(engines.values()))
         ids = torch.tensor(_prompt(n, vocab, seed), dtype=torch.int64, device=device)
         _sync(device)
         t0 = time.perf_counter()
-        model.forward(ids, 0, kv, slots).argmax().item()
+        first.reference(ids, 0, slots).argmax().item()
         t1 = time.perf_counter()
-        model.forward(ids[hit_tokens:], hit_tokens, kv, slots).argmax().item()
+        first.reference(ids[hit_tokens:], hit_tokens, slots).argmax().item()
         t2 = time.perf_counter()
         copy = copier.time_s()
         if i:
@@ -341,14 +378,14 @@ def _check_references(
     failures: list[str],
     mode: str,
 ) -> None:
-    """The miss must equal a full prefill and the hit a tail prefill over self-computed KV, bit for bit."""
-    model = eng.model
-    dev = model.device
+    """The miss must equal a full prefill and the hit a tail prefill over self-computed KV, bit for bit
+    (with tp > 1 every rank computes; rank 0's logits are the model's)."""
+    dev = eng.model.device
     t = torch.tensor(tokens, dtype=torch.int64, device=dev)
     bs = eng.block_size
     slots = slots_of(list(range(-(-len(tokens) // bs))), bs, len(tokens), dev)
-    full = model.forward(t, 0, eng.kv_list, slots).cpu()
-    tail = model.forward(t[loaded:], loaded, eng.kv_list, slots).cpu()
+    full = eng.reference(t, 0, slots).cpu()
+    tail = eng.reference(t[loaded:], loaded, slots).cpu()
     if not torch.equal(full, miss_logits):
         failures.append(f"{mode} {len(tokens)}: the miss's logits differ from a full prefill's")
     if not torch.equal(tail, hit_logits):
@@ -378,8 +415,11 @@ def run(args: argparse.Namespace) -> int:
 
 def print_table(result: dict[str, Any]) -> None:
     m = result["model"]
+    tp = result.get("tp", 1)
     print(
-        f"{result['device']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']}/{m['kv_heads']} heads "
+        f"{result['device']}"
+        + (f" x {tp} (tensor parallel; copy limit: one rank's KV)" if tp > 1 else "")
+        + f": {m['layers']} layers, hidden {m['hidden']}, {m['heads']}/{m['kv_heads']} heads "
         f"of {m['head_size']}, bf16; block {result['block_size']}, chunk {result['chunk_size']}; "
         f"median of {result['iters']}; stores {result['store']}; loads copied by the {result['copies']}"
         + (
@@ -392,7 +432,7 @@ def print_table(result: dict[str, Any]) -> None:
             f"forwards of <= {result['graph_max_tokens']} tokens as piecewise CUDA graphs (captured: "
             f"{', '.join(map(str, result['graph_sizes'])) or 'none'})"
             if result["cuda_graphs"]
-            else "eager forwards"
+            else "eager forwards" + (" (no CUDA graphs with tp > 1)" if tp > 1 else "")
         )
     )
     print(

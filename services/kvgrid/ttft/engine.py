@@ -23,6 +23,13 @@ the step has synchronous (in-step, layer-wise) loads -> forward, per layer ``wai
 same state, so only one is called) -> ``get_block_ids_with_load_errors`` -> ``clear_connector_metadata`` ->
 ``update_from_output``.
 
+The scheduler side (:class:`TTFTEngine`: vLLM's ``Scheduler``, one request's loop) and one rank's
+worker side (:class:`RankWorker`: its KV cache, the connector's worker half, the step above from
+``bind_connector_metadata`` to ``clear_connector_metadata``) are separate, joined by a
+:class:`StepPlan` (the parts of a ``SchedulerOutput`` the runner reads). With TP=1 the engine calls
+its one worker directly; with tensor parallelism :mod:`kvgrid.ttft.tp` sends each plan to every
+rank's worker and aggregates their ``KVConnectorOutput`` as vLLM's executor does.
+
 Invariant: one request runs at a time and :meth:`TTFTEngine.run` returns once it has its first token;
 the time it reports runs from ``add_request`` to that token (device synchronised), so a hit's time
 includes the lookup, the load (asynchronous: steps with nothing scheduled until the worker reports
@@ -49,7 +56,18 @@ import torch
 
 from kvgrid.ttft.model import LayerHooks, ModelShape, PagedLlama, layer_name
 
-__all__ = ["AgentProcess", "RunResult", "TTFTEngine", "kv_buffer", "slots_of"]
+__all__ = [
+    "AgentProcess",
+    "EngineOptions",
+    "RankWorker",
+    "RunResult",
+    "StepPlan",
+    "StepResult",
+    "TTFTEngine",
+    "kv_buffer",
+    "slots_of",
+    "vllm_config",
+]
 
 
 class AgentProcess:
@@ -155,6 +173,46 @@ class RunResult:
     stores are synchronous)."""
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """What an engine is built with besides its model, agent and directory (the same on every rank)."""
+
+    max_prompt_tokens: int
+    block_size: int = 16
+    chunk_size: int = 256
+    layerwise: bool = False
+    async_store: bool | None = None
+    engine_copies: bool = False
+    layerwise_stages: int = 8
+    engine_id: str = "ttft"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The parts of one ``SchedulerOutput`` a worker reads (what rank 0 sends the other ranks)."""
+
+    metadata: Any
+    """The connector's metadata for the step."""
+    has_sync_kv_loads: bool
+    finished_req_ids: set[str]
+    request_id: str | None
+    """The request the step computes; None when it schedules nothing (an asynchronous load runs)."""
+    start: int
+    """Its first computed position (tokens before it are cached or loaded)."""
+    num_tokens: int
+    blocks: list[int]
+    """Its KV blocks, in order, as the worker's input batch tracks them."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    logits: torch.Tensor | None
+    """The last prompt token's logits when the step computed it."""
+    sampled: list[list[int]]
+    kv_output: Any
+    """The rank's ``KVConnectorOutput``."""
+
+
 class _ConnectorHooks:
     """The connector's per-layer hooks where vLLM's attention layer calls them."""
 
@@ -168,8 +226,174 @@ class _ConnectorHooks:
         self.connector.save_kv_layer(layer_name(layer), kv, cast(Any, None))
 
 
+def vllm_config(
+    model: PagedLlama, agent_socket: str, model_dir: Path, opts: EngineOptions, *, rank: int = 0
+) -> tuple[Any, int]:
+    """(``VllmConfig`` of rank ``rank`` of ``model.tp_size``, KV blocks per rank); writes the model's
+    ``config.json`` (the full model's shape: vLLM derives the per-rank heads itself) into ``model_dir``."""
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    if opts.max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens={opts.max_prompt_tokens}; expected >= 1")
+    s, block_size = model.shape, opts.block_size
+    max_len = opts.max_prompt_tokens + block_size
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": s.hidden,
+                "intermediate_size": s.intermediate,
+                "num_attention_heads": s.heads,
+                "num_key_value_heads": s.kv_heads,
+                "head_dim": s.head_size,
+                "num_hidden_layers": s.layers,
+                "vocab_size": s.vocab,
+                "max_position_embeddings": max_len,
+                "rope_theta": s.rope_theta,
+                "torch_dtype": str(model.dtype).removeprefix("torch."),
+                "rms_norm_eps": 1e-5,
+            }
+        )
+    )
+    # Room for one request of the longest prompt, plus one chunk of slack.
+    num_blocks = -(-max_len // block_size) + opts.chunk_size // block_size + 1
+    cfg = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_len),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+        # The connector's identity (its rank, the world size, '{rank}' in agent_socket) comes from here.
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=model.tp_size, rank=rank, distributed_executor_backend="mp"
+        ),
+        scheduler_config=SchedulerConfig(
+            max_model_len=max_len,
+            is_encoder_decoder=False,
+            max_num_batched_tokens=max_len,  # a whole prompt in one step: no chunked prefill
+            max_num_seqs=4,
+            enable_chunked_prefill=True,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVGridConnector",
+            kv_connector_module_path="kvgrid.connector.vllm",
+            kv_role="kv_both",
+            engine_id=opts.engine_id,
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "agent_socket": agent_socket,
+                "chunk_size": opts.chunk_size,
+                "layerwise": opts.layerwise,
+                "async_store": opts.async_store,
+                "engine_copies": opts.engine_copies,
+                "layerwise_stages": opts.layerwise_stages,
+                "rpc_timeout_s": 600.0,
+            },
+        ),
+    )
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    return cfg, num_blocks
+
+
+class RankWorker:
+    """One rank's worker side: its KV cache (its shard's KV heads), the connector's worker half, and
+    one step of the model runner (module docstring's order, from ``bind_connector_metadata`` to
+    ``clear_connector_metadata``). Rank 0's lives in :class:`TTFTEngine`; the other ranks' in
+    :mod:`kvgrid.ttft.tp`'s rank processes."""
+
+    def __init__(
+        self, model: PagedLlama, agent_socket: str, directory: Path, opts: EngineOptions, *, rank: int = 0
+    ) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from kvgrid.connector.vllm import KVGridConnector
+
+        self.model = model
+        self.block_size = opts.block_size
+        self._model_dir = Path(tempfile.mkdtemp(prefix="kvgrid-ttft-model-", dir=directory))
+        try:
+            self.vllm_config, num_blocks = vllm_config(model, agent_socket, self._model_dir, opts, rank=rank)
+            self.kv_config, self.caches, self._raw, self._raw_path = kv_buffer(
+                model.shard, num_blocks, opts.block_size, model.dtype, model.device.type, directory
+            )
+        except BaseException:
+            shutil.rmtree(self._model_dir, ignore_errors=True)
+            raise
+        self.kv_list = [self.caches[layer_name(i)] for i in range(model.shape.layers)]
+        self.connector = cast(
+            KVGridConnector,
+            KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_config),
+        )
+        self.connector.register_kv_caches(self.caches)
+        self.hooks: LayerHooks = _ConnectorHooks(self.connector)
+        self.after_load: Callable[[str, list[int]], None] | None = None
+        """Test hook: called with (request id, block ids) before the step that computes a request
+        whose prompt was partly loaded (the loaded KV is in the cache then)."""
+
+    def poison(self) -> None:
+        """Fill the whole KV cache with NaN: a position the engine neither computes nor loads shows."""
+        for view in self.kv_list:
+            view.fill_(float("nan"))
+
+    def step(self, plan: StepPlan, tokens: torch.Tensor) -> StepResult:
+        """One scheduler step's work on this rank; ``tokens``: the request's prompt on the model's device."""
+        from vllm.forward_context import ForwardContext
+        from vllm.v1.outputs import KVConnectorOutput
+
+        w = self.connector
+        w.bind_connector_metadata(plan.metadata)
+        w.handle_preemptions(plan.metadata)
+        ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        if plan.has_sync_kv_loads:
+            w.start_load_kv(ctx)
+        logits: torch.Tensor | None = None
+        sampled: list[list[int]] = []
+        if plan.request_id is not None:
+            start, n = plan.start, plan.num_tokens
+            if start and self.after_load is not None:
+                w.wait_for_layer_load(layer_name(0))  # in-step loads land first
+                self.after_load(plan.request_id, plan.blocks)
+            slots = slots_of(plan.blocks, self.block_size, start + n, self.model.device)
+            lg = self.model.forward(tokens[start : start + n], start, self.kv_list, slots, self.hooks)
+            if start + n >= tokens.numel():
+                logits = lg
+                sampled.append([int(lg.argmax())])  # .item() waits for the device
+            else:
+                sampled.append([])
+        if not plan.has_sync_kv_loads:
+            w.start_load_kv(ctx)
+        w.wait_for_save()
+        results = w.get_transfer_results(plan.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+        output = KVConnectorOutput(
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving or set(),
+            invalid_block_ids=invalid,
+        )
+        return StepResult(logits, sampled, output)
+
+    def reference(self, token_ids: torch.Tensor, start: int, slots: torch.Tensor) -> torch.Tensor:
+        """The model over this rank's cache without the connector (the bench's limits and references)."""
+        return self.model.forward(token_ids, start, self.kv_list, slots)
+
+    def close(self) -> None:
+        self.connector.shutdown()
+        if self._raw_path is not None:
+            self._raw_path.unlink(missing_ok=True)
+        shutil.rmtree(self._model_dir, ignore_errors=True)
+
+
 class TTFTEngine:
-    """vLLM's scheduler + the worker connector + the model, one request at a time (module docstring)."""
+    """vLLM's scheduler + rank 0's worker side (:class:`RankWorker`), one request at a time (module
+    docstring). With tensor parallelism :class:`kvgrid.ttft.tp.TPEngine` runs each step on every rank."""
 
     def __init__(
         self,
@@ -186,99 +410,68 @@ class TTFTEngine:
         layerwise_stages: int = 8,
         engine_id: str = "ttft",
     ) -> None:
-        from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        """``agent_socket`` may contain '{rank}' (one agent per tensor-parallel rank)."""
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        if max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens={max_prompt_tokens}; expected >= 1")
+        if model.tp_rank != 0:
+            raise ValueError(
+                f"TTFTEngine on tp_rank={model.tp_rank}; expected rank 0 (it runs the scheduler)"
+            )
+        self.options = EngineOptions(
+            max_prompt_tokens=max_prompt_tokens, block_size=block_size, chunk_size=chunk_size,
+            layerwise=layerwise, async_store=async_store, engine_copies=engine_copies,
+            layerwise_stages=layerwise_stages, engine_id=engine_id,
+        )  # fmt: skip
         self.model = model
         self.block_size = block_size
-        s = model.shape
-        self._model_dir = model_dir = Path(tempfile.mkdtemp(prefix="kvgrid-ttft-model-", dir=directory))
-        (model_dir / "config.json").write_text(
-            json.dumps(
-                {
-                    "architectures": ["LlamaForCausalLM"],
-                    "model_type": "llama",
-                    "hidden_size": s.hidden,
-                    "intermediate_size": s.intermediate,
-                    "num_attention_heads": s.heads,
-                    "num_key_value_heads": s.kv_heads,
-                    "head_dim": s.head_size,
-                    "num_hidden_layers": s.layers,
-                    "vocab_size": s.vocab,
-                    "max_position_embeddings": max_prompt_tokens + block_size,
-                    "rope_theta": s.rope_theta,
-                    "torch_dtype": str(model.dtype).removeprefix("torch."),
-                    "rms_norm_eps": 1e-5,
-                }
-            )
-        )
-        max_len = max_prompt_tokens + block_size
-        # Room for one request of the longest prompt, plus one chunk of slack.
-        num_blocks = -(-max_len // block_size) + chunk_size // block_size + 1
-        cfg = VllmConfig(
-            model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_len),
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
-            scheduler_config=SchedulerConfig(
-                max_model_len=max_len,
-                is_encoder_decoder=False,
-                max_num_batched_tokens=max_len,  # a whole prompt in one step: no chunked prefill
-                max_num_seqs=4,
-                enable_chunked_prefill=True,
-            ),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KVGridConnector",
-                kv_connector_module_path="kvgrid.connector.vllm",
-                kv_role="kv_both",
-                engine_id=engine_id,
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config={
-                    "agent_socket": agent_socket,
-                    "chunk_size": chunk_size,
-                    "layerwise": layerwise,
-                    "async_store": async_store,
-                    "engine_copies": engine_copies,
-                    "layerwise_stages": layerwise_stages,
-                    "rpc_timeout_s": 600.0,
-                },
-            ),
-        )
-        cfg.cache_config.num_gpu_blocks = num_blocks
-        device = model.device.type
-        self.kv_config, self.caches, self._raw, self._raw_path = kv_buffer(
-            s, num_blocks, block_size, model.dtype, device, directory
-        )
-        self.kv_list = [self.caches[layer_name(i)] for i in range(s.layers)]
-        from kvgrid.connector.vllm import KVGridConnector
-
-        self.worker = cast(
-            KVGridConnector, KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kv_config)
-        )
-        self.worker.register_kv_caches(self.caches)
+        self.rank = RankWorker(model, agent_socket, directory, self.options)
+        self.worker = self.rank.connector
+        self.kv_config, self.caches, self.kv_list = self.rank.kv_config, self.rank.caches, self.rank.kv_list
+        cfg = self.rank.vllm_config
         self.scheduler = Scheduler(cfg, self.kv_config, StructuredOutputManager(cfg), block_size=block_size)
-        self._hooks: LayerHooks = _ConnectorHooks(self.worker)
-        self.after_load: Callable[[str, list[int]], None] | None = None
-        """Test hook: called with (request id, block ids) before the step that computes a request
-        whose prompt was partly loaded (the loaded KV is in the cache then)."""
+
+    @property
+    def after_load(self) -> Callable[[str, list[int]], None] | None:
+        """Rank 0's :attr:`RankWorker.after_load` (test hook)."""
+        return self.rank.after_load
+
+    @after_load.setter
+    def after_load(self, hook: Callable[[str, list[int]], None] | None) -> None:
+        self.rank.after_load = hook
+
+    @property
+    def _hooks(self) -> LayerHooks:  # scripts/profile_staged_hit.py wraps them
+        return self.rank.hooks
+
+    @_hooks.setter
+    def _hooks(self, hooks: LayerHooks) -> None:
+        self.rank.hooks = hooks
 
     def poison(self) -> None:
-        """Fill the whole KV cache with NaN: a position the engine neither computes nor loads shows."""
-        for view in self.kv_list:
-            view.fill_(float("nan"))
+        """Fill the whole KV cache with NaN (every rank's): what is neither computed nor loaded shows."""
+        self.rank.poison()
+
+    def reference(self, token_ids: torch.Tensor, start: int, slots: torch.Tensor) -> torch.Tensor:
+        """The model over the engine's cache without the connector (on every rank), rank 0's logits."""
+        return self.rank.reference(token_ids, start, slots)
+
+    def _begin(self, prompt: list[int]) -> torch.Tensor:
+        """The prompt on the model's device, before the clock starts (every rank's copy with TP)."""
+        return torch.tensor(prompt, dtype=torch.int64, device=self.model.device)
+
+    def _execute(self, plan: StepPlan, tokens: torch.Tensor) -> StepResult:
+        """One step on every rank; the ranks' connector outputs aggregated as vLLM's executor does."""
+        return self.rank.step(plan, tokens)
 
     def run(self, request_id: str, prompt: list[int]) -> RunResult:
         """Serve one request to its first token (module docstring)."""
         from vllm import SamplingParams
-        from vllm.forward_context import ForwardContext
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.request import Request
 
-        sched, w, dev = self.scheduler, self.worker, self.model.device
-        tokens = torch.tensor(prompt, dtype=torch.int64, device=dev)
+        sched = self.scheduler
+        tokens = self._begin(prompt)
         t0 = time.perf_counter()
         sched.add_request(Request(request_id, prompt, SamplingParams(max_tokens=1), None))
         blocks: list[int] = []
@@ -299,63 +492,51 @@ class TTFTEngine:
                 more = cached.new_block_ids[i]
                 if rid == request_id and more:
                     blocks = list(more[0]) if rid in cached.resumed_req_ids else blocks + list(more[0])
-            assert out.kv_connector_metadata is not None
-            w.bind_connector_metadata(out.kv_connector_metadata)
-            w.handle_preemptions(out.kv_connector_metadata)
-            ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
-            if out.has_sync_kv_loads:
-                w.start_load_kv(ctx)
-            sampled: list[list[int]] = []
             req_ids = list(out.num_scheduled_tokens)
             for rid in req_ids:
                 if rid != request_id:
                     raise RuntimeError(
                         f"scheduled {rid!r} while serving {request_id!r}: one request at a time"
                     )
-                start, n = computed[rid], out.num_scheduled_tokens[rid]
+            assert out.kv_connector_metadata is not None
+            scheduled = request_id if req_ids else None
+            start = computed[request_id] if scheduled else 0
+            plan = StepPlan(
+                metadata=out.kv_connector_metadata,
+                has_sync_kv_loads=out.has_sync_kv_loads,
+                finished_req_ids=out.finished_req_ids,
+                request_id=scheduled,
+                start=start,
+                num_tokens=out.num_scheduled_tokens[request_id] if scheduled else 0,
+                blocks=blocks,
+            )
+            res = self._execute(plan, tokens)
+            if scheduled:
                 loaded = start
-                if start and self.after_load is not None:
-                    w.wait_for_layer_load(layer_name(0))  # in-step loads land first
-                    self.after_load(rid, blocks)
-                slots = slots_of(blocks, self.block_size, start + n, dev)
-                lg = self.model.forward(tokens[start : start + n], start, self.kv_list, slots, self._hooks)
-                if start + n >= len(prompt):
-                    logits = lg
-                    sampled.append([int(lg.argmax())])  # .item() waits for the device
-                else:
-                    sampled.append([])
-            if not out.has_sync_kv_loads:
-                w.start_load_kv(ctx)
-            w.wait_for_save()
-            results = w.get_transfer_results(out.finished_req_ids)
-            invalid = w.get_block_ids_with_load_errors()
-            w.clear_connector_metadata()
+            if res.logits is not None:
+                logits = res.logits
             sched.update_from_output(
                 out,
                 ModelRunnerOutput(
                     req_ids=req_ids,
                     req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                    sampled_token_ids=sampled,
-                    kv_connector_output=KVConnectorOutput(
-                        finished_sending=results.finished_sending or None,
-                        finished_recving=results.finished_recving or None,
-                        failed_recving=results.failed_recving or set(),
-                        invalid_block_ids=invalid,
-                    ),
+                    sampled_token_ids=res.sampled,
+                    kv_connector_output=res.kv_output,
                 ),
             )
             if not req_ids:
                 time.sleep(0)  # an asynchronous load in flight: let the loader thread run
         ttft = time.perf_counter() - t0
-        self.worker.flush_stores()
+        self._flush_stores()
         stored = time.perf_counter() - t0
         if logits is None:
             raise RuntimeError(f"request {request_id!r} finished without computing its last prompt token")
         return RunResult(logits.cpu(), ttft, loaded, steps, stored)
 
+    def _flush_stores(self) -> None:
+        """Wait until every store issued so far landed in the agent (every rank's)."""
+        self.worker.flush_stores()
+
     def close(self) -> None:
-        self.worker.shutdown()
+        self.rank.close()
         self.scheduler.shutdown()
-        if self._raw_path is not None:
-            self._raw_path.unlink(missing_ok=True)
-        shutil.rmtree(self._model_dir, ignore_errors=True)

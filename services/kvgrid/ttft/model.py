@@ -12,6 +12,16 @@ Invariants:
   exactly like KV computed here: the same bytes give the same attention inputs.
 * Weights come from one seeded generator: a model of one :class:`ModelShape` and seed is the same
   model in every process.
+* Tensor parallelism (``tp_size`` > 1, Megatron-style as vLLM shards Llama): rank ``r`` holds query
+  heads, KV heads and MLP columns ``[r * n / tp, (r + 1) * n / tp)`` (column-parallel QKV and
+  gate/up, row-parallel o and down) sliced from the *full* seeded weights, so every ``tp`` is the
+  same model: a rank's KV is exactly its KV heads' slice of the TP=1 model's, and logits differ from
+  TP=1's only by the reduction order. The partial sums of o and down are all-reduced over
+  ``torch.distributed``'s default group (gloo on CPU, NCCL on CUDA), so the residual stream and the
+  logits are replicated on every rank. Embedding and LM head are replicated (not vocab-parallel).
+  ``shard`` is the rank's geometry (what its attention and KV cache see), ``shape`` the model's.
+  With ``tp_size`` > 1 CUDA graphs are off (an all-reduce inside a captured graph would need NCCL
+  graph capture, which the piecewise graphs do not set up): every forward runs eager.
 * ``hooks`` see each layer in order: ``before_attention(i)`` before layer ``i`` reads the cache
   (where vLLM calls ``wait_for_layer_load``), ``after_attention(i)`` once its KV is written and its
   attention ran (where vLLM calls ``save_kv_layer``).
@@ -28,6 +38,7 @@ from typing import Protocol
 
 import msgspec
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from kvgrid.ttft.graphs import GraphCache
@@ -59,6 +70,28 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return self.layers * 2 * self.kv_heads * self.head_size * dtype.itemsize
 
+    def check_tp(self, tp_size: int) -> None:
+        """ValueError naming ``tp_size`` unless it divides heads, kv_heads and intermediate."""
+        if tp_size < 1:
+            raise ValueError(f"tp={tp_size}; expected >= 1")
+        for field in ("heads", "kv_heads", "intermediate"):
+            if getattr(self, field) % tp_size:
+                raise ValueError(
+                    f"tp={tp_size} does not divide the model's {field}={getattr(self, field)}; expected "
+                    f"a divisor of heads={self.heads}, kv_heads={self.kv_heads} and "
+                    f"intermediate={self.intermediate}"
+                )
+
+    def sharded(self, tp_size: int) -> ModelShape:
+        """One tensor-parallel rank's geometry: heads, kv_heads and intermediate divided by ``tp_size``."""
+        self.check_tp(tp_size)
+        return msgspec.structs.replace(
+            self,
+            heads=self.heads // tp_size,
+            kv_heads=self.kv_heads // tp_size,
+            intermediate=self.intermediate // tp_size,
+        )
+
 
 LLAMA3_8B = ModelShape(
     layers=32, hidden=4096, heads=32, kv_heads=8, head_size=128, intermediate=14336, vocab=128256
@@ -76,17 +109,33 @@ class LayerHooks(Protocol):
 
 
 class _Layer:
-    def __init__(self, s: ModelShape, gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> None:
+    """One layer's weights: the full model's, drawn in the same order for every ``tp``, then rank
+    ``rank``'s slices (module docstring); with ``tp`` = 1 the full weights themselves."""
+
+    def __init__(
+        self,
+        s: ModelShape,
+        gen: torch.Generator,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int,
+        tp: int,
+    ) -> None:
         def w(rows: int, cols: int) -> torch.Tensor:
             # N(0, 1/cols): activations keep their scale through the layers.
             t = torch.randn(rows, cols, generator=gen, device=device, dtype=torch.float32)
             return (t / cols**0.5).to(dtype)
 
-        q, kv = s.heads * s.head_size, s.kv_heads * s.head_size
-        self.qkv = w(q + 2 * kv, s.hidden)
-        self.o = w(s.hidden, q)
-        self.gate_up = w(2 * s.intermediate, s.hidden)
-        self.down = w(s.hidden, s.intermediate)
+        def part(n: int) -> slice:  # rank's slice of n rows or columns
+            return slice(rank * n // tp, (rank + 1) * n // tp)
+
+        q, kv, inter = s.heads * s.head_size, s.kv_heads * s.head_size, s.intermediate
+        qkv = w(q + 2 * kv, s.hidden)  # rows: q heads | k heads | v heads
+        self.qkv = torch.cat((qkv[:q][part(q)], qkv[q : q + kv][part(kv)], qkv[q + kv :][part(kv)]))
+        self.o = w(s.hidden, q)[:, part(q)].contiguous()
+        gate_up = w(2 * inter, s.hidden)  # rows: gate | up
+        self.gate_up = torch.cat((gate_up[:inter][part(inter)], gate_up[inter:][part(inter)]))
+        self.down = w(s.hidden, inter)[:, part(inter)].contiguous()
         self.norm1 = torch.ones(s.hidden, device=device, dtype=dtype)
         self.norm2 = torch.ones(s.hidden, device=device, dtype=dtype)
 
@@ -103,18 +152,26 @@ class PagedLlama:
         seed: int = 0,
         cuda_graphs: bool = True,
         graph_max_tokens: int = 512,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         """``cuda_graphs``: on CUDA, run forwards of at most ``graph_max_tokens`` tokens as piecewise
-        CUDA graphs (module docstring); ignored on CPU."""
+        CUDA graphs (module docstring); ignored on CPU and with ``tp_size`` > 1. ``tp_rank`` of
+        ``tp_size``: hold that rank's shard; forwards then all-reduce over the default process group,
+        which every rank must have initialised (module docstring)."""
         shape.check()
         if graph_max_tokens < 0:
             raise ValueError(f"graph_max_tokens={graph_max_tokens}; expected >= 0 (0: never capture)")
+        self.shard = shape.sharded(tp_size)
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank={tp_rank}; expected 0 <= tp_rank < tp_size={tp_size}")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.shape = shape
         self.device = torch.device(device)
         self.dtype = dtype
         gen = torch.Generator(device=self.device).manual_seed(seed)
         self.embed = torch.randn(shape.vocab, shape.hidden, generator=gen, device=self.device).to(dtype)
-        self.layers = [_Layer(shape, gen, self.device, dtype) for _ in range(shape.layers)]
+        self.layers = [_Layer(shape, gen, self.device, dtype, tp_rank, tp_size) for _ in range(shape.layers)]
         self.final_norm = torch.ones(shape.hidden, device=self.device, dtype=dtype)
         self.lm_head = (
             torch.randn(shape.vocab, shape.hidden, generator=gen, device=self.device) / shape.hidden**0.5
@@ -123,7 +180,7 @@ class PagedLlama:
         self._inv_freq = 1.0 / (
             shape.rope_theta ** (torch.arange(half, device=self.device, dtype=torch.float32) / half)
         )
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1
         self.graph_max_tokens = graph_max_tokens
         self._graphs = GraphCache(self) if self.cuda_graphs else None
 
@@ -148,7 +205,7 @@ class PagedLlama:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s norm, QKV projection and RoPE: (q ``[T, heads, head_size]``, a strided view;
         the new KV ``[T, kv_heads, 2 * head_size]``, K then V as the cache stores it)."""
-        s, layer = self.shape, self.layers[i]
+        s, layer = self.shard, self.layers[i]
         heads = (self._norm(h, layer.norm1) @ layer.qkv.T).view(h.shape[0], -1, s.head_size)
         qk = self._rope(heads[:, : s.heads + s.kv_heads], cos, sin)  # q's and k's heads in one go
         kv = torch.cat((qk[:, s.heads :], heads[:, s.heads + s.kv_heads :]), dim=-1)
@@ -158,9 +215,15 @@ class PagedLlama:
         """Layer ``i`` after attention (``attn`` ``[T, heads * head_size]``, contiguous): o-proj,
         residual, norm, MLP, residual."""
         layer = self.layers[i]
-        h = h + attn @ layer.o.T
+        h = h + self._reduce(attn @ layer.o.T)
         gate, up = (self._norm(h, layer.norm2) @ layer.gate_up.T).chunk(2, dim=-1)
-        return h + (F.silu(gate) * up) @ layer.down.T
+        return h + self._reduce((F.silu(gate) * up) @ layer.down.T)
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of a row-parallel projection's partial result (itself with tp = 1)."""
+        if self.tp_size > 1:
+            dist.all_reduce(partial)
+        return partial
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """The last row's logits, in the model's dtype (``[vocab]``)."""
@@ -188,7 +251,7 @@ class PagedLlama:
         """Run tokens at positions ``[start, start + len(token_ids))``; ``slots`` [end] gives the
         cache slot (block * block_size + offset) of every position from 0. Returns the last
         token's logits (float32, [vocab])."""
-        s = self.shape
+        s = self.shard
         n = token_ids.numel()
         end = start + n
         if n < 1:
@@ -235,7 +298,7 @@ class _Attention:
         self.bias: torch.Tensor | None = None
 
     def __call__(self, i: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        s, mask = self.model.shape, self.mask
+        s, mask = self.model.shard, self.mask
         if self.hooks is not None:
             self.hooks.before_attention(i)
         cache = self.kv_caches[i]
