@@ -1,6 +1,8 @@
 """The agent's hot path (``{uds_path}.hot``): a real agent process, this test process as the engine.
 The same messages and servicer methods as gRPC, so the answers (and the errors) must be the same;
-hostile frames get INVALID_ARGUMENT and the agent keeps serving with its data intact."""
+hostile frames get INVALID_ARGUMENT and the agent keeps serving with its data intact. A one-way
+Release answers nothing, yet the next call on the connection sees it done; its errors are logged
+and counted by the agent."""
 
 from __future__ import annotations
 
@@ -16,8 +18,18 @@ import pytest
 import torch
 
 from kvgrid.agent.client import AgentClient
-from kvgrid.agent.hotpath import HotPathError, hot_path_of
-from tests.agent.helpers import AgentProc, block_ids, blocks_of, keys_for, register_kv, start_agent
+from kvgrid.agent.hotpath import HotPathError, HotPathServer, hot_path_of
+from kvgrid.api.v1 import agent_pb2
+from kvgrid.common.errors import InvalidArgument
+from tests.agent.helpers import (
+    AgentProc,
+    block_ids,
+    blocks_of,
+    keys_for,
+    register_kv,
+    start_agent,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +39,7 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def agent(shared_dir: Path) -> Iterator[AgentProc]:
-    a = start_agent(shared_dir, pod_uid="uid-hotpath")
+    a = start_agent(shared_dir, "--l1-shared-dir", str(shared_dir), pod_uid="uid-hotpath")
     yield a
     a.stop()
 
@@ -174,8 +186,6 @@ def test_hot_path_off_removes_the_socket_and_grpc_serves(tmp_path: Path) -> None
 
 
 def _release(instance: str) -> object:
-    from kvgrid.api.v1 import agent_pb2
-
     return agent_pb2.ReleaseRequest(instance_id=instance, request_id="r")
 
 
@@ -213,3 +223,204 @@ def test_the_first_call_after_an_agent_restart_reaches_the_new_agent(tmp_path: P
     finally:
         client.close()
         agent.stop()
+
+
+def test_a_one_way_release_ends_the_lease_before_the_next_call(
+    engine: tuple[AgentClient, AgentClient, list[torch.Tensor]],
+) -> None:
+    hot, _, _ = engine
+    keys = keys_for(90, 2)
+    assert hot.store("e", keys, block_ids(8, 2)).num_stored_chunks == 2
+    for rid in ("kept", "one-way"):
+        assert hot.lookup("e", rid, keys).num_hit_chunks == 2  # pinned
+        assert len(hot.retrieve("e", rid, keys, block_ids(0, 2), engine_copies=True).chunk_offsets) == 2
+    # The control: without a release the lease is still there for a two-way Release to end.
+    kept = hot.release_all("e", "kept")
+    assert (kept.released_pins, kept.released_chunks) == (0, 2)  # the Retrieve ended the pins
+    assert hot.lookup("e", "one-way", keys).num_hit_chunks == 2  # pins again, beside the lease
+    assert hot.hot is not None
+    conn = hot.hot._local.sock  # this thread's hot-path connection
+    assert hot.release_nowait("e", "one-way") is None
+    # The same thread's next call runs after it, on the same connection: nothing left to release.
+    after = hot.release_all("e", "one-way")
+    assert (after.released_pins, after.released_chunks) == (0, 0)
+    assert hot.hot._local.sock is conn  # one connection carried both
+
+
+def test_one_way_frames_answer_nothing_and_the_connection_goes_on(agent: AgentProc) -> None:
+    path = hot_path_of(agent.uds_path)
+    release = agent_pb2.ReleaseRequest(instance_id="e", request_id="nothing").SerializeToString()
+    lookup = agent_pb2.LookupRequest(instance_id="e", chunk_keys=keys_for(91, 1)).SerializeToString()
+
+    def frame(method: int, msg: bytes) -> bytes:
+        return struct.pack(">IBH", 3 + len(msg), method, 0) + msg
+
+    # Two one-way Releases (one for an unknown instance), a one-way Lookup (a method that must
+    # answer), then a two-way Release, in one send: the only reply is the last frame's.
+    unknown = agent_pb2.ReleaseRequest(instance_id="nobody", request_id="r").SerializeToString()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(frame(0x83, release) + frame(0x83, unknown) + frame(0x80, lookup) + frame(3, release))
+        (n,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+        body = s.recv(n, socket.MSG_WAITALL)
+        assert body[0] == 0 and agent_pb2.ReleaseResponse.FromString(body[1:]) == agent_pb2.ReleaseResponse()
+        s.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            s.recv(1)  # no reply to any one-way frame
+        s.settimeout(10)  # and the connection still serves
+        s.sendall(frame(3, release))
+        (n,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+        assert s.recv(n, socket.MSG_WAITALL)[0] == 0
+    # A frame sent before the previous two-way frame's reply is still refused.
+    status, text = raw_call(path, frame(3, release) + frame(3, release))
+    assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"expected one at a time" in text
+
+
+class _Servicer:
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    def Release(self, req: agent_pb2.ReleaseRequest) -> agent_pb2.ReleaseResponse:
+        if req.instance_id != "e":
+            raise InvalidArgument(f"instance_id={req.instance_id!r} is not registered")
+        self.released.append(req.request_id)
+        return agent_pb2.ReleaseResponse(released_chunks=len(self.released))
+
+    Lookup = Retrieve = Store = Release
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, grpc.StatusCode]] = []
+
+    def record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        self.calls.append((method, code))
+
+
+def test_one_way_errors_are_logged_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from kvgrid.agent.hotpath import HotPathClient
+
+    servicer, metrics = _Servicer(), _Metrics()
+    server = HotPathServer(
+        str(tmp_path / "hot"),
+        servicer,
+        max_message_bytes=1 << 20,
+        metrics=metrics,  # type: ignore[arg-type]
+    ).start()
+    client = HotPathClient(str(tmp_path / "hot"), timeout_s=10)
+    try:
+        with caplog.at_level("WARNING", logger="kvgrid.agent.hotpath"):
+            client.send("Release", agent_pb2.ReleaseRequest(instance_id="nobody", request_id="a"))
+            client.send("Release", agent_pb2.ReleaseRequest(instance_id="e", request_id="b"))
+            got = client.call("Release", agent_pb2.ReleaseRequest(instance_id="e", request_id="c"))
+        assert servicer.released == ["b", "c"]  # in the order sent, before the two-way call answered
+        assert got == agent_pb2.ReleaseResponse(released_chunks=2)
+        ok, invalid = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
+        wait_for("the last call recorded (after its reply)", lambda: len(metrics.calls) >= 3, 10)
+        assert metrics.calls == [("Release", invalid), ("Release", ok), ("Release", ok)]
+        assert "one-way Release failed: INVALID_ARGUMENT: instance_id='nobody'" in caplog.text
+        with pytest.raises(ValueError, match="one-way Lookup: expected one of"):
+            client.send("Lookup", agent_pb2.LookupRequest(instance_id="e"))
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_spinning_client_gets_the_same_answers(
+    agent: AgentProc, engine: tuple[AgentClient, AgentClient, list[torch.Tensor]]
+) -> None:
+    """``hot_path_spin_us`` only changes how the client waits for a reply (polling first)."""
+    hot, _, _ = engine
+    keys = keys_for(95, 2)
+    assert hot.store("e", keys, block_ids(12, 2)).num_stored_chunks == 2
+    with AgentClient(agent.uds_path, timeout_s=30, hot_path_spin_us=1000) as spinning:
+        for _ in range(20):  # replies within the spin and after it alike
+            assert spinning.lookup("e", "", keys) == hot.lookup("e", "", keys)
+        assert spinning.hot is not None and spinning.hot._all  # the hot path carried them
+        assert error_of(spinning.lookup, "nobody", "", keys)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(ValueError, match="spin_us=-1: expected >= 0"):
+        AgentClient(agent.uds_path, hot_path_spin_us=-1)
+
+
+def test_the_agents_metrics_of_hot_path_calls_are_recorded_after_the_reply(tmp_path: Path) -> None:
+    """The hot path sends the reply, then records the call (rpc metrics) and the core's counts
+    (``after_reply``): all of them arrive, the same as over gRPC."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from kvgrid.agent.config import AgentConfig
+    from kvgrid.agent.service import AgentServer
+    from kvgrid.common.identity import PodIdentity
+    from kvgrid.common.rpc import RPC_CALLS
+
+    reader = InMemoryMetricReader()
+    cfg = AgentConfig(
+        l1_size=1 << 20,
+        l1_page_size=4096,
+        uds_path=str(tmp_path / "a.sock"),
+        tcp_port=-1,
+        shm_allowed_dirs=[str(tmp_path)],
+    )
+    meter = MeterProvider(metric_readers=[reader]).get_meter("t")
+    server = AgentServer(cfg, pod=PodIdentity(pod_uid="u"), meter=meter).start()
+
+    def points() -> dict[str, dict[tuple[str, ...], float]]:
+        out: dict[str, dict[tuple[str, ...], float]] = {}
+        data = reader.get_metrics_data()
+        for rm in data.resource_metrics if data is not None else ():
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    for p in m.data.data_points:
+                        key = tuple(str(v) for v in (p.attributes or {}).values())
+                        out.setdefault(m.name, {})[key] = getattr(p, "value", None) or 0
+        return out
+
+    try:
+        with AgentClient(cfg.uds_path, timeout_s=30) as client:
+            register_kv(client, "m", tmp_path, seed=7)
+            keys = keys_for(1, 3)
+            assert client.store("m", keys[:2], block_ids(0, 2)).num_stored_chunks == 2
+            assert client.lookup("m", "r", keys).num_hit_chunks == 2
+            client.release_nowait("m", "r")
+            assert client.hot is not None and client.hot._all  # the hot path carried them
+            want = {
+                "kvgrid_agent_lookup_chunks": {("hit",): 2, ("miss_not_found",): 1},
+                "kvgrid_agent_store_chunks": {("stored",): 2},
+            }
+            calls = {("Store", "OK"): 1, ("Lookup", "OK"): 1, ("Release", "OK"): 1}
+
+            def recorded() -> bool:
+                p = points()
+                return all(p.get(k) == v for k, v in want.items()) and all(
+                    p.get(RPC_CALLS, {}).get(k) == v for k, v in calls.items()
+                )
+
+            wait_for("the hot path calls' metrics", recorded, 10)
+    finally:
+        server.stop(0)
+
+
+def test_after_reply_runs_now_unless_deferred_and_deferred_work_survives_a_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from kvgrid.common.rpc import after_reply, deferring, run_deferred
+
+    done: list[int] = []
+    after_reply(done.append, 1)
+    assert done == [1]  # no transport defers: at once
+
+    def boom() -> None:
+        raise RuntimeError("metric exporter broke")
+
+    with deferring() as work:
+        after_reply(done.append, 2)
+        after_reply(boom)
+        after_reply(done.append, 3)
+        assert done == [1]
+    after_reply(done.append, 4)  # the block ended: at once again
+    assert done == [1, 4]
+    run_deferred(work)
+    assert done == [1, 4, 2, 3]
+    assert "deferred test_after_reply_runs_now_unless_deferred" in caplog.text
+    assert "metric exporter broke" in caplog.text

@@ -180,8 +180,9 @@ class ChunkCache:
         self, keys: Sequence[bytes], namespace_id: str, layout_id: str
     ) -> tuple[list[Chunk], MissCause]:
         hits: list[Chunk] = []
+        get, suffix = self._chunks.get, namespace_id.encode()  # _index_key, hoisted: a hot loop
         for key in keys:
-            chunk = self._chunks.get(_index_key(namespace_id, key))
+            chunk = get(key + suffix)
             if chunk is None:
                 return hits, MissCause.NOT_FOUND
             if chunk.layout_id != layout_id:
@@ -215,9 +216,10 @@ class ChunkCache:
         with self._lock:
             self._expire_pins_locked()
             hits, cause = self._walk(keys, namespace_id, layout_id)
+            touch, suffix = self.policy.on_access, namespace_id.encode()  # every hit is namespace_id's
             for c in hits:
                 c.refcount += 1
-                self.policy.on_access(_index_key(c.namespace_id, c.key))
+                touch(c.key + suffix)
             return hits, cause
 
     def acquire_ready_prefix(
@@ -228,7 +230,9 @@ class ChunkCache:
         whose bytes are final and verified come back (referenced)."""
         chunks, cause = self.acquire_prefix(keys, layout_id, namespace_id=namespace_id)
         for i, c in enumerate(chunks):
-            if not c.wait_ready():  # outside the lock: the promotion needs it to finish
+            # Waits outside the lock (the promotion needs it to finish); a chunk that never was
+            # pending is ready, so it costs no call.
+            if (c.ready is not None or c.failed) and not c.wait_ready():
                 self.release(chunks[i:])
                 return chunks[:i], MissCause.TIER_FAILED
         return chunks, cause
@@ -263,18 +267,20 @@ class ChunkCache:
         treated as a collision and stops the store there (reason ``layout_mismatch``).
         """
         res = StoreReservation(namespace_id=namespace_id, layout_id=layout_id)
+        entries, get, touch = res.entries, self._chunks.get, self.policy.on_access
+        suffix = namespace_id.encode()  # _index_key, hoisted: a hot loop
         with self._lock:
             self._expire_pins_locked()
             for i, key in enumerate(keys):
-                ikey = _index_key(namespace_id, key)
-                chunk = self._chunks.get(ikey)
+                ikey = key + suffix
+                chunk = get(ikey)
                 if chunk is not None:
                     if chunk.layout_id != layout_id:
                         res.stopped_at, res.reason = i, f"layout_mismatch: chunk {i} held with another layout"
                         break
                     chunk.refcount += 1
-                    self.policy.on_access(ikey)
-                    res.entries.append((i, chunk, False))
+                    touch(ikey)
+                    entries.append((i, chunk, False))
                     continue
                 if i < skip_first_n:
                     continue
@@ -290,7 +296,7 @@ class ChunkCache:
                     break
                 start, pages, view = got
                 new = Chunk(key, namespace_id, layout_id, start, pages, nbytes, view, refcount=1)
-                res.entries.append((i, new, True))
+                entries.append((i, new, True))
         return res
 
     def commit_pending(self, res: StoreReservation, upto: int) -> tuple[int, dict[int, Chunk]]:

@@ -51,16 +51,21 @@ class AgentClient:
         max_message_bytes: int = 64 << 20,
         tls: ClientTls | None = None,
         hot_path: bool = True,
+        hot_path_spin_us: int = 0,
     ) -> None:
         """``tls``: mTLS credentials for a TCP target (ignored for a Unix socket, always plaintext).
         ``hot_path``: on a Unix socket, send Lookup/Retrieve/Store/Release over the agent's hot path
-        (``kvgrid.agent.hotpath``) whenever the agent serves it; gRPC otherwise."""
+        (``kvgrid.agent.hotpath``) whenever the agent serves it; gRPC otherwise.
+        ``hot_path_spin_us``: wait for a hot-path reply spinning up to this long before sleeping
+        (``HotPathClient``'s ``spin_us``: faster replies for a core and the GIL meanwhile)."""
         self.target = agent_target(address)
         self.timeout_s = timeout_s
         unix = self.target.startswith(("unix:", "unix-abstract:"))
         self.hot: HotPathClient | None = None
         if hot_path and self.target.startswith("unix:"):
-            self.hot = HotPathClient(hot_path_of(self.target.removeprefix("unix:")), timeout_s=timeout_s)
+            self.hot = HotPathClient(
+                hot_path_of(self.target.removeprefix("unix:")), timeout_s=timeout_s, spin_us=hot_path_spin_us
+            )
         # traced: the caller's current span (the connector's) is the parent of the agent's spans
         self.channel = traced_channel(
             make_channel(
@@ -241,6 +246,20 @@ class AgentClient:
         """Release, answering both counts (pins, leased chunks)."""
         req = agent_pb2.ReleaseRequest(instance_id=instance_id, request_id=request_id)
         return self._call("Release", req)  # type: ignore[return-value]
+
+    def release_nowait(self, instance_id: str, request_id: str) -> None:
+        """:meth:`release` without waiting for the agent: over the hot path a one-way frame (the
+        agent runs it before this thread's next call and answers nothing; errors are logged and
+        counted there), else a gRPC Release whose answer is dropped (its errors raise). Raises
+        ``grpc.RpcError`` UNAVAILABLE when the frame cannot be sent."""
+        req = agent_pb2.ReleaseRequest(instance_id=instance_id, request_id=request_id)
+        if self.hot is not None:
+            try:
+                self.hot.send("Release", req, None)
+                return
+            except HotPathAbsent:
+                pass  # the agent serves no hot path: gRPC
+        self._calls["Release"](req, timeout=self.timeout_s)
 
     def snapshot(self) -> agent_pb2.SnapshotResponse:
         return self._call("Snapshot", agent_pb2.SnapshotRequest())  # type: ignore[return-value]

@@ -2,15 +2,18 @@
 
 One request of a serving engine makes four calls to its agent: Lookup (the scheduler), Retrieve
 (with ``engine_copies``: the agent only leases the chunks, so no bytes move), Release (ends the
-lease) and Store (its chunks are held already: no bytes move either). This bench starts a real
-``kvgrid agent`` (L1 shared, hot path on), registers a one-layer CPU KV cache and times that
-sequence, median over ``--iters`` requests, over
+lease: ``AgentClient.release_nowait``, one-way on the hot path, so its column is the send alone and
+the agent's work on it delays the Store after it) and Store (its chunks are held already: no bytes
+move either). This bench starts a real ``kvgrid agent`` (L1 shared, hot path on), registers a
+one-layer CPU KV cache and times that sequence, median over ``--iters`` requests, over
 
-* the hot path (``kvgrid.agent.hotpath``, a plain Unix socket),
+* the hot path (``kvgrid.agent.hotpath``, a plain Unix socket; ``--spin-us``: the client polls for
+  each reply that long before sleeping, ``AgentClient(hot_path_spin_us=...)``),
 * gRPC over the agent's Unix socket (what every call cost before),
 
 and, as the limit in the same run, four round trips of a bare Unix-socket echo between this process
-and a child process (no framing, no agent work). Printed: microseconds per request and per call,
+and a child process (no framing, no agent work; kept at four so runs before the one-way Release
+compare, though three and a send now suffice). Printed: microseconds per request and per call,
 and the ratios hot / gRPC and limit / hot. Issue 11's goal: <= 100 us per request on the hot path.
 """
 
@@ -53,6 +56,10 @@ def _d(text: str) -> msgspec.Meta:
 class HotPathBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     iters: Annotated[int, msgspec.Meta(ge=10, description="requests timed per transport (median)")] = 2000
     chunks: Annotated[int, msgspec.Meta(ge=1, le=1024, description="chunks per request (keys per call)")] = 8
+    spin_us: Annotated[
+        int,
+        msgspec.Meta(ge=0, description="the hot-path client spins this long for a reply before sleeping"),
+    ] = 0
     json: Annotated[bool, _d("print one JSON object instead of a table")] = False
 
 
@@ -99,7 +106,7 @@ def measure(cfg: HotPathBenchConfig, tmp: Path) -> dict[str, object]:
         bench_env(),
     )  # fmt: skip
     clients = {
-        "hot": AgentClient(str(uds), timeout_s=60),
+        "hot": AgentClient(str(uds), timeout_s=60, hot_path_spin_us=cfg.spin_us),
         "grpc": AgentClient(str(uds), timeout_s=60, hot_path=False),
     }
     try:
@@ -121,7 +128,7 @@ def measure(cfg: HotPathBenchConfig, tmp: Path) -> dict[str, object]:
                 t.append(time.perf_counter())
                 got = len(c.retrieve("bench", rid, keys, ids, engine_copies=True).chunk_offsets)
                 t.append(time.perf_counter())
-                c.release_all("bench", rid)
+                c.release_nowait("bench", rid)
                 t.append(time.perf_counter())
                 held = c.store("bench", keys, ids, skip_first_n_chunks=cfg.chunks).num_stored_chunks
                 t.append(time.perf_counter())
@@ -138,7 +145,12 @@ def measure(cfg: HotPathBenchConfig, tmp: Path) -> dict[str, object]:
     def us(x: float) -> float:
         return float(f"{x * 1e6:.4g}")
 
-    out: dict[str, object] = {"iters": cfg.iters, "chunks": cfg.chunks, "echo_rtt_us": us(echo)}
+    out: dict[str, object] = {
+        "iters": cfg.iters,
+        "chunks": cfg.chunks,
+        "spin_us": cfg.spin_us,
+        "echo_rtt_us": us(echo),
+    }
     for name, calls in per_call.items():
         per_request = [sum(xs) for xs in zip(*calls.values(), strict=True)]
         out[name] = {
@@ -164,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0
     print(
-        f"one request's agent calls ({cfg.chunks} chunks, no bytes moved), median of {cfg.iters}; "
+        f"one request's agent calls ({cfg.chunks} chunks, no bytes moved, hot-path spin "
+        f"{cfg.spin_us} us), median of {cfg.iters}; "
         f"limit: 4 bare Unix-socket round trips = {4 * result['echo_rtt_us']:.4g} us"  # type: ignore[operator]
     )
     print(f"{'':6}{'request us':>11}{'lookup':>9}{'retrieve':>10}{'release':>9}{'store':>8}")

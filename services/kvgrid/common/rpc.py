@@ -23,6 +23,10 @@
   ``kvgrid_rpc_server_calls`` (counter) and ``kvgrid_rpc_server_duration`` (histogram, seconds),
   both with attributes ``method`` (the RPC name) and ``code`` (the status code name). A streaming
   call is one call, timed until its last message; a stream the peer abandons counts as CANCELLED.
+- Bookkeeping after the reply: :func:`after_reply` runs its function at once, unless the transport
+  serving the call collects it (:func:`deferring`; the agent's hot path does) and runs it once the
+  reply is sent, so the caller does not wait for metric updates (~6 us each with a Prometheus
+  reader). Work is per thread: a call's deferred work runs on the thread that served it, in order.
 - Traces: every call runs inside a SERVER span ``{service}/{method}`` that continues the caller's
   W3C trace context (:func:`kvgrid.common.tracing.server_span`), ending with the call's status
   (``rpc.grpc.status_code``; ERROR for any code but OK). A no-op tracer when none is given.
@@ -31,9 +35,11 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -50,7 +56,17 @@ from kvgrid.common.authz import Authorizer, set_caller
 from kvgrid.common.errors import InvalidArgument, KvgridError, Unimplemented
 from kvgrid.common.tracing import server_span
 
-__all__ = ["RPC_CALLS", "RPC_DURATION", "RpcMetrics", "RpcServer", "ServerOptions", "status_of"]
+__all__ = [
+    "RPC_CALLS",
+    "RPC_DURATION",
+    "RpcMetrics",
+    "RpcServer",
+    "ServerOptions",
+    "after_reply",
+    "deferring",
+    "run_deferred",
+    "status_of",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +77,44 @@ _DURATION_BUCKETS_S = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0,
 )  # fmt: skip
+
+
+class _Deferred(threading.local):
+    work: list[tuple[Callable[..., object], tuple[object, ...]]] | None = None
+
+
+_DEFERRED = _Deferred()
+
+
+def after_reply(fn: Callable[..., object], *args: object) -> None:
+    """``fn(*args)`` once the current call's reply is sent when its transport defers bookkeeping
+    (:func:`deferring`), else now. For work whose result the caller never sees (metrics)."""
+    work = _DEFERRED.work
+    if work is None:
+        fn(*args)
+    else:
+        work.append((fn, args))
+
+
+@contextmanager
+def deferring() -> Iterator[list[tuple[Callable[..., object], tuple[object, ...]]]]:
+    """Collect this thread's :func:`after_reply` work while the block runs; the caller runs it
+    (:func:`run_deferred`) after sending the reply."""
+    work: list[tuple[Callable[..., object], tuple[object, ...]]] = []
+    _DEFERRED.work = work
+    try:
+        yield work
+    finally:
+        _DEFERRED.work = None
+
+
+def run_deferred(work: list[tuple[Callable[..., object], tuple[object, ...]]]) -> None:
+    """Run collected work in order; a failure is logged and the rest still runs."""
+    for fn, args in work:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("deferred %s failed", getattr(fn, "__qualname__", fn))
 
 
 def status_of(method: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -28,6 +28,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 __all__ = [
     "TraceContextInterceptor",
     "context_from_headers",
+    "exports_nothing",
     "inject_headers",
     "local_span",
     "server_span",
@@ -121,7 +122,7 @@ def _remote_parent(context: grpc.ServicerContext) -> otel_context.Context | None
     return context_from_headers(carrier)
 
 
-def _exports_nothing(tracer: trace.Tracer) -> bool:
+def exports_nothing(tracer: trace.Tracer) -> bool:
     """A no-op tracer, or a proxy while no SDK provider is installed: a span would be a no-op
     object that costs ~20 us to make (the hot path skips it)."""
     if isinstance(tracer, trace.NoOpTracer):
@@ -136,7 +137,7 @@ def local_span(
 ) -> AbstractContextManager[Span]:
     """``tracer.start_as_current_span(name, attributes=...)``, or a context holding the invalid
     (no-op) span when nothing exports: the per-call spans of a hot path cost ~20 us each otherwise."""
-    if _exports_nothing(tracer):
+    if exports_nothing(tracer):
         return nullcontext(trace.INVALID_SPAN)
     return tracer.start_as_current_span(name, attributes=attributes)
 
@@ -160,7 +161,7 @@ def span_under(
 ) -> Iterator[Span]:
     """:func:`server_span` for a call that came with ``parent`` (from :func:`context_from_headers`)
     by another transport than gRPC (the agent's hot path)."""
-    if _exports_nothing(tracer):
+    if exports_nothing(tracer):
         if parent is None:
             yield trace.INVALID_SPAN
             return
