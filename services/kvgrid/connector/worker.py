@@ -412,8 +412,10 @@ class ConnectorWorker:
         return LoadOutcome(order, loaded, len(keys), staged)
 
     def _release_lease(self, request_id: str) -> None:
+        """End the request's lease once its bytes landed (the completer thread). One-way on the hot
+        path: nothing here needs the answer, and the agent runs it before this thread's next call."""
         try:
-            self.agent.release_all(self.identity.instance_id, request_id)
+            self.agent.release_nowait(self.identity.instance_id, request_id)
         except grpc.RpcError as e:  # the agent went: its leases went with it
             log.info("kvgrid release of request %s's lease failed: %s", request_id, rpc_text(e))
 
