@@ -10,6 +10,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from kvgrid.agent.client import AgentClient
 from kvgrid.agent.hotpath import HotPathError, HotPathServer, hot_path_of
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.errors import InvalidArgument
+from kvgrid.common.rpc import after_reply
 from tests.agent.helpers import (
     AgentProc,
     block_ids,
@@ -310,7 +312,7 @@ def test_one_way_errors_are_logged_and_counted(tmp_path: Path, caplog: pytest.Lo
     ).start()
     client = HotPathClient(str(tmp_path / "hot"), timeout_s=10)
     try:
-        with caplog.at_level("WARNING", logger="kvgrid.agent.hotpath"):
+        with caplog.at_level("DEBUG", logger="kvgrid.agent.hotpath"):  # debug: an engine may send many
             client.send("Release", agent_pb2.ReleaseRequest(instance_id="nobody", request_id="a"))
             client.send("Release", agent_pb2.ReleaseRequest(instance_id="e", request_id="b"))
             got = client.call("Release", agent_pb2.ReleaseRequest(instance_id="e", request_id="c"))
@@ -324,6 +326,35 @@ def test_one_way_errors_are_logged_and_counted(tmp_path: Path, caplog: pytest.Lo
             client.send("Lookup", agent_pb2.LookupRequest(instance_id="e"))
     finally:
         client.close()
+        server.stop()
+
+
+def test_a_call_whose_reply_cannot_be_sent_is_still_recorded(tmp_path: Path) -> None:
+    """The engine gave up (timeout, exit) while the agent worked: the work was done, so the call's
+    metrics and deferred bookkeeping are recorded although the reply finds nobody."""
+    ran = threading.Event()
+
+    class Slow(_Servicer):
+        def Release(self, req: agent_pb2.ReleaseRequest) -> agent_pb2.ReleaseResponse:
+            time.sleep(0.5)  # the engine closes meanwhile
+            after_reply(ran.set)
+            return super().Release(req)
+
+    metrics = _Metrics()
+    server = HotPathServer(
+        str(tmp_path / "hot"),
+        Slow(),
+        max_message_bytes=1 << 20,
+        metrics=metrics,  # type: ignore[arg-type]
+    ).start()
+    try:
+        msg = agent_pb2.ReleaseRequest(instance_id="e", request_id="gone").SerializeToString()
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(tmp_path / "hot"))
+            s.sendall(struct.pack(">IBH", 3 + len(msg), 3, 0) + msg)
+        wait_for("the unsent call recorded", lambda: metrics.calls == [("Release", grpc.StatusCode.OK)], 10)
+        assert ran.wait(10)
+    finally:
         server.stop()
 
 

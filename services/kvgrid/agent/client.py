@@ -249,8 +249,8 @@ class AgentClient:
 
     def release_nowait(self, instance_id: str, request_id: str) -> None:
         """:meth:`release` without waiting for the agent: over the hot path a one-way frame (the
-        agent runs it before this thread's next call and answers nothing; errors are logged and
-        counted there), else a gRPC Release whose answer is dropped (its errors raise). Raises
+        agent runs it before this thread's next call and answers nothing; errors are counted
+        there), else a gRPC Release whose answer is dropped (its errors raise). Raises
         ``grpc.RpcError`` UNAVAILABLE when the frame cannot be sent."""
         req = agent_pb2.ReleaseRequest(instance_id=instance_id, request_id=request_id)
         if self.hot is not None:

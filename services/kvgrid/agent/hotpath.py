@@ -17,8 +17,9 @@ errors and results are identical by construction; only the framing differs::
 
 One-way frames (only Release, :meth:`HotPathClient.send`): the agent runs the call and sends
 nothing back, so ending a lease costs the engine one ``send`` instead of a round trip. Its errors
-(an unknown instance, a one-way frame of a method that must answer) are logged and counted
-(``kvgrid_rpc_server_calls`` with their code) but never reach the engine.
+(an unknown instance, a one-way frame of a method that must answer) are counted
+(``kvgrid_rpc_server_calls`` with their code; logged at debug level only, since an engine may send
+many) but never reach the engine.
 
 Invariants and bounds:
 
@@ -28,7 +29,7 @@ Invariants and bounds:
   ``max_message_bytes``, or a frame sent before the reply to the one before it, gets an
   INVALID_ARGUMENT reply (even if it was meant one-way) and the connection is closed (its stream
   position is lost); an unknown method or an undecodable message gets INVALID_ARGUMENT (one-way:
-  logged) and the connection goes on. At most ``max_connections`` connections are served; more
+  counted) and the connection goes on. At most ``max_connections`` connections are served; more
   are closed at once.
 - The socket is created with mode 0600 beside the gRPC socket: the same trust as the engine API.
 - The client keeps one connection per thread, and makes no check per call: a connection the agent
@@ -247,12 +248,14 @@ class HotPathServer:
                     return
                 with deferring() as work:  # the core's metric updates (common/rpc.after_reply)
                     reply, method, code, seconds = self._call(body)
-                if reply is not None:
-                    conn.sendall(reply)
-                # After the reply: the engine does not wait for the bookkeeping (~6 us a metric
-                # update with a Prometheus reader, a handful a call).
-                self._metrics.record(method, code, seconds)
-                run_deferred(work)
+                try:
+                    if reply is not None:
+                        conn.sendall(reply)
+                finally:
+                    # After the reply, sent or not (the work was done): the engine does not wait for
+                    # the bookkeeping (~6 us a metric update with a Prometheus reader, a handful a call).
+                    self._metrics.record(method, code, seconds)
+                    run_deferred(work)
         except OSError:
             return  # the peer went away mid-frame
         finally:
@@ -261,7 +264,7 @@ class HotPathServer:
             conn.close()
 
     def _call(self, body: bytes) -> tuple[bytes | None, str, grpc.StatusCode, float]:
-        """The reply frame to one request frame (None for a one-way frame: its errors are logged),
+        """The reply frame to one request frame (None for a one-way frame: its errors are counted),
         and what the metrics record of the call: method, status code, seconds."""
         kind, head_len = _HEAD.unpack_from(body)
         one_way = kind >= _ONE_WAY
@@ -287,7 +290,7 @@ class HotPathServer:
     def _run(
         self, kind: int, method: str, body: bytes, offset: int, one_way: bool
     ) -> tuple[grpc.StatusCode, bytes]:
-        """(status, reply frame) of the call; a one-way call's errors are logged here instead."""
+        """(status, reply frame) of the call; a one-way call's errors are logged (debug) here instead."""
         try:
             if kind >= len(HOT_METHODS):
                 raise InvalidArgument(
@@ -307,8 +310,8 @@ class HotPathServer:
             code, detail = status_of(method, exc)
             if code is grpc.StatusCode.INTERNAL:
                 log.error("hot path %s failed", method, exc_info=exc)
-            elif one_way:  # nobody else hears of it
-                log.warning("hot path one-way %s failed: %s: %s", method, code.name, detail)
+            elif one_way:  # counted in the RPC metrics; not a warning each: an engine can send many
+                log.debug("hot path one-way %s failed: %s: %s", method, code.name, detail)
             return code, _frame(code.value[0], detail.encode())
 
     def stop(self) -> None:
@@ -479,7 +482,7 @@ class HotPathClient:
     def send(self, method: str, req: Message, timeout_s: float | None = None) -> None:
         """Send ``method`` one-way (one of :data:`ONE_WAY_METHODS`): the agent runs it after this
         thread's earlier calls and before its later ones, and answers nothing (its errors are
-        logged and counted there). :class:`HotPathError` only when the frame cannot be sent."""
+        counted there). :class:`HotPathError` only when the frame cannot be sent."""
         if method not in ONE_WAY_METHODS:
             raise ValueError(f"one-way {method}: expected one of {sorted(ONE_WAY_METHODS)}")
         self._request(method, req, True, timeout_s)
