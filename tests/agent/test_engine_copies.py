@@ -212,6 +212,29 @@ def test_a_repeated_block_id_is_refused_before_any_stage_copies(
     copier.close()
 
 
+def test_a_release_naming_a_lease_ends_that_lease_only(client: AgentClient, shared_dir: Path) -> None:
+    """Two loads of one request id (a preempted request loading again) hold two leases. The first
+    load's Release, sent when its bytes landed on another thread than the second Retrieve, may reach
+    the agent after it: naming its lease, it must not end the second load's, whose chunks are still
+    being copied. Release without a lease id ends every lease and the pins, as before."""
+    register_kv(client, "e10", shared_dir, seed=13)
+    keys = keys_for(1000, 2)
+    assert client.store("e10", keys, block_ids(0, 2)).num_stored_chunks == 2
+    first = client.retrieve("e10", "req-p", keys, block_ids(10, 2), engine_copies=True)
+    second = client.retrieve("e10", "req-p", keys[:1], block_ids(20, 1), engine_copies=True)
+    assert 0 < first.lease_id != second.lease_id > 0
+    assert client.health().num_leased_chunks == 3
+    late = client.release_all("e10", "req-p", lease_id=first.lease_id)
+    assert (late.released_pins, late.released_chunks) == (0, 2)
+    assert client.health().num_leased_chunks == 1  # the second load's chunk is still held
+    again = client.release_all("e10", "req-p", lease_id=first.lease_id)  # a repeat ends nothing
+    assert again.released_chunks == 0 and client.health().num_leased_chunks == 1
+    assert client.lookup("e10", "req-p", keys).num_hit_chunks == 2  # pins beside the lease
+    whole = client.release_all("e10", "req-p")
+    assert (whole.released_pins, whole.released_chunks) == (2, 1)
+    assert client.health().num_leased_chunks == 0
+
+
 def test_leases_end_with_the_registration(client: AgentClient, shared_dir: Path) -> None:
     register_kv(client, "e2", shared_dir, seed=6)
     keys = keys_for(600, 2)

@@ -208,6 +208,7 @@ class AgentClient:
             bytes_moved=resp.bytes_moved,
             miss_cause=resp.miss_cause or "none",
             chunk_offsets=list(resp.chunk_offsets),
+            lease_id=resp.lease_id,
         )
 
     def store(
@@ -242,17 +243,18 @@ class AgentClient:
         """Drop the request's pins (the count) and end its engine_copies lease."""
         return int(self.release_all(instance_id, request_id).released_pins)
 
-    def release_all(self, instance_id: str, request_id: str) -> agent_pb2.ReleaseResponse:
-        """Release, answering both counts (pins, leased chunks)."""
-        req = agent_pb2.ReleaseRequest(instance_id=instance_id, request_id=request_id)
+    def release_all(self, instance_id: str, request_id: str, lease_id: int = 0) -> agent_pb2.ReleaseResponse:
+        """Release, answering both counts (pins, leased chunks). ``lease_id`` (a Retrieve's): end
+        only that lease, keep the pins."""
+        req = agent_pb2.ReleaseRequest(instance_id=instance_id, request_id=request_id, lease_id=lease_id)
         return self._call("Release", req)  # type: ignore[return-value]
 
-    def release_nowait(self, instance_id: str, request_id: str) -> None:
-        """:meth:`release` without waiting for the agent: over the hot path a one-way frame (the
+    def release_nowait(self, instance_id: str, request_id: str, lease_id: int = 0) -> None:
+        """:meth:`release_all` without waiting for the agent: over the hot path a one-way frame (the
         agent runs it before this thread's next call and answers nothing; errors are counted
         there), else a gRPC Release whose answer is dropped (its errors raise). Raises
         ``grpc.RpcError`` UNAVAILABLE when the frame cannot be sent."""
-        req = agent_pb2.ReleaseRequest(instance_id=instance_id, request_id=request_id)
+        req = agent_pb2.ReleaseRequest(instance_id=instance_id, request_id=request_id, lease_id=lease_id)
         if self.hot is not None:
             try:
                 self.hot.send("Release", req, None)

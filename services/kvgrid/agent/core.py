@@ -34,6 +34,7 @@ block-id list per registered engine group.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -177,7 +178,9 @@ class AgentCore:
         # buffer is its pages' view of pool.tensor).
         self._l1_base = self.pool.file_offset(self.pool.tensor)
         # (instance_id, request_id) -> chunks an engine_copies Retrieve holds until Release.
-        self._leases: dict[tuple[str, str], list[Chunk]] = {}
+        # (instance_id, request_id) -> {lease id: chunks} of its engine_copies Retrieves until Release.
+        self._leases: dict[tuple[str, str], dict[int, list[Chunk]]] = {}
+        self._lease_ids = itertools.count(1)
         # Lower tiers (None when off): L1 evictions spill into them, lookups read them back.
         self.tiers = build_tier_chain(config)
         self.cache = ChunkCache(
@@ -496,25 +499,35 @@ class AgentCore:
         """Drop the request's lookup pins and end its engine-copies lease; the pins dropped."""
         return self.release_request(instance_id, request_id)[0]
 
-    def release_request(self, instance_id: str, request_id: str) -> tuple[int, int]:
-        """:meth:`release`, answering (pins dropped, leased chunks released)."""
+    def release_request(self, instance_id: str, request_id: str, lease_id: int = 0) -> tuple[int, int]:
+        """:meth:`release`, answering (pins dropped, leased chunks released). ``lease_id``: end only
+        that lease of the request (an unknown one ends nothing) and leave its pins."""
         self.instance(instance_id)
-        released = self.cache.unpin((instance_id, request_id))
+        owner = (instance_id, request_id)
+        if lease_id:
+            with self._lock:
+                leases = self._leases.get(owner, {})
+                chunks = leases.pop(lease_id, [])
+                if not leases:
+                    self._leases.pop(owner, None)
+            self.cache.release(chunks)
+            return 0, len(chunks)
+        released = self.cache.unpin(owner)
         if self.promoter is not None and request_id:
-            self.promoter.cancel((instance_id, request_id))  # after the unpin: nobody wants its chunks
+            self.promoter.cancel(owner)  # after the unpin: nobody wants its chunks
         with self._lock:
-            chunks = self._leases.pop((instance_id, request_id), [])
+            chunks = [c for lease in self._leases.pop(owner, {}).values() for c in lease]
         self.cache.release(chunks)
         return released, len(chunks)
 
     def leased_chunks(self) -> int:
         with self._lock:
-            return sum(len(c) for c in self._leases.values())
+            return sum(len(c) for leases in self._leases.values() for c in leases.values())
 
     def _end_leases(self, instance_id: str) -> None:
         with self._lock:
             owners = [o for o in self._leases if o[0] == instance_id]
-            chunks = [c for o in owners for c in self._leases.pop(o)]
+            chunks = [c for o in owners for lease in self._leases.pop(o).values() for c in lease]
         self.cache.release(chunks)
 
     def retrieve(
@@ -577,13 +590,15 @@ class AgentCore:
             t0 = time.perf_counter()
             handle = None
             offsets: list[int] = []
+            lease_id = 0
             try:
                 if engine_copies:
                     # = pool.file_offset(c.buffer), without two tensor calls per chunk.
                     page, base = self.pool.page_bytes, self._l1_base
                     offsets = [base + c.start_page * page for c in chunks]
+                    lease_id = next(self._lease_ids)
                     with self._lock:
-                        self._leases.setdefault((instance_id, request_id), []).extend(chunks)
+                        self._leases.setdefault((instance_id, request_id), {})[lease_id] = chunks
                     chunks = []
                 elif n:
                     handle = inst.mover.retrieve_async(
@@ -619,6 +634,7 @@ class AgentCore:
             bytes_moved=0 if engine_copies else nbytes,
             miss_cause=str(cause),
             chunk_offsets=offsets,
+            lease_id=lease_id,
         )
 
     def _release_landed(self, handle: TransferHandle, chunks: list[Chunk], t0: float, nbytes: int) -> None:

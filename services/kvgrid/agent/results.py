@@ -33,3 +33,5 @@ class RetrieveResult(msgspec.Struct, frozen=True):
     miss_cause: str = "none"
     chunk_offsets: list[int] = []
     """engine_copies: each retrieved chunk's byte offset in the agent's shared L1 file."""
+    lease_id: int = 0
+    """engine_copies: this Retrieve's lease (Release with it ends only this lease)."""

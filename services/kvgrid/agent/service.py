@@ -153,6 +153,7 @@ class AgentServicer:
             bytes_moved=r.bytes_moved,
             miss_cause=r.miss_cause,
             chunk_offsets=r.chunk_offsets,
+            lease_id=r.lease_id,
         )
 
     def Store(self, req: agent_pb2.StoreRequest) -> agent_pb2.StoreResponse:
@@ -171,7 +172,7 @@ class AgentServicer:
         )
 
     def Release(self, req: agent_pb2.ReleaseRequest) -> agent_pb2.ReleaseResponse:
-        pins, chunks = self.core.release_request(req.instance_id, req.request_id)
+        pins, chunks = self.core.release_request(req.instance_id, req.request_id, req.lease_id)
         return agent_pb2.ReleaseResponse(released_pins=pins, released_chunks=chunks)
 
     def Snapshot(self, req: agent_pb2.SnapshotRequest) -> agent_pb2.SnapshotResponse:

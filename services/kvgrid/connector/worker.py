@@ -395,7 +395,7 @@ class ConnectorWorker:
                 )  # fmt: skip
 
             def release() -> None:
-                self._release_lease(order.request_id)
+                self._release_lease(order.request_id, res.lease_id)
 
             args = (res.chunk_offsets, block_ids, order.skip_first_n_tokens)
             if order.in_step and copier.num_stages:
@@ -411,11 +411,12 @@ class ConnectorWorker:
             log.exception("kvgrid engine-side load for request %s raised", order.request_id)
         return LoadOutcome(order, loaded, len(keys), staged)
 
-    def _release_lease(self, request_id: str) -> None:
-        """End the request's lease once its bytes landed (the completer thread). One-way on the hot
-        path: nothing here needs the answer, and the agent runs it before this thread's next call."""
+    def _release_lease(self, request_id: str, lease_id: int) -> None:
+        """End this load's lease once its bytes landed (the completer thread). One-way on the hot
+        path: nothing here needs the answer. By lease id, so it cannot end a later load's lease of
+        the same request (another thread's Retrieve, unordered with this frame at the agent)."""
         try:
-            self.agent.release_nowait(self.identity.instance_id, request_id)
+            self.agent.release_nowait(self.identity.instance_id, request_id, lease_id)
         except grpc.RpcError as e:  # the agent went: its leases went with it
             log.info("kvgrid release of request %s's lease failed: %s", request_id, rpc_text(e))
 

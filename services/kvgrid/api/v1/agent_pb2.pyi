@@ -473,10 +473,13 @@ class RetrieveResponse(_message.Message):
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
     MISS_CAUSE_FIELD_NUMBER: _builtins.int
     CHUNK_OFFSETS_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
     num_retrieved_chunks: _builtins.int
     bytes_moved: _builtins.int
     miss_cause: _builtins.str
     """Why the walk stopped: "none", "not_found", "layout_mismatch"."""
+    lease_id: _builtins.int
+    """engine_copies: this Retrieve's lease (never 0); a Release naming it ends this lease only."""
     @_builtins.property
     def hit_mask(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
         """One entry per requested chunk; true for the leading chunks that were written."""
@@ -495,10 +498,11 @@ class RetrieveResponse(_message.Message):
         bytes_moved: _builtins.int = ...,
         miss_cause: _builtins.str = ...,
         chunk_offsets: _abc.Iterable[_builtins.int] | None = ...,
+        lease_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "chunk_offsets", b"chunk_offsets", "hit_mask", b"hit_mask", "miss_cause", b"miss_cause", "num_retrieved_chunks", b"num_retrieved_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "chunk_offsets", b"chunk_offsets", "hit_mask", b"hit_mask", "lease_id", b"lease_id", "miss_cause", b"miss_cause", "num_retrieved_chunks", b"num_retrieved_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -575,17 +579,24 @@ class ReleaseRequest(_message.Message):
 
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     request_id: _builtins.str
+    lease_id: _builtins.int
+    """0: drop the request's lookup pins and end every lease it holds. Otherwise end only that lease of
+    the request (RetrieveResponse.lease_id; pins stay): a late Release of an earlier load then cannot
+    end a later load's lease of the same request id while its chunks are still being copied.
+    """
     def __init__(
         self,
         *,
         instance_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        lease_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "lease_id", b"lease_id", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
