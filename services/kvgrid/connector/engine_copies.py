@@ -214,12 +214,8 @@ class EngineCopier:
         failed). The load-done event is recorded after the copy."""
         handle = None
         try:
-            self._check_offsets(offsets)
             if offsets:
-                chunks = range(len(offsets))
-                ids = chunk_block_ids(
-                    self.mover, self.groups, block_ids, chunks, skip_first_n_tokens, allow_holes=True
-                )
+                ids = self._chunk_ids(offsets, block_ids, skip_first_n_tokens)
                 n = self.mover.bytes_per_chunk
                 buffers = [self.pool[o : o + n] for o in offsets]
                 handle = self.mover.retrieve_async(buffers, ids, wait_event=fence)
@@ -237,13 +233,20 @@ class EngineCopier:
             return
         self._release_when_landed([handle], release)
 
-    def _check_offsets(self, offsets: Sequence[int]) -> None:
-        """The agent's chunk offsets lie inside the mapped file (the staged path copies by raw
-        pointer): ValueError otherwise, and the load is reported failed."""
+    def _chunk_ids(
+        self, offsets: Sequence[int], block_ids: Sequence[Sequence[int]], skip_first_n_tokens: int
+    ) -> list[list[np.ndarray]]:
+        """Per kernel group, each leased chunk's block ids -- once the agent's chunk offsets are
+        known to lie inside the mapped file (the staged path copies by raw pointer): ValueError
+        otherwise, and the load is reported failed."""
         n, size = self.mover.bytes_per_chunk, self.pool.numel()
         for o in offsets:
             if o < 0 or o + n > size:
                 raise ValueError(f"chunk offset {o}: expected 0 <= offset <= {size - n} in {self.l1_file!r}")
+        chunks = range(len(offsets))
+        return chunk_block_ids(
+            self.mover, self.groups, block_ids, chunks, skip_first_n_tokens, allow_holes=True
+        )
 
     def _release_when_landed(self, handles: Sequence[TransferHandle], release: Callable[[], Any]) -> None:
         """``release`` on the completer thread once every one of ``handles`` landed (in queueing
@@ -272,14 +275,9 @@ class EngineCopier:
         landed (or a copy failed)."""
         if not offsets:
             release()
-            if self._done is not None:
-                self._done.after(None)
             return StagedLoad(None, None, 0, lambda: None)
         try:
-            self._check_offsets(offsets)
-            ids = chunk_block_ids(
-                self.mover, self.groups, block_ids, range(len(offsets)), skip_first_n_tokens, allow_holes=True
-            )
+            ids = self._chunk_ids(offsets, block_ids, skip_first_n_tokens)
             flat = [np.concatenate(per_chunk) for per_chunk in ids]
             # Refused now, as a whole load is: on CPU the stages copy later, inside the forward.
             self.mover.plan.check_retrieve_ids(flat, len(offsets))
@@ -287,22 +285,15 @@ class EngineCopier:
             release()
             raise
 
-        def parts_of(stage: int, wait_event: torch.cuda.Event | None) -> TransferHandle | None:
-            handle = None
-            for part in self._stages[stage]:
-                buffers = [self.pool[o + part.offset : o + part.offset + part.nbytes] for o in offsets]
-                handle = part.plan.retrieve_async(buffers, [flat[part.group]], wait_event=wait_event)
-                wait_event = handle.event  # the next part (and stage) starts after this one
-            return handle
-
         if self.mover.plan.device.type != "cuda":  # CPU copies are synchronous: one stage per wait
+
+            def copy_stage(stage: int) -> None:
+                for part in self._stages[stage]:
+                    buffers = [self.pool[o + part.offset : o + part.offset + part.nbytes] for o in offsets]
+                    part.plan.retrieve_async(buffers, [flat[part.group]])
+
             # The lease ends on the completer thread, as on CUDA: not inside the engine's forward.
-            return StagedLoad(
-                None,
-                lambda stage: parts_of(stage, None),
-                self.num_stages,
-                lambda: self._completer.submit(release),
-            )
+            return StagedLoad(None, copy_stage, self.num_stages, lambda: self._completer.submit(release))
         try:
             with self._stage_lock, torch.cuda.device(self.pool_device):
                 # No load-done record: every layer waits for its own stage and the step's end for
