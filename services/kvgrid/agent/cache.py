@@ -134,7 +134,12 @@ class CacheStats:
 def _index_key(namespace_id: str, key: bytes) -> bytes:
     """The index (and eviction-policy) key of ``key`` stored in ``namespace_id``: keys are fixed
     length, so ``key + namespace_id`` is unambiguous."""
-    return key + namespace_id.encode()
+    return key + _index_suffix(namespace_id)
+
+
+def _index_suffix(namespace_id: str) -> bytes:
+    """What :func:`_index_key` appends to every key of ``namespace_id`` (hot loops compute it once)."""
+    return namespace_id.encode()
 
 
 class ChunkCache:
@@ -180,7 +185,7 @@ class ChunkCache:
         self, keys: Sequence[bytes], namespace_id: str, layout_id: str
     ) -> tuple[list[Chunk], MissCause]:
         hits: list[Chunk] = []
-        get, suffix = self._chunks.get, namespace_id.encode()  # _index_key, hoisted: a hot loop
+        get, suffix = self._chunks.get, _index_suffix(namespace_id)
         for key in keys:
             chunk = get(key + suffix)
             if chunk is None:
@@ -216,7 +221,7 @@ class ChunkCache:
         with self._lock:
             self._expire_pins_locked()
             hits, cause = self._walk(keys, namespace_id, layout_id)
-            touch, suffix = self.policy.on_access, namespace_id.encode()  # every hit is namespace_id's
+            touch, suffix = self.policy.on_access, _index_suffix(namespace_id)  # every hit is namespace_id's
             for c in hits:
                 c.refcount += 1
                 touch(c.key + suffix)
@@ -268,7 +273,7 @@ class ChunkCache:
         """
         res = StoreReservation(namespace_id=namespace_id, layout_id=layout_id)
         entries, get, touch = res.entries, self._chunks.get, self.policy.on_access
-        suffix = namespace_id.encode()  # _index_key, hoisted: a hot loop
+        suffix = _index_suffix(namespace_id)
         with self._lock:
             self._expire_pins_locked()
             for i, key in enumerate(keys):
