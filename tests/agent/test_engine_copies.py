@@ -19,7 +19,7 @@ from kvgrid.agent.client import AgentClient
 from kvgrid.agent.l1 import L1Pool
 from kvgrid.agent.transfer import build_mover
 from kvgrid.common.groups import EngineGroupInfo
-from kvgrid.connector.engine_copies import EngineCopier, open_engine_copier
+from kvgrid.connector.engine_copies import EngineCopier, open_engine_copier, stage_bounds
 from tests.agent.helpers import (
     GROUPS,
     HINTS,
@@ -116,11 +116,30 @@ def test_the_engine_scatters_leased_chunks_itself_bit_exact(
     assert client.health().num_leased_chunks == 0
 
 
+@pytest.mark.parametrize("layers", [1, 2, 3, 5, 32, 80])
+@pytest.mark.parametrize("stages", [1, 2, 3, 8, 32, 100])
+def test_stages_cover_the_layers_in_order_with_one_layer_first_and_last(layers: int, stages: int) -> None:
+    """Stages are consecutive, non-empty and cover every layer once; at most ``layers`` of them.
+    With 3 stages or more and more layers than stages, the first and last hold one layer (the
+    compute starts early and little is left after the last copy), the others differ by at most one."""
+    bounds = stage_bounds(layers, stages)
+    assert len(bounds) == min(stages, layers)
+    assert bounds[0][0] == 0 and bounds[-1][1] == layers
+    assert all(hi > lo for lo, hi in bounds) and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [hi - lo for lo, hi in bounds]
+    inner = sizes
+    if len(bounds) >= 3 and layers > len(bounds):
+        assert sizes[0] == sizes[-1] == 1
+        inner = sizes[1:-1]
+    assert max(inner) - min(inner) <= 1
+
+
 def test_layerwise_loads_land_stage_by_stage(client: AgentClient, shared_dir: Path) -> None:
     """A staged load writes a stage's layers when that stage is waited for, never a later stage's
     (on CPU the engine's thread copies each stage on demand), bit-exact, and ends its lease once
-    the last stage landed. Three stages over the five layers of three kernel groups: stage 1 (layers
-    1 and 2) needs a part from two kernel groups."""
+    the last stage landed. Three stages over the five layers of three kernel groups: one layer
+    first, one last (``stage_bounds``), and stage 1 (layers 1 to 3) needs parts from two kernel
+    groups."""
     tensors, reg = register_kv(client, "e5", shared_dir, seed=8)
     keys, src, dst = keys_for(800, 3), block_ids(0, 3), block_ids(30, 3)
     want = blocks_of(tensors, src)
@@ -128,7 +147,8 @@ def test_layerwise_loads_land_stage_by_stage(client: AgentClient, shared_dir: Pa
     res = client.retrieve("e5", "req-s", keys, dst, engine_copies=True)
     copier = open_engine_copier(reg, tensors, GROUPS, HINTS, None, stages=3)
     assert copier is not None and copier.num_stages == 3
-    assert copier.stage_of_layer == {0: 0, 1: 1, 2: 1, 3: 2, 4: 2}
+    assert copier.stage_of_layer == {0: 0, 1: 1, 2: 1, 3: 1, 4: 2}
+    assert [len(parts) for parts in copier.stage_parts] == [1, 2, 1]
     released = threading.Event()
 
     def release() -> None:
@@ -147,7 +167,7 @@ def test_layerwise_loads_land_stage_by_stage(client: AgentClient, shared_dir: Pa
     load.wait(0)  # again: nothing more
     assert loaded_layers() == [0]
     load.wait(1)
-    assert loaded_layers() == [0, 1, 2] and client.health().num_leased_chunks == 3
+    assert loaded_layers() == [0, 1, 2, 3] and client.health().num_leased_chunks == 3
     load.finish()
     assert loaded_layers() == [0, 1, 2, 3, 4]
     assert released.wait(30) and client.health().num_leased_chunks == 0  # off the engine's thread
@@ -286,14 +306,9 @@ def test_a_shared_l1_that_does_not_fit_is_a_clear_error(tmp_path: Path) -> None:
     assert list(tmp_path.glob("kvgrid-l1-*")) == []
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("stages", [1, 3, 8])
-def test_cuda_staged_loads_equal_a_whole_load_bit_for_bit(stages: int) -> None:
-    """On CUDA a layer-wise load moves each stage by DMA into a GPU ring buffer and scatters it from
-    there; what a layer reads right after its stage's wait (queued on the engine's stream) equals
-    a whole load of the same chunks, for loads of several sizes that grow and reuse the ring, and
-    each load's lease is released once it landed."""
+def _cuda_copiers(stages: int) -> tuple[EngineCopier, EngineCopier, list[torch.Tensor], list[torch.Tensor]]:
+    """Two copiers over one pinned pool of random chunks: one staged, one whole, each with its own
+    8-layer KV cache of NaNs (FlashInfer layout, 256 blocks of 16 tokens)."""
     dev = torch.device("cuda")
     layers, nb = 8, 256
     groups = [EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(layers)), tokens_per_block=16)]
@@ -304,26 +319,94 @@ def test_cuda_staged_loads_equal_a_whole_load_bit_for_bit(stages: int) -> None:
         for _ in range(2)
     )
     movers = [build_mover(t, groups, 64, layout_hints=hints) for t in (staged_kv, whole_kv)]
-    bpc = movers[0].bytes_per_chunk
-    pool = torch.randint(0, 255, (40 * bpc,), dtype=torch.uint8).pin_memory()
+    pool = torch.randint(0, 255, (40 * movers[0].bytes_per_chunk,), dtype=torch.uint8).pin_memory()
     staged = EngineCopier(pool, "", movers[0], groups, None, dev, stages=stages)
     whole = EngineCopier(pool, "", movers[1], groups, None, dev)
+    return staged, whole, staged_kv, whole_kv
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("stages", [1, 3, 8])
+def test_cuda_staged_loads_equal_a_whole_load_bit_for_bit(stages: int) -> None:
+    """On CUDA a layer-wise load moves each stage by DMA into a GPU ring buffer and scatters it from
+    there, queued just in time: a stage is queued when a layer first asks for it, never before
+    (one DMA ahead at most). Two loads of one step, waited for in the worker's order (each stage of
+    A, then of B), share the ring. What a layer reads right after its stage's wait (queued on the
+    engine's stream) equals a whole load of the same chunks, for loads of several sizes that grow
+    and reuse the ring, and each load's lease is released once it landed."""
+    staged, whole, staged_kv, whole_kv = _cuda_copiers(stages)
+    bpc, layers = staged.mover.bytes_per_chunk, len(staged_kv)
     gen = torch.Generator().manual_seed(stages)
-    for num_chunks in (3, 9, 9, 9, 5):  # 9 grows the ring (then graph capture, replay), 5 reuses it
-        offsets = [int(c) * bpc for c in torch.randperm(40, generator=gen)[:num_chunks]]
-        blocks = torch.randperm(nb, generator=gen)[: num_chunks * 4].tolist()
-        released, copied = threading.Event(), threading.Event()
-        load = staged.scatter_staged(offsets, [blocks], 0, fence=None, release=released.set)
+    for n_a, n_b in ((3, 2), (9, 4), (9, 9), (9, 1), (5, 7)):  # 9 grows the ring (then graph replays)
+        picked = [int(c) * bpc for c in torch.randperm(40, generator=gen)[: n_a + n_b]]
+        blocks = torch.randperm(256, generator=gen)[: (n_a + n_b) * 4].tolist()
+        parts = [(picked[:n_a], blocks[: n_a * 4]), (picked[n_a:], blocks[n_a * 4 :])]
+        released = [threading.Event(), threading.Event()]
+        loads = [
+            staged.scatter_staged(offs, [ids], 0, fence=None, release=done.set)
+            for (offs, ids), done in zip(parts, released, strict=True)
+        ]
         seen = []
         for i in range(layers):
-            load.wait(staged.stage_of_layer[i])
-            seen.append(staged_kv[i][blocks].clone())  # queued on the engine's stream after the wait
-        load.finish()
-        whole.scatter(offsets, [blocks], 0, fence=None, release=copied.set)
-        assert released.wait(30) and copied.wait(30)
+            stage = staged.stage_of_layer[i]
+            for load in loads:
+                load.wait(stage)
+                assert all(e is None for e in load.events[stage + 1 :]), (i, "queued ahead of its wait")
+            seen.append(staged_kv[i][blocks].clone())  # queued on the engine's stream after the waits
+        for load in loads:
+            load.finish()
+        copied = threading.Event()
+        whole.scatter(picked, [blocks], 0, fence=None, release=copied.set)
+        assert all(r.wait(30) for r in released) and copied.wait(30)
         torch.cuda.synchronize()
         for i in range(layers):
             want = whole_kv[i][blocks].view(torch.int16)
-            assert torch.equal(seen[i].view(torch.int16), want), (num_chunks, i)
+            assert torch.equal(seen[i].view(torch.int16), want), (n_a, n_b, i)
+    staged.close()
+    whole.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_stage_that_fails_to_queue_abandons_the_load_without_raising(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stage whose scatter fails to queue inside the forward (e.g. a driver error) must not stop
+    the engine: the wait returns, the load's lease ends once, ``failed`` runs (the worker reports
+    the blocks for recomputation), and the copier serves the next load bit-exactly."""
+    staged, whole, staged_kv, whole_kv = _cuda_copiers(4)
+    bpc = staged.mover.bytes_per_chunk
+    offsets, blocks = [c * bpc for c in (3, 7, 11)], list(range(100, 112))
+    broken = staged.stage_parts[2][0].plan
+    real = broken.retrieve_async
+
+    def fail(*a: object, **k: object) -> object:
+        raise RuntimeError("injected driver error")
+
+    monkeypatch.setattr(broken, "retrieve_async", fail)
+    releases, failures = [], []
+    load = staged.scatter_staged(
+        offsets,
+        [blocks],
+        0,
+        fence=None,
+        release=lambda: releases.append(1),
+        failed=lambda: failures.append(1),
+    )
+    for stage in range(4):
+        load.wait(stage)  # stage 2 fails: no exception
+    load.finish()
+    assert releases == [1] and failures == [1]
+    monkeypatch.setattr(broken, "retrieve_async", real)
+    done = threading.Event()
+    load = staged.scatter_staged(offsets, [blocks], 0, fence=None, release=done.set)
+    load.finish()
+    copied = threading.Event()
+    whole.scatter(offsets, [blocks], 0, fence=None, release=copied.set)
+    assert done.wait(30) and copied.wait(30)
+    torch.cuda.synchronize()
+    for got, want in zip(staged_kv, whole_kv, strict=True):
+        assert torch.equal(got[blocks].view(torch.int16), want[blocks].view(torch.int16))
     staged.close()
     whole.close()

@@ -18,11 +18,12 @@ Layer-wise loads (:meth:`EngineCopier.scatter_staged`) copy the layers in ``stag
 consecutive layers, in order, and let each layer wait only for its own stage (seed 002's layer-wise
 pipeline: loading stage s+1 overlaps the compute of stage s's layers). A stage is moved by plans over
 just its layers (the chunk layout keeps each kernel group's layers contiguous, so a stage's bytes of
-a chunk are one contiguous slice of it). On CUDA every stage is queued at once: its DMAs into a GPU
-ring buffer, on one stream in stage order (so the DMA engine serves them in layer order), then its
-scatter from there; a layer's attention waits for its stage's event on the engine's stream, and
-the step's end (or a layer no stage names) for every stage's. On CPU (no DMA engine to overlap
-with) a stage is copied by the engine's thread when its first layer asks for it.
+a chunk are one contiguous slice of it). On CUDA a stage moves by DMA into a GPU buffer and is
+scattered from there, queued just in time by the engine's thread (:class:`_StagePipeline`: nothing
+waits on the GPU ahead of compute that does not need it); a layer's attention waits for its
+stage's event on the engine's stream, and the step's end (or a layer no stage names) for every
+stage's. On CPU (no DMA engine to overlap with) a stage is copied by the engine's thread when its
+first layer asks for it.
 
 Invariants: a leased chunk is referenced in the agent, so it is neither evicted nor rewritten while
 the engine reads it; the worker's mover and the agent's agree on the chunk layout (same
@@ -57,10 +58,21 @@ log = logging.getLogger(__name__)
 
 
 def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """``stages`` (at most ``num_layers``) ranges of consecutive layers covering ``[0, num_layers)``,
-    sizes differing by at most one."""
+    """``stages`` (at most ``num_layers``) ranges of consecutive layers covering ``[0, num_layers)``.
+
+    With at least 3 stages and more layers than stages, the first and the last stage hold one
+    layer each: the compute starts after a short copy, and little of it is left once the last copy
+    landed. The other stages split the rest, sizes differing by at most one."""
     n = max(1, min(stages, num_layers))
-    return [(s * num_layers // n, (s + 1) * num_layers // n) for s in range(n)]
+    if n < 3 or num_layers == n:
+        return _even(0, num_layers, n)
+    return [(0, 1), *_even(1, num_layers - 1, n - 2), (num_layers - 1, num_layers)]
+
+
+def _even(lo: int, hi: int, n: int) -> list[tuple[int, int]]:
+    """``n`` ranges covering ``[lo, hi)``, sizes differing by at most one."""
+    size = hi - lo
+    return [(lo + s * size // n, lo + (s + 1) * size // n) for s in range(n)]
 
 
 @dataclass(frozen=True)
@@ -76,29 +88,45 @@ class _StagePart:
 
 class StagedLoad:
     """A layer-wise load in flight: :meth:`wait` (stage) before a layer of that stage reads its KV,
-    :meth:`finish` once the step's layers ran. Both run on the engine's thread."""
+    :meth:`finish` once the step's layers ran. Both run on the engine's thread.
+
+    On CUDA its stages are queued by the copier's :class:`_StagePipeline` when the engine first asks
+    for them; ``events[s]`` is stage s's completion event once queued. On CPU ``copy_stage`` copies
+    one stage now."""
 
     def __init__(
         self,
-        handles: list[TransferHandle] | None,
-        copy_stage: Callable[[int], object] | None,
         num_stages: int,
         release: Callable[[], Any],
+        *,
+        copy_stage: Callable[[int], object] | None = None,
+        pipeline: _StagePipeline | None = None,
+        offsets: Sequence[int] = (),
+        block_ids: Sequence[np.ndarray] = (),
+        fence: torch.cuda.Event | None = None,
+        failed: Callable[[], Any] | None = None,
     ) -> None:
-        self._handles = handles  # CUDA: every stage queued; None on CPU
+        self.num_stages = num_stages
+        self.offsets = list(offsets)
+        self.block_ids = list(block_ids)  # per kernel group, every chunk's (the same for every stage)
+        self.fence = fence  # CUDA: the first stage's copy waits for it (the runner's zeroing)
+        self.events: list[torch.cuda.Event | None] = [None] * num_stages
+        self._pipeline = pipeline
         self._waited: tuple[int, int] = (-1, 0)  # CUDA: (stage, stream) of the last stream wait
         self._copy_stage = copy_stage  # CPU: copies one stage now
         self._copied = 0  # CPU: stages [0, _copied) are in the blocks
-        self._num_stages = num_stages
-        self._release: Callable[[], Any] | None = release if handles is None else None
+        self._release: Callable[[], Any] | None = release
+        self._failed = failed
 
     def wait(self, stage: int) -> None:
         """The engine's KV of ``stage`` is loaded before anything queued after this call reads it
         (CUDA: the engine's stream waits on the GPU; CPU: copied now, with the stages before it)."""
-        if self._handles is not None:
+        if self._pipeline is not None:
             stream = torch.cuda.current_stream()
             if (stage, stream.cuda_stream) != self._waited:  # a stage's later layers: already waited
-                self._handles[stage].wait_stream(stream)
+                event = self._pipeline.through(self, stage)
+                if event is not None:
+                    stream.wait_event(event)
                 self._waited = (stage, stream.cuda_stream)
             return
         while self._copied <= stage and self._copy_stage is not None:
@@ -108,27 +136,177 @@ class StagedLoad:
                 self._end()
                 raise
             self._copied += 1
-        if self._copied >= self._num_stages:
+        if self._copied >= self.num_stages:
             self._end()
 
     def stage_events(self) -> list[torch.cuda.Event]:
-        """CUDA: each stage's completion event, in stage order (for timing; empty on CPU)."""
-        return [h.event for h in self._handles or [] if h.event is not None]
+        """CUDA: each queued stage's completion event, in stage order (for timing; empty on CPU)."""
+        return [e for e in self.events if e is not None]
 
     def finish(self) -> None:
         """Every stage is loaded before what is queued next (the step's end, or layers no hook named).
         On CUDA each stage is waited for: the scatters of two stages run on different streams, so
         the last stage's event does not cover the others."""
-        if self._handles is not None:
-            for handle in self._handles:
-                handle.wait_stream(torch.cuda.current_stream())
+        if self._pipeline is not None:
+            self._pipeline.through(self, self.num_stages - 1)
+            stream = torch.cuda.current_stream()
+            for event in self.stage_events():
+                stream.wait_event(event)
             return
-        self.wait(self._num_stages - 1)
+        self.wait(self.num_stages - 1)
+
+    def take_release(self) -> Callable[[], Any] | None:
+        """The lease's release, handed out once (None after): run once the last stage's bytes left
+        L1, or when the load failed."""
+        release, self._release = self._release, None
+        return release
+
+    def abandon(self) -> None:
+        """CUDA, after a failure queueing some stage (the device was synchronized): no stage of this
+        load will be queued; its waits return at once, its lease ends, and the worker reports its
+        blocks for recomputation (``failed``)."""
+        self._pipeline = None
+        self._end()
+        if self._failed is not None:
+            self._failed()
 
     def _end(self) -> None:
-        release, self._release, self._copy_stage = self._release, None, None
-        if release is not None:
+        self._copy_stage = None
+        if (release := self.take_release()) is not None:
             release()
+
+
+@dataclass
+class _Landing:
+    """One stage of one load whose DMA into the buffer is queued; ``views`` per part, per chunk."""
+
+    load: StagedLoad
+    stage: int
+    views: list[list[torch.Tensor]]
+    landed: torch.cuda.Event
+
+
+class _StagePipeline:
+    """CUDA layer-wise loads of one copier, queued just in time (docs/benchmarks.md, "Stages queued
+    just in time").
+
+    Jobs are (load, stage) pairs in the order the engine needs them: by stage, then by the order
+    the loads arrived. A job moves by DMA (``cuMemcpyAsync`` per chunk, no SM work) from L1 into a
+    GPU buffer on the DMA stream, then a scatter reads it from there in place. The engine's thread
+    queues a job's scatter when a layer first asks for its stage, then the next job's DMA, which
+    waits for that scatter: a scatter begins with a small upload of its block ids on the copy
+    engine, and behind the next DMA it would wait for it (stages landed in pairs on the H200). So
+    one DMA is in flight at a time, and one buffer serves every stage (~0.1 ms of copy engine idle
+    per stage).
+
+    Why just in time: a stream that waits on the GPU stalls every stream mapped to the same
+    hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``, default 8, which vLLM keeps). Queued all at
+    once before layer 0, the scatters' waits sat ahead of the whole forward, and where a scatter
+    stream shared the engine stream's queue the compute waited for the whole load (H200, 8k: a hit
+    of 40.6 ms; 27.1 ms with 32 queues). Queued just in time, what is queued after a wait needs
+    that stage anyway.
+
+    Invariants: the buffer is rewritten only after the scatter that last read it (``last``); the
+    first stage of a load waits for the load's fence; a load's lease is released (on the completer
+    thread) once its last stage's DMA landed, as only the DMAs read L1.
+    """
+
+    def __init__(self, copier: EngineCopier) -> None:
+        self.copier = copier
+        self.dma = torch.cuda.Stream(copier.pool_device)
+        self.buffer: torch.Tensor | None = None
+        self.last: torch.cuda.Event | None = None  # the last scatter queued (it read the buffer)
+        self.pending: list[tuple[StagedLoad, int]] = []  # no DMA queued yet, in the engine's order
+        self.landing: _Landing | None = None  # DMA queued, scatter not yet
+        self.lock = threading.Lock()
+
+    def add(self, load: StagedLoad) -> None:
+        """A load's stages join the schedule (the loader thread); when nothing is moving, the first
+        job's DMA starts now, before the engine's first layer asks."""
+        with self.lock, torch.cuda.device(self.copier.pool_device):
+            before = self.pending
+            jobs = before + [(load, s) for s in range(load.num_stages)]
+            self.pending = sorted(jobs, key=lambda job: job[1])  # stable: arrival order within a stage
+            try:
+                if self.landing is None:
+                    self._queue_dma()
+            except BaseException:
+                self.pending = before  # the caller syncs and ends this load's lease
+                load._pipeline = None
+                raise
+
+    def through(self, load: StagedLoad, stage: int) -> torch.cuda.Event | None:
+        """Queue every job up to (``load``, ``stage``) (the engine's thread); that stage's event, or
+        None when the load was abandoned."""
+        with self.lock, torch.cuda.device(self.copier.pool_device):
+            try:
+                while load.events[stage] is None and load._pipeline is not None:
+                    if self.landing is None:
+                        self._queue_dma()
+                    assert self.landing is not None
+                    self._queue_scatter(self.landing)
+                    self.landing = None
+                    if self.pending:
+                        self._queue_dma()  # one ahead
+            except Exception:
+                log.exception("kvgrid: queueing a layer-wise load failed; its blocks are recomputed")
+                self._abandon_all()
+            return load.events[stage]
+
+    def _abandon_all(self) -> None:
+        # Queued copies read leased chunks and write the buffer and blocks: a rare path.
+        torch.cuda.synchronize(self.copier.pool_device)
+        loads = {id(ld): ld for ld, _ in self.pending}
+        if self.landing is not None:
+            loads[id(self.landing.load)] = self.landing.load
+        self.landing, self.pending, self.last = None, [], None
+        for load in loads.values():
+            load.abandon()
+
+    def _queue_dma(self) -> None:
+        load, stage = self.pending.pop(0)
+        parts = self.copier.stage_parts[stage]
+        n = len(load.offsets)
+        buf = self._buffer(n * sum(p.nbytes for p in parts))
+        dma = self.dma
+        if self.last is not None:
+            dma.wait_event(self.last)
+        if stage == 0 and load.fence is not None:
+            dma.wait_event(load.fence)  # the scatters wait for the DMAs, so for the runner's zeroing too
+        drv, raw, pool_ptr = Driver.get(), dma.cuda_stream, self.copier.pool.data_ptr()
+        views: list[list[torch.Tensor]] = []
+        base = 0
+        for part in parts:
+            region = buf[base : base + n * part.nbytes]
+            dst = region.data_ptr()
+            for c, o in enumerate(load.offsets):
+                drv.memcpy_async(dst + c * part.nbytes, pool_ptr + o + part.offset, part.nbytes, raw)
+            views.append([region[c * part.nbytes : (c + 1) * part.nbytes] for c in range(n)])
+            base += n * part.nbytes
+        landed = torch.cuda.Event()
+        landed.record(dma)
+        self.landing = _Landing(load, stage, views, landed)
+        if stage == load.num_stages - 1 and (release := load.take_release()) is not None:
+            self.copier._release_when_landed([TransferHandle(landed)], release)
+
+    def _queue_scatter(self, job: _Landing) -> None:
+        event: torch.cuda.Event | None = job.landed
+        for part, chunk_views in zip(self.copier.stage_parts[job.stage], job.views, strict=True):
+            ids = [job.load.block_ids[part.group]]
+            event = part.plan.retrieve_async(chunk_views, ids, wait_event=event).event
+        self.last = job.load.events[job.stage] = event
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """The buffer with room for ``nbytes`` (grown when a longer load comes: the old one is
+        dropped only once the scatter that last read it finished)."""
+        buf = self.buffer
+        if buf is None or buf.numel() < nbytes:
+            if self.last is not None:
+                self.last.synchronize()
+            self.buffer = None
+            with torch.cuda.stream(self.dma):  # allocated where it is first used
+                buf = self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.copier.pool_device)
+        return buf
 
 
 class EngineCopier:
@@ -156,19 +334,16 @@ class EngineCopier:
         self._done = DoneSignal(done, device) if done is not None else None
         # Releases leases in the order the copies were queued, once each landed.
         self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-lease")
-        self._stage_lock = threading.Lock()
         self.pool_device = device
-        # CUDA layer-wise loads: L1 -> GPU ring by DMA, then scatters from there (_queue_stages).
-        self._ring: list[torch.Tensor | None] = [None, None]
-        self._ring_free: list[torch.cuda.Event | None] = [None, None]
-        self._dma_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.stage_of_layer: dict[int, int] = {}
         """Index of a registered layer tensor -> its stage (layer-wise loads)."""
-        self._stages = self._build_stages(stages)
+        self.stage_parts = self._build_stages(stages)
+        """Per stage, one part per kernel group with layers in it."""
+        self._pipeline = _StagePipeline(self) if device.type == "cuda" and self.stage_parts else None
 
     @property
     def num_stages(self) -> int:
-        return len(self._stages)
+        return len(self.stage_parts)
 
     def _build_stages(self, stages: int) -> list[list[_StagePart]]:
         """Per stage, one plan per kernel group over the group's layers in that stage. Kernel groups
@@ -269,113 +444,45 @@ class EngineCopier:
         *,
         fence: torch.cuda.Event | None,
         release: Callable[[], Any],
+        failed: Callable[[], Any] | None = None,
     ) -> StagedLoad:
         """Like :meth:`scatter`, stage by stage (module docstring): the engine calls the answer's
         ``wait(stage)`` before a layer of that stage reads its KV. ``release`` runs once every stage
-        landed (or a copy failed)."""
+        landed (or a copy failed). On CUDA the stages are queued when the engine asks for them
+        (:class:`_StagePipeline`); ``failed`` runs on the engine's thread if that fails, after the
+        lease ended: the worker then reports the load's blocks for recomputation."""
         if not offsets:
             release()
-            return StagedLoad(None, None, 0, lambda: None)
+            return StagedLoad(0, lambda: None)
         try:
             ids = self._chunk_ids(offsets, block_ids, skip_first_n_tokens)
             flat = [np.concatenate(per_chunk) for per_chunk in ids]
-            # Refused now, as a whole load is: on CPU the stages copy later, inside the forward.
+            # Refused now, as a whole load is: the stages copy later, inside the forward.
             self.mover.plan.check_retrieve_ids(flat, len(offsets))
         except BaseException:
             release()
             raise
-
-        if self.mover.plan.device.type != "cuda":  # CPU copies are synchronous: one stage per wait
+        if self._pipeline is None:  # CPU copies are synchronous: one stage per wait
 
             def copy_stage(stage: int) -> None:
-                for part in self._stages[stage]:
+                for part in self.stage_parts[stage]:
                     buffers = [self.pool[o + part.offset : o + part.offset + part.nbytes] for o in offsets]
                     part.plan.retrieve_async(buffers, [flat[part.group]])
 
             # The lease ends on the completer thread, as on CUDA: not inside the engine's forward.
-            return StagedLoad(None, copy_stage, self.num_stages, lambda: self._completer.submit(release))
+            return StagedLoad(self.num_stages, lambda: self._completer.submit(release), copy_stage=copy_stage)
+        load = StagedLoad(
+            self.num_stages, release, pipeline=self._pipeline, offsets=offsets, block_ids=flat, fence=fence,
+            failed=failed,
+        )  # fmt: skip
         try:
-            with self._stage_lock, torch.cuda.device(self.pool_device):
-                # No load-done record: every layer waits for its own stage and the step's end for
-                # all (StagedLoad.finish). A stream parked on each stage in turn would wait for the
-                # whole load -- and may share a hardware queue with the engine's compute stream.
-                handles = self._queue_stages(offsets, flat, fence)
+            self._pipeline.add(load)
         except BaseException:
-            # Some stages may be queued: their DMAs read the leased chunks, their scatters write
-            # blocks and a ring buffer. A rare path, so wait for the whole device.
-            torch.cuda.synchronize(self.pool_device)
-            release()
+            torch.cuda.synchronize(self.pool_device)  # a DMA may be queued: it reads the leased chunks
+            if (end := load.take_release()) is not None:
+                end()
             raise
-        self._release_when_landed(handles, release)
-        return StagedLoad(handles, None, self.num_stages, release)
-
-    def _queue_stages(
-        self, offsets: Sequence[int], flat: list[np.ndarray], fence: torch.cuda.Event | None
-    ) -> list[TransferHandle]:
-        """CUDA: queue every stage; per stage one handle that completes once its KV is in the blocks.
-
-        A stage's bytes first move by DMA (no SM work) from L1 into one of two GPU ring buffers
-        (stage s into buffer s % 2, after the scatter that last read that buffer), then a scatter
-        reads them there in place. Measured on the H200 (docs/benchmarks.md, "Per-layer
-        pipelining"): per-stage plans over the pinned chunks (the agent's plan: small staging
-        slots, each DMA waiting for a scatter) did not overlap a matmul loop at all; with the ring
-        the copies overlap the engine's compute. Stages landed in pairs there: a scatter's small
-        block-id upload queued behind the next stage's DMAs (a reading of the code, not verified),
-        so a stage's DMAs now wait for the previous stage's scatter (~0.1 ms idle per stage).
-        """
-        drv = Driver.get()
-        n = len(offsets)
-        pool_ptr = self.pool.data_ptr()
-        dma = self._dma_stream
-        assert dma is not None  # CUDA
-        raw = dma.cuda_stream
-        if fence is not None:
-            dma.wait_event(fence)  # the scatters wait for the DMAs, so for the runner's zeroing too
-        handles: list[TransferHandle] = []
-        for stage, parts in enumerate(self._stages):
-            last: TransferHandle | None = None  # this stage's (a stage with no parts hands out `landed`)
-            slot = stage % len(self._ring)
-            buf = self._ring_buffer(slot, n * sum(p.nbytes for p in parts))
-            if (free := self._ring_free[slot]) is not None:
-                dma.wait_event(free)
-            if handles and handles[-1].event is not None:
-                # The previous stage's scatter starts with a small upload of its block ids, on the
-                # same copy engine: queued behind this stage's DMAs it would start only when they
-                # end (stages landed in pairs). The scatter is short: let it go first.
-                dma.wait_event(handles[-1].event)
-            views: list[list[torch.Tensor]] = []
-            base = 0
-            for part in parts:
-                region = buf[base : base + n * part.nbytes]
-                dst = region.data_ptr()
-                for c, o in enumerate(offsets):
-                    drv.memcpy_async(dst + c * part.nbytes, pool_ptr + o + part.offset, part.nbytes, raw)
-                views.append([region[c * part.nbytes : (c + 1) * part.nbytes] for c in range(n)])
-                base += n * part.nbytes
-            landed = torch.cuda.Event()
-            landed.record(dma)
-            event: torch.cuda.Event | None = landed
-            for part, chunk_views in zip(parts, views, strict=True):
-                last = part.plan.retrieve_async(chunk_views, [flat[part.group]], wait_event=event)
-                event = last.event
-            if parts and last is not None:
-                self._ring_free[slot] = last.event
-            handles.append(last if last is not None else TransferHandle(landed))
-        return handles
-
-    def _ring_buffer(self, slot: int, nbytes: int) -> torch.Tensor:
-        """Ring buffer ``slot`` with room for ``nbytes`` (grown when a longer load comes: the old
-        one is dropped only once the scatter that last read it finished)."""
-        buf = self._ring[slot]
-        if buf is None or buf.numel() < nbytes:
-            if (free := self._ring_free[slot]) is not None:
-                free.synchronize()
-            self._ring[slot] = None
-            assert self._dma_stream is not None
-            with torch.cuda.stream(self._dma_stream):  # allocated where it is first used
-                buf = self._ring[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.pool_device)
-            self._ring_free[slot] = None
-        return buf
+        return load
 
     def close(self) -> None:
         self._completer.shutdown(wait=True)

@@ -52,6 +52,7 @@ rewritten (stored chunks are full), and freed blocks are written only by a later
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -397,9 +398,12 @@ class ConnectorWorker:
             def release() -> None:
                 self._release_lease(order.request_id, res.lease_id)
 
+            def failed() -> None:  # a stage failed to queue, on the engine's thread
+                self._load_failed_late(LoadOutcome(order, len(res.chunk_offsets), len(keys)))
+
             args = (res.chunk_offsets, block_ids, order.skip_first_n_tokens)
             if order.in_step and copier.num_stages:
-                staged = copier.scatter_staged(*args, fence=self._fence, release=release)
+                staged = copier.scatter_staged(*args, fence=self._fence, release=release, failed=failed)
                 self.stats.loads_staged += 1
             else:
                 copier.scatter(*args, fence=self._fence, release=release)
@@ -453,6 +457,17 @@ class ConnectorWorker:
             return True
         self._invalid_block_ids |= self._failed_blocks(out)
         return False
+
+    def _load_failed_late(self, out: LoadOutcome) -> None:
+        """A staged load counted as loaded failed inside its step: its chunks' blocks are reported
+        for recomputation (every group's, a hybrid model's too: vLLM recomputes from the first)."""
+        log.warning(
+            "kvgrid: request %s: a layer-wise load failed in its step; vLLM recomputes it",
+            out.order.request_id,
+        )
+        self.stats.chunks_loaded -= out.loaded
+        self.stats.chunks_load_failed += out.loaded
+        self._invalid_block_ids |= self._failed_blocks(dataclasses.replace(out, loaded=0))
 
     def _failed_blocks(self, out: LoadOutcome) -> set[int]:
         tpc = self.identity.tokens_per_chunk

@@ -355,4 +355,4 @@ def masked_gqa_attention(
     kv_heads = keys.shape[1]
     stacked = q.transpose(0, 1).reshape(kv_heads, heads // kv_heads * t, d)[None]  # row r*T+t: head kvh*rep+r
     out = F.scaled_dot_product_attention(stacked, keys, values, attn_mask=bias)
-    return out[0].view(heads, t, d).transpose(0, 1)
+    return out[0].reshape(heads, t, d).transpose(0, 1)  # the kernel may answer it strided
