@@ -6,6 +6,7 @@ shared-memory files (the hybrid layout of ``tests.agent.helpers``), and the conn
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import threading
 from collections.abc import Iterator
@@ -116,22 +117,24 @@ def test_the_engine_scatters_leased_chunks_itself_bit_exact(
     assert client.health().num_leased_chunks == 0
 
 
-@pytest.mark.parametrize("layers", [1, 2, 3, 5, 32, 80])
+@pytest.mark.parametrize("layers", [1, 2, 3, 5, 9, 32, 80])
 @pytest.mark.parametrize("stages", [1, 2, 3, 8, 32, 100])
-def test_stages_cover_the_layers_in_order_with_one_layer_first_and_last(layers: int, stages: int) -> None:
+def test_stages_cover_the_layers_in_order_shrinking_to_one_layer_last(layers: int, stages: int) -> None:
     """Stages are consecutive, non-empty and cover every layer once; at most ``layers`` of them.
-    With 3 stages or more and more layers than stages, the first and last hold one layer (the
-    compute starts early and little is left after the last copy), the others differ by at most one."""
+    With 3 stages or more and more layers than stages, sizes never grow and the last stage holds
+    one layer (little compute is left once the last copy landed); otherwise they differ by at most
+    one."""
     bounds = stage_bounds(layers, stages)
     assert len(bounds) == min(stages, layers)
     assert bounds[0][0] == 0 and bounds[-1][1] == layers
-    assert all(hi > lo for lo, hi in bounds) and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(hi > lo for lo, hi in bounds) and all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     sizes = [hi - lo for lo, hi in bounds]
-    inner = sizes
     if len(bounds) >= 3 and layers > len(bounds):
-        assert sizes[0] == sizes[-1] == 1
-        inner = sizes[1:-1]
-    assert max(inner) - min(inner) <= 1
+        assert sizes[-1] == 1 and sizes == sorted(sizes, reverse=True)
+    else:
+        assert max(sizes) - min(sizes) <= 1
+    if (layers, stages) == (32, 8):  # Llama-3-8B's default, as measured (docs/benchmarks.md)
+        assert sizes == [6, 5, 5, 4, 4, 4, 3, 1]
 
 
 def test_layerwise_loads_land_stage_by_stage(client: AgentClient, shared_dir: Path) -> None:
@@ -147,8 +150,8 @@ def test_layerwise_loads_land_stage_by_stage(client: AgentClient, shared_dir: Pa
     res = client.retrieve("e5", "req-s", keys, dst, engine_copies=True)
     copier = open_engine_copier(reg, tensors, GROUPS, HINTS, None, stages=3)
     assert copier is not None and copier.num_stages == 3
-    assert copier.stage_of_layer == {0: 0, 1: 1, 2: 1, 3: 1, 4: 2}
-    assert [len(parts) for parts in copier.stage_parts] == [1, 2, 1]
+    assert copier.stage_of_layer == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}
+    assert [len(parts) for parts in copier.stage_parts] == [2, 2, 1]
     released = threading.Event()
 
     def release() -> None:
@@ -163,9 +166,9 @@ def test_layerwise_loads_land_stage_by_stage(client: AgentClient, shared_dir: Pa
 
     assert loaded_layers() == []
     load.wait(0)
-    assert loaded_layers() == [0] and not released.is_set()
+    assert loaded_layers() == [0, 1] and not released.is_set()
     load.wait(0)  # again: nothing more
-    assert loaded_layers() == [0]
+    assert loaded_layers() == [0, 1]
     load.wait(1)
     assert loaded_layers() == [0, 1, 2, 3] and client.health().num_leased_chunks == 3
     load.finish()
