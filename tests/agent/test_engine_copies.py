@@ -9,6 +9,7 @@ import fcntl
 import itertools
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -372,40 +373,69 @@ def test_cuda_staged_loads_equal_a_whole_load_bit_for_bit(stages: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_a_stage_that_fails_to_queue_abandons_the_load_without_raising(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("where", ["scatter", "last-dma", "close"])
+def test_cuda_a_load_that_cannot_finish_is_abandoned_without_raising(
+    monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """A stage whose scatter fails to queue inside the forward (e.g. a driver error) must not stop
-    the engine: the wait returns, the load's lease ends once, ``failed`` runs (the worker reports
-    the blocks for recomputation), and the copier serves the next load bit-exactly."""
+    """A load whose stage fails to queue inside the forward (a driver error in stage 2's scatter, or
+    in the last stage's DMA), or whose copier closes mid-load (a re-registration), must not stop the
+    engine: every wait returns, each load of the step ends its lease once, ``failed`` runs once per
+    load on the engine's thread (the worker reports the blocks for recomputation), and the copier
+    serves the next load bit for bit."""
+    from kvgrid_kernels.cuda_driver import Driver
+
     staged, whole, staged_kv, whole_kv = _cuda_copiers(4)
     bpc = staged.mover.bytes_per_chunk
-    offsets, blocks = [c * bpc for c in (3, 7, 11)], list(range(100, 112))
-    broken = staged.stage_parts[2][0].plan
-    real = broken.retrieve_async
+    loads_args = [
+        ([c * bpc for c in (3, 7, 11)], list(range(100, 112))),
+        ([c * bpc for c in (5, 9)], list(range(40, 48))),
+    ]
+    releases: list[int] = []
+    failures: list[int] = []
+    loads = []
+    for i, (offsets, blocks) in enumerate(loads_args):
 
-    def fail(*a: object, **k: object) -> object:
-        raise RuntimeError("injected driver error")
+        def release(i: int = i) -> None:
+            releases.append(i)
 
-    monkeypatch.setattr(broken, "retrieve_async", fail)
-    releases, failures = [], []
-    load = staged.scatter_staged(
-        offsets,
-        [blocks],
-        0,
-        fence=None,
-        release=lambda: releases.append(1),
-        failed=lambda: failures.append(1),
-    )
+        def failed(i: int = i) -> None:
+            failures.append(i)
+            assert threading.current_thread() is threading.main_thread()  # the engine's thread
+
+        loads.append(staged.scatter_staged(offsets, [blocks], 0, fence=None, release=release, failed=failed))
+    drv, real_memcpy = Driver.get(), Driver.get().memcpy_async
+    if where == "scatter":
+        monkeypatch.setattr(staged.stage_parts[2][0].plan, "retrieve_async", lambda *a, **k: 1 / 0)
+    elif where == "last-dma":
+        calls = [0]
+
+        def memcpy(*a: object) -> None:  # the last job's DMA: (load 1, stage 3), its second chunk
+            calls[0] += 1
+            if calls[0] == 3 + 2 + 3 + 2 + 3 + 2 + 3 + 2:
+                raise RuntimeError("injected driver error")
+            real_memcpy(*a)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(drv, "memcpy_async", memcpy)
     for stage in range(4):
-        load.wait(stage)  # stage 2 fails: no exception
-    load.finish()
-    assert releases == [1] and failures == [1]
-    monkeypatch.setattr(broken, "retrieve_async", real)
-    done = threading.Event()
-    load = staged.scatter_staged(offsets, [blocks], 0, fence=None, release=done.set)
-    load.finish()
-    copied = threading.Event()
+        if where == "close" and stage == 2:
+            threading.Thread(target=staged._pipeline.close).start()  # type: ignore[union-attr]
+            time.sleep(0.5)
+            assert sorted(releases) == [0, 1]  # at once, before the engine's next wait
+        for load in loads:
+            load.wait(stage)  # no exception
+    for load in loads:
+        load.finish()
+    torch.cuda.synchronize()
+    time.sleep(0.2)  # the completer thread
+    assert sorted(releases) == [0, 1] and sorted(failures) == [0, 1]
+    monkeypatch.undo()
+    if where == "close":  # a closed copier serves no more: the next one does
+        staged.close()
+        whole.close()
+        staged, whole, staged_kv, whole_kv = _cuda_copiers(4)
+    offsets, blocks = loads_args[0]
+    done, copied = threading.Event(), threading.Event()
+    staged.scatter_staged(offsets, [blocks], 0, fence=None, release=done.set).finish()
     whole.scatter(offsets, [blocks], 0, fence=None, release=copied.set)
     assert done.wait(30) and copied.wait(30)
     torch.cuda.synchronize()

@@ -133,6 +133,9 @@ class StagedLoad:
         self._copied = 0  # CPU: stages [0, _copied) are in the blocks
         self._release: Callable[[], Any] | None = release
         self._failed = failed
+        self.closed = False
+        """CUDA: its copier closed before every stage was queued (the lease ended then); the engine's
+        thread abandons it at its next wait."""
 
     def wait(self, stage: int) -> None:
         """The engine's KV of ``stage`` is loaded before anything queued after this call reads it
@@ -161,8 +164,7 @@ class StagedLoad:
 
     def finish(self) -> None:
         """Every stage is loaded before what is queued next (the step's end, or layers no hook named).
-        On CUDA each stage is waited for: the scatters of two stages run on different streams, so
-        the last stage's event does not cover the others."""
+        On CUDA each stage's event is waited for (cheap; the chain makes the last cover the others)."""
         if self._pipeline is not None:
             self._pipeline.through(self, self.num_stages - 1)
             stream = torch.cuda.current_stream()
@@ -178,13 +180,14 @@ class StagedLoad:
         return release
 
     def abandon(self) -> None:
-        """CUDA, after a failure queueing some stage (the device was synchronized): no stage of this
-        load will be queued; its waits return at once, its lease ends, and the worker reports its
-        blocks for recomputation (``failed``)."""
+        """CUDA, the engine's thread, after a failure queueing some stage or a closed copier (the
+        device was synchronized): no more stage of this load is queued; its waits return at once,
+        its lease ends, and the worker reports its blocks for recomputation (``failed``, once)."""
         self._pipeline = None
         self._end()
-        if self._failed is not None:
-            self._failed()
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            failed()
 
     def _end(self) -> None:
         self._copy_stage = None
@@ -212,8 +215,8 @@ class _StagePipeline:
     queues a job's scatter when a layer first asks for its stage, then the next job's DMA, which
     waits for that scatter: a scatter begins with a small upload of its block ids on the copy
     engine, and behind the next DMA it would wait for it (stages landed in pairs on the H200). So
-    one DMA is in flight at a time, and one buffer serves every stage (~0.1 ms of copy engine idle
-    per stage).
+    one DMA is in flight at a time, and one buffer serves every stage (~0.3 ms of copy engine idle
+    per stage on the H200, the scatter included).
 
     Why just in time: a stream that waits on the GPU stalls every stream mapped to the same
     hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``, default 8, which vLLM keeps). Queued all at
@@ -224,7 +227,10 @@ class _StagePipeline:
 
     Invariants: the buffer is rewritten only after the scatter that last read it (``last``); the
     first stage of a load waits for the load's fence; a load's lease is released (on the completer
-    thread) once its last stage's DMA landed, as only the DMAs read L1.
+    thread) once its last stage's DMA landed, as only the DMAs read L1, or at once when the load is
+    abandoned (after a device sync); queueing a DMA changes ``pending`` and ``landing`` only once
+    everything that can fail succeeded; the buffer grows only in :meth:`add` (the loader thread,
+    before the forward), sized for the load's largest stage.
     """
 
     def __init__(self, copier: EngineCopier) -> None:
@@ -239,11 +245,13 @@ class _StagePipeline:
     def add(self, load: StagedLoad) -> None:
         """A load's stages join the schedule (the loader thread); when nothing is moving, the first
         job's DMA starts now, before the engine's first layer asks."""
+        n = len(load.offsets)
         with self.lock, torch.cuda.device(self.copier.pool_device):
             before = self.pending
             jobs = before + [(load, s) for s in range(load.num_stages)]
             self.pending = sorted(jobs, key=lambda job: job[1])  # stable: arrival order within a stage
             try:
+                self._buffer(max(n * sum(p.nbytes for p in parts) for parts in self.copier.stage_parts))
                 if self.landing is None:
                     self._queue_dma()
             except BaseException:
@@ -255,9 +263,14 @@ class _StagePipeline:
         """Queue every job up to (``load``, ``stage``) (the engine's thread); that stage's event, or
         None when the load was abandoned."""
         with self.lock, torch.cuda.device(self.copier.pool_device):
+            if load.closed:
+                load.abandon()
+                return None
             try:
                 while load.events[stage] is None and load._pipeline is not None:
                     if self.landing is None:
+                        if not self.pending:  # never added, or dropped: a bug, not a hang
+                            raise RuntimeError(f"stage {stage} of a load is not scheduled")
                         self._queue_dma()
                     assert self.landing is not None
                     self._queue_scatter(self.landing)
@@ -266,21 +279,34 @@ class _StagePipeline:
                         self._queue_dma()  # one ahead
             except Exception:
                 log.exception("kvgrid: queueing a layer-wise load failed; its blocks are recomputed")
-                self._abandon_all()
+                for other in self._drop_unqueued(also=load):
+                    other.abandon()
             return load.events[stage]
 
-    def _abandon_all(self) -> None:
-        # Queued copies read leased chunks and write the buffer and blocks: a rare path.
+    def _drop_unqueued(self, also: StagedLoad | None = None) -> list[StagedLoad]:
+        """After a failure or at close: synchronize the device (queued copies read leased chunks and
+        write the buffer and blocks: a rare path), forget every job not yet scattered, and answer
+        their loads (and ``also``), which the caller abandons."""
         torch.cuda.synchronize(self.copier.pool_device)
         loads = {id(ld): ld for ld, _ in self.pending}
         if self.landing is not None:
             loads[id(self.landing.load)] = self.landing.load
+        if also is not None:
+            loads[id(also)] = also
         self.landing, self.pending, self.last = None, [], None
-        for load in loads.values():
-            load.abandon()
+        return list(loads.values())
+
+    def close(self) -> None:
+        """The copier closes (its completer and mapping go next): loads with stages not yet queued
+        end their leases now and are abandoned by the engine's thread at their next wait."""
+        with self.lock, torch.cuda.device(self.copier.pool_device):
+            if self.pending or self.landing is not None:
+                for load in self._drop_unqueued():
+                    load.closed = True
+                    load._end()
 
     def _queue_dma(self) -> None:
-        load, stage = self.pending.pop(0)
+        load, stage = self.pending[0]
         parts = self.copier.stage_parts[stage]
         n = len(load.offsets)
         buf = self._buffer(n * sum(p.nbytes for p in parts))
@@ -301,9 +327,11 @@ class _StagePipeline:
             base += n * part.nbytes
         landed = torch.cuda.Event()
         landed.record(dma)
+        if stage == load.num_stages - 1 and load._release is not None:
+            self.copier._release_when_landed([TransferHandle(landed)], load._release)
+            load._release = None
+        self.pending.pop(0)
         self.landing = _Landing(load, stage, views, landed)
-        if stage == load.num_stages - 1 and (release := load.take_release()) is not None:
-            self.copier._release_when_landed([TransferHandle(landed)], release)
 
     def _queue_scatter(self, job: _Landing) -> None:
         event: torch.cuda.Event | None = job.landed
@@ -313,8 +341,9 @@ class _StagePipeline:
         self.last = job.load.events[job.stage] = event
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
-        """The buffer with room for ``nbytes`` (grown when a longer load comes: the old one is
-        dropped only once the scatter that last read it finished)."""
+        """The buffer with room for ``nbytes``, grown when a longer load comes. The old one is dropped
+        once the scatter that last read it finished; a DMA landing in it keeps it alive through its
+        views until its scatter is queued, and a later growth waits for that scatter (``last``)."""
         buf = self.buffer
         if buf is None or buf.numel() < nbytes:
             if self.last is not None:
@@ -501,6 +530,8 @@ class EngineCopier:
         return load
 
     def close(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
         self._completer.shutdown(wait=True)
         if self.registered:
             _MAPPINGS.release(self.l1_file)

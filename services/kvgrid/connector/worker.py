@@ -466,6 +466,7 @@ class ConnectorWorker:
             out.order.request_id,
         )
         self.stats.chunks_loaded -= out.loaded
+        self.stats.chunks_engine_copied -= out.loaded
         self.stats.chunks_load_failed += out.loaded
         self._invalid_block_ids |= self._failed_blocks(dataclasses.replace(out, loaded=0))
 
@@ -575,7 +576,7 @@ class ConnectorWorker:
         self.flush_stores()
         self._loader.shutdown(wait=True)
         if self._copier is not None:
-            self._copier.close()  # copies queued so far land and their leases end
+            self._copier.close()  # copies queued so far land, leases end (staged loads: abandoned)
             self._copier = None
         self._saver.shutdown(wait=True)
         if self._registration is not None:
