@@ -5,14 +5,15 @@
 
 One Llama-3-8B-shaped engine (``kvgrid.ttft``) with ``layerwise`` and ``engine_copies`` over a real
 agent with a shared L1; per iteration a miss, the cache poisoned, then the hit, printing: the hit's
-time to first token; when the loader thread queued the stages (host ms from the hit's start); when
-each stage's copy ended on the GPU; and, every fourth layer, when the layer's wait returned on the
-host and when the engine's stream passed it on the GPU. ``--max-prompt`` sizes the KV cache and L1
-as ``kvgrid bench ttft`` does for its longest prompt; ``--whole-engine`` also builds an engine
-without layer-wise loads first, as the bench does; ``--no-marks`` leaves the layers' hooks as the
-bench runs them (no event per layer: only the hit times and the stages print). Not a benchmark
-(``kvgrid bench ttft`` is); it shows whether stages overlap the compute (the first iteration
-compiles, the second captures graphs).
+time to first token; when the loader thread queued the load (host ms from the hit's start: the
+Retrieve's answer checked and the first stage's DMA queued; the engine's thread queues the other
+stages just in time); when each stage's copy ended on the GPU; and, every fourth layer, when the
+layer's wait returned on the host and when the engine's stream passed it on the GPU.
+``--max-prompt`` sizes the KV cache and L1 as ``kvgrid bench ttft`` does for its longest prompt;
+``--whole-engine`` also builds an engine without layer-wise loads first, as the bench does;
+``--no-marks`` leaves the layers' hooks as the bench runs them (no event per layer: only the hit
+times and the stages print). Not a benchmark (``kvgrid bench ttft`` is); it shows whether stages
+overlap the compute (the first iteration compiles, the second captures graphs).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def main() -> None:
             line = f"iter {it}: hit {1e3 * hit.ttft_s:.1f} ms, loaded {hit.loaded_tokens} tokens"
             for q0, q1, load in queued:
                 ends = [round(start.elapsed_time(e), 1) for e in load.stage_events()]
-                line += f"; stages queued (host) {ms(q0)}..{ms(q1)}; stage copies end (GPU) {ends}"
+                line += f"; load queued (host) {ms(q0)}..{ms(q1)}; stage copies end (GPU) {ends}"
             layers = [(i, ms(t), round(start.elapsed_time(e), 1)) for i, t, e in marks.marks if i % 4 == 0]
             print(f"{line}; layer (i, wait returned on host, passed on GPU) {layers}", flush=True)
         print(eng.worker.worker.stats)

@@ -25,7 +25,7 @@ from kvgrid.agent.client import AgentClient
 from kvgrid.cli import main
 from kvgrid.connector.vllm import KVGridConnector
 from kvgrid.ttft.bench import PRESETS
-from kvgrid.ttft.engine import EngineOptions, slots_of
+from kvgrid.ttft.engine import EngineOptions, TTFTEngine, slots_of
 from kvgrid.ttft.model import PagedLlama
 from kvgrid.ttft.tp import TPGroup, rank_dir
 
@@ -150,7 +150,14 @@ def test_bench_tp2_runs_without_failures() -> None:
     assert row["limits"]["copy_bytes"] == 192 * TINY.kv_bytes_per_token(torch.bfloat16) // 2
     for mode in ("whole", "layerwise"):
         assert row[mode]["hit_vs_miss_max_abs_logit_diff"] == 0.0
+        assert row[mode]["kvgrid_overhead"] is None  # no engine without a connector with tp > 1
+    assert row["limits"]["plain_miss_ms"] is None
     assert result["cuda_graphs"] is False
+
+
+def test_tp2_has_no_engine_without_connector(group: TPGroup) -> None:
+    with pytest.raises(ValueError, match="tp_size=2"):
+        TTFTEngine(group.model, None, group.work, max_prompt_tokens=256)
 
 
 def test_tp_that_does_not_divide_the_model_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

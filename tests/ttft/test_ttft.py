@@ -11,6 +11,7 @@ can fail.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvgrid.agent.client import AgentClient
 from kvgrid.cli import main
 from kvgrid.ttft.bench import PRESETS
 from kvgrid.ttft.engine import AgentProcess, TTFTEngine, slots_of
@@ -108,6 +110,70 @@ def test_bench_reports_both_modes_and_the_limits(capsys: pytest.CaptureFixture[s
         assert r["speedup"] == pytest.approx(lim["prefill_ms"] / r["hit_ms"], rel=1e-3)
         assert r["store_overhead"] == pytest.approx(r["miss_ms"] / lim["prefill_ms"] - 1, rel=1e-3, abs=1e-3)
         assert r["of_ceiling"] == pytest.approx(r["speedup"] / lim["ceiling"], rel=1e-3)
+
+
+def test_engine_without_connector_shares_the_cache_and_stores_nothing(agent: AgentProcess) -> None:
+    """The bench's ``plain miss`` engine: vLLM without any KV connector over the other engine's KV
+    cache. The agent sees nothing of it (a connector would register its cache and store the
+    prompt's chunks), its scheduler has no connector half, and its logits are a full prefill's."""
+    directory = Path(agent.uds_path).parent
+    model = PagedLlama(PRESETS["tiny"])
+    eng = TTFTEngine(
+        model, agent.uds_path, directory, max_prompt_tokens=256, chunk_size=CHUNK, engine_id="test-plain"
+    )
+    plain: TTFTEngine | None = None
+    try:
+        tokens = _prompt(200, seed=7)
+        with AgentClient(agent.uds_path) as client:
+            before = client.health()
+            plain = eng.without_connector()
+            alone = plain.run("plain", tokens)
+            after = client.health()
+            assert alone.loaded_tokens == 0 and alone.steps == 1
+            assert list(after.instance_ids) == list(before.instance_ids)
+            assert after.stored_chunks == before.stored_chunks
+            # Control in place: kvgrid's engine serving the same prompt stores its 3 chunks.
+            miss = eng.run("after-plain", tokens)
+            assert miss.loaded_tokens == 0
+            assert client.health().stored_chunks == after.stored_chunks + 3
+        assert plain.scheduler.connector is None and plain.rank.vllm_config.kv_transfer_config is None
+        assert plain.rank.hooks is None
+        with pytest.raises(RuntimeError, match="without a KV connector"):
+            _ = plain.worker
+        # One KV cache: the plain engine's views are the first engine's memory.
+        assert [v.data_ptr() for v in plain.kv_list] == [v.data_ptr() for v in eng.kv_list]
+        slots = slots_of(list(range(13)), eng.block_size, 200, model.device)
+        assert torch.equal(alone.logits, model.forward(torch.tensor(tokens), 0, eng.kv_list, slots))
+        assert torch.equal(alone.logits, miss.logits)
+    finally:
+        if plain is not None:
+            plain.close()
+        eng.close()
+
+
+def test_bench_reports_the_miss_without_kvgrid(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``plain_miss_ms`` and ``kvgrid_overhead`` = miss / plain miss - 1 are reported, and the plain
+    misses ran on an engine whose vLLM scheduler has no connector, one new prompt per round."""
+    seen: list[tuple[str, bool, tuple[int, ...]]] = []
+    run = TTFTEngine.run
+
+    def spy(self: TTFTEngine, request_id: str, prompt: list[int]) -> Any:
+        if request_id.startswith("plain"):
+            seen.append((request_id, self.scheduler.connector is not None, tuple(prompt)))
+        return run(self, request_id, prompt)
+
+    monkeypatch.setattr(TTFTEngine, "run", spy)
+    row = _bench_row("cpu", 200, capsys)
+    assert [(rid, conn) for rid, conn, _ in seen] == [("plain-200-0", False), ("plain-200-1", False)]
+    assert len({p for _, _, p in seen}) == 2
+    plain = row["limits"]["plain_miss_ms"]
+    assert isinstance(plain, float) and plain > 0
+    for mode in ("whole", "layerwise"):
+        r = row[mode]
+        assert math.isfinite(r["kvgrid_overhead"]) and r["kvgrid_overhead"] > -1
+        assert r["kvgrid_overhead"] == pytest.approx(r["miss_ms"] / plain - 1, rel=1e-3, abs=1e-3)
 
 
 def test_bad_values_are_refused_with_their_name() -> None:

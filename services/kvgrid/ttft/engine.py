@@ -36,10 +36,23 @@ includes the lookup, the load (asynchronous: steps with nothing scheduled until 
 it) and the tail's prefill, and a miss's includes the store when stores are synchronous
 (``wait_for_save`` returns when the agent holds the chunks). With asynchronous stores ``run`` still
 returns only once they landed (``RunResult.stored_s``), so the next request finds the prefix.
+
+Without a connector (:meth:`TTFTEngine.without_connector`, ``agent_socket=None``): the same model,
+options and KV cache buffer (the other engine's views, not a second allocation), a ``VllmConfig``
+without ``kv_transfer_config``, so vLLM's ``Scheduler`` builds no connector half
+(``kv_connector_metadata`` is None) and the step is what vLLM's runner does without a KV transfer
+group: no connector call, no layer hooks, no ``KVConnectorOutput`` -- ``schedule`` -> forward ->
+``update_from_output``. It is what a miss costs vLLM alone (the bench's ``plain miss``). vLLM's own
+prefix caching is off in every engine (``enable_prefix_caching=False``), so a prompt is a miss to
+it however often it ran. Sharing the buffer is safe because requests run one at a time and ``run``
+returns only once every store landed: neither engine's blocks hold anything the other still needs
+between requests (a hit reads only what it loads or computes). Only with TP=1: the
+tensor-parallel ranks (:mod:`kvgrid.ttft.tp`) build connector workers only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -50,11 +63,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from kvgrid.ttft.model import LayerHooks, ModelShape, PagedLlama, layer_name
+
+if TYPE_CHECKING:
+    from kvgrid.connector.vllm import KVGridConnector
 
 __all__ = [
     "AgentProcess",
@@ -210,7 +226,7 @@ class StepResult:
     """The last prompt token's logits when the step computed it."""
     sampled: list[list[int]]
     kv_output: Any
-    """The rank's ``KVConnectorOutput``."""
+    """The rank's ``KVConnectorOutput`` (None without a connector)."""
 
 
 class _ConnectorHooks:
@@ -227,10 +243,11 @@ class _ConnectorHooks:
 
 
 def vllm_config(
-    model: PagedLlama, agent_socket: str, model_dir: Path, opts: EngineOptions, *, rank: int = 0
+    model: PagedLlama, agent_socket: str | None, model_dir: Path, opts: EngineOptions, *, rank: int = 0
 ) -> tuple[Any, int]:
     """(``VllmConfig`` of rank ``rank`` of ``model.tp_size``, KV blocks per rank); writes the model's
-    ``config.json`` (the full model's shape: vLLM derives the per-rank heads itself) into ``model_dir``."""
+    ``config.json`` (the full model's shape: vLLM derives the per-rank heads itself) into ``model_dir``.
+    ``agent_socket=None``: no ``kv_transfer_config`` (vLLM without a KV connector)."""
     from vllm.config import (
         CacheConfig,
         KVTransferConfig,
@@ -265,21 +282,9 @@ def vllm_config(
     )
     # Room for one request of the longest prompt, plus one chunk of slack.
     num_blocks = -(-max_len // block_size) + opts.chunk_size // block_size + 1
-    cfg = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_len),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
-        # The connector's identity (its rank, the world size, '{rank}' in agent_socket) comes from here.
-        parallel_config=ParallelConfig(
-            tensor_parallel_size=model.tp_size, rank=rank, distributed_executor_backend="mp"
-        ),
-        scheduler_config=SchedulerConfig(
-            max_model_len=max_len,
-            is_encoder_decoder=False,
-            max_num_batched_tokens=max_len,  # a whole prompt in one step: no chunked prefill
-            max_num_seqs=4,
-            enable_chunked_prefill=True,
-        ),
-        kv_transfer_config=KVTransferConfig(
+    transfer = None
+    if agent_socket is not None:
+        transfer = KVTransferConfig(
             kv_connector="KVGridConnector",
             kv_connector_module_path="kvgrid.connector.vllm",
             kv_role="kv_both",
@@ -294,7 +299,22 @@ def vllm_config(
                 "layerwise_stages": opts.layerwise_stages,
                 "rpc_timeout_s": 600.0,
             },
+        )
+    cfg = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_len),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+        # The connector's identity (its rank, the world size, '{rank}' in agent_socket) comes from here.
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=model.tp_size, rank=rank, distributed_executor_backend="mp"
         ),
+        scheduler_config=SchedulerConfig(
+            max_model_len=max_len,
+            is_encoder_decoder=False,
+            max_num_batched_tokens=max_len,  # a whole prompt in one step: no chunked prefill
+            max_num_seqs=4,
+            enable_chunked_prefill=True,
+        ),
+        kv_transfer_config=transfer,
     )
     cfg.cache_config.num_gpu_blocks = num_blocks
     return cfg, num_blocks
@@ -304,10 +324,21 @@ class RankWorker:
     """One rank's worker side: its KV cache (its shard's KV heads), the connector's worker half, and
     one step of the model runner (module docstring's order, from ``bind_connector_metadata`` to
     ``clear_connector_metadata``). Rank 0's lives in :class:`TTFTEngine`; the other ranks' in
-    :mod:`kvgrid.ttft.tp`'s rank processes."""
+    :mod:`kvgrid.ttft.tp`'s rank processes.
+
+    ``agent_socket=None``: no connector (module docstring): the step runs the forward alone.
+    ``kv_cache_of``: use that worker's KV cache (config, views, buffer) instead of allocating one;
+    it must be of the same model and block count, and outlive this worker."""
 
     def __init__(
-        self, model: PagedLlama, agent_socket: str, directory: Path, opts: EngineOptions, *, rank: int = 0
+        self,
+        model: PagedLlama,
+        agent_socket: str | None,
+        directory: Path,
+        opts: EngineOptions,
+        *,
+        rank: int = 0,
+        kv_cache_of: RankWorker | None = None,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -319,22 +350,52 @@ class RankWorker:
         self._model_dir = Path(tempfile.mkdtemp(prefix="kvgrid-ttft-model-", dir=directory))
         try:
             self.vllm_config, num_blocks = vllm_config(model, agent_socket, self._model_dir, opts, rank=rank)
-            self.kv_config, self.caches, self._raw, self._raw_path = kv_buffer(
-                model.shard, num_blocks, opts.block_size, model.dtype, model.device.type, directory
-            )
+            if kv_cache_of is None:
+                self.kv_config, self.caches, self._raw, self._raw_path = kv_buffer(
+                    model.shard, num_blocks, opts.block_size, model.dtype, model.device.type, directory
+                )
+            else:
+                other = kv_cache_of
+                if other.model is not model or (other.kv_config.num_blocks, other.block_size) != (
+                    num_blocks,
+                    opts.block_size,
+                ):
+                    raise ValueError(
+                        f"kv_cache_of: a cache of {other.kv_config.num_blocks} blocks of {other.block_size} "
+                        f"tokens{'' if other.model is model else ' of another model'}; expected {num_blocks} "
+                        f"blocks of {opts.block_size} of this model"
+                    )
+                # The other worker's buffer: its owner frees it (no file of ours to unlink).
+                self.kv_config, self.caches, self._raw, self._raw_path = (
+                    other.kv_config, other.caches, other._raw, None
+                )  # fmt: skip
         except BaseException:
             shutil.rmtree(self._model_dir, ignore_errors=True)
             raise
         self.kv_list = [self.caches[layer_name(i)] for i in range(model.shape.layers)]
-        self.connector = cast(
-            KVGridConnector,
-            KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_config),
-        )
-        self.connector.register_kv_caches(self.caches)
-        self.hooks: LayerHooks = _ConnectorHooks(self.connector)
+        self._connector: KVGridConnector | None = None
+        self.hooks: LayerHooks | None = None
+        if agent_socket is not None:
+            self._connector = cast(
+                KVGridConnector,
+                KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_config),
+            )
+            self._connector.register_kv_caches(self.caches)
+            self.hooks = _ConnectorHooks(self._connector)
         self.after_load: Callable[[str, list[int]], None] | None = None
         """Test hook: called with (request id, block ids) before the step that computes a request
         whose prompt was partly loaded (the loaded KV is in the cache then)."""
+
+    @property
+    def has_connector(self) -> bool:
+        return self._connector is not None
+
+    @property
+    def connector(self) -> KVGridConnector:
+        """The connector's worker half (a worker built without one has none: RuntimeError)."""
+        if self._connector is None:
+            raise RuntimeError("this worker was built without a KV connector (agent_socket=None)")
+        return self._connector
 
     def poison(self) -> None:
         """Fill the whole KV cache with NaN: a position the engine neither computes nor loads shows."""
@@ -346,17 +407,18 @@ class RankWorker:
         from vllm.forward_context import ForwardContext
         from vllm.v1.outputs import KVConnectorOutput
 
-        w = self.connector
-        w.bind_connector_metadata(plan.metadata)
-        w.handle_preemptions(plan.metadata)
+        w = self._connector
         ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
-        if plan.has_sync_kv_loads:
-            w.start_load_kv(ctx)
+        if w is not None:
+            w.bind_connector_metadata(plan.metadata)
+            w.handle_preemptions(plan.metadata)
+            if plan.has_sync_kv_loads:
+                w.start_load_kv(ctx)
         logits: torch.Tensor | None = None
         sampled: list[list[int]] = []
         if plan.request_id is not None:
             start, n = plan.start, plan.num_tokens
-            if start and self.after_load is not None:
+            if start and self.after_load is not None and w is not None:
                 w.wait_for_layer_load(layer_name(0))  # in-step loads land first
                 self.after_load(plan.request_id, plan.blocks)
             slots = slots_of(plan.blocks, self.block_size, start + n, self.model.device)
@@ -366,6 +428,8 @@ class RankWorker:
                 sampled.append([int(lg.argmax())])  # .item() waits for the device
             else:
                 sampled.append([])
+        if w is None:  # vLLM's runner without a KV transfer group: no connector call, no output of it
+            return StepResult(logits, sampled, None)
         if not plan.has_sync_kv_loads:
             w.start_load_kv(ctx)
         w.wait_for_save()
@@ -385,7 +449,8 @@ class RankWorker:
         return self.model.forward(token_ids, start, self.kv_list, slots)
 
     def close(self) -> None:
-        self.connector.shutdown()
+        if self._connector is not None:
+            self._connector.shutdown()
         if self._raw_path is not None:
             self._raw_path.unlink(missing_ok=True)
         shutil.rmtree(self._model_dir, ignore_errors=True)
@@ -398,7 +463,7 @@ class TTFTEngine:
     def __init__(
         self,
         model: PagedLlama,
-        agent_socket: str,
+        agent_socket: str | None,
         directory: Path,
         *,
         max_prompt_tokens: int,
@@ -409,14 +474,22 @@ class TTFTEngine:
         engine_copies: bool = False,
         layerwise_stages: int = 8,
         engine_id: str = "ttft",
+        kv_cache_of: TTFTEngine | None = None,
     ) -> None:
-        """``agent_socket`` may contain '{rank}' (one agent per tensor-parallel rank)."""
+        """``agent_socket`` may contain '{rank}' (one agent per tensor-parallel rank); None: no KV
+        connector (TP=1 only; :meth:`without_connector`). ``kv_cache_of``: run over that engine's KV
+        cache instead of allocating one (:class:`RankWorker`)."""
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
         if model.tp_rank != 0:
             raise ValueError(
                 f"TTFTEngine on tp_rank={model.tp_rank}; expected rank 0 (it runs the scheduler)"
+            )
+        if agent_socket is None and model.tp_size > 1:
+            raise ValueError(
+                f"a TTFTEngine without a connector on tp_size={model.tp_size}; expected 1 (the "
+                f"tensor-parallel ranks build connector workers only)"
             )
         self.options = EngineOptions(
             max_prompt_tokens=max_prompt_tokens, block_size=block_size, chunk_size=chunk_size,
@@ -425,11 +498,27 @@ class TTFTEngine:
         )  # fmt: skip
         self.model = model
         self.block_size = block_size
-        self.rank = RankWorker(model, agent_socket, directory, self.options)
-        self.worker = self.rank.connector
+        self.directory = directory
+        self.rank: RankWorker = RankWorker(
+            model, agent_socket, directory, self.options,
+            kv_cache_of=kv_cache_of.rank if kv_cache_of is not None else None,
+        )  # fmt: skip
         self.kv_config, self.caches, self.kv_list = self.rank.kv_config, self.rank.caches, self.rank.kv_list
         cfg = self.rank.vllm_config
         self.scheduler = Scheduler(cfg, self.kv_config, StructuredOutputManager(cfg), block_size=block_size)
+
+    @property
+    def worker(self) -> KVGridConnector:
+        """Rank 0's connector worker half (RuntimeError for an engine without a connector)."""
+        return self.rank.connector
+
+    def without_connector(self) -> TTFTEngine:
+        """A TTFTEngine of the same model, options and KV cache buffer (this engine's, shared: no
+        second allocation) whose vLLM config has no KV connector (module docstring): what a request
+        costs vLLM alone. Close it before this engine. TP=1 only (ValueError otherwise)."""
+        opts = dataclasses.asdict(self.options)
+        opts["engine_id"] = f"{self.options.engine_id}-plain"
+        return TTFTEngine(self.model, None, self.directory, **opts, kv_cache_of=self)
 
     @property
     def after_load(self) -> Callable[[str, list[int]], None] | None:
@@ -441,11 +530,11 @@ class TTFTEngine:
         self.rank.after_load = hook
 
     @property
-    def _hooks(self) -> LayerHooks:  # scripts/profile_staged_hit.py wraps them
+    def _hooks(self) -> LayerHooks | None:  # scripts/profile_staged_hit.py wraps them
         return self.rank.hooks
 
     @_hooks.setter
-    def _hooks(self, hooks: LayerHooks) -> None:
+    def _hooks(self, hooks: LayerHooks | None) -> None:
         self.rank.hooks = hooks
 
     def poison(self) -> None:
@@ -498,7 +587,11 @@ class TTFTEngine:
                     raise RuntimeError(
                         f"scheduled {rid!r} while serving {request_id!r}: one request at a time"
                     )
-            assert out.kv_connector_metadata is not None
+            if (out.kv_connector_metadata is None) == self.rank.has_connector:
+                raise RuntimeError(
+                    f"step of {request_id!r}: connector metadata {out.kv_connector_metadata!r} from an "
+                    f"engine {'with' if self.rank.has_connector else 'without'} a connector"
+                )
             scheduled = request_id if req_ids else None
             start = computed[request_id] if scheduled else 0
             plan = StepPlan(
@@ -534,8 +627,10 @@ class TTFTEngine:
         return RunResult(logits.cpu(), ttft, loaded, steps, stored)
 
     def _flush_stores(self) -> None:
-        """Wait until every store issued so far landed in the agent (every rank's)."""
-        self.worker.flush_stores()
+        """Wait until every store issued so far landed in the agent (every rank's); none without a
+        connector."""
+        if self.rank.has_connector:
+            self.worker.flush_stores()
 
     def close(self) -> None:
         self.rank.close()
