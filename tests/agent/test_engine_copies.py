@@ -410,8 +410,8 @@ def test_cuda_a_load_that_cannot_finish_is_abandoned_without_raising(
         calls = [0]
 
         def memcpy(*a: object) -> None:  # the last job's DMA: (load 1, stage 3), its second chunk
-            calls[0] += 1
-            if calls[0] == 3 + 2 + 3 + 2 + 3 + 2 + 3 + 2:
+            calls[0] += 1  # load 0's stage-0 DMA (3 chunks) was queued by its add, before this patch
+            if calls[0] == 2 + 3 + 2 + 3 + 2 + 3 + 2:
                 raise RuntimeError("injected driver error")
             real_memcpy(*a)  # type: ignore[arg-type]
 
