@@ -561,13 +561,11 @@ def test_a_staged_load_that_fails_inside_its_step_reports_all_its_blocks(engine:
     (engine_copies.StagedLoad.abandon on CUDA: a stage failed to queue), reports every block it was to
     write as a load error -- outside the engine's own hit -- and moves its chunks from loaded to
     failed in the stats, so vLLM recomputes them."""
-    from kvgrid.connector.worker import LoadOutcome
-
     w = engine.worker.worker
     blocks = [list(range(20, 36))]  # 4 chunks of 4 blocks (64 tokens each)
     order = LoadOrder("S", [[bytes(16)] * 4], blocks, skip_first_n_tokens=16, in_step=True)
     w.stats.chunks_loaded, w.stats.chunks_engine_copied = 4, 4  # as _settle counted it
-    w._load_failed_late(LoadOutcome(order, loaded=4, wanted=4))
+    w._load_failed_late(order, loaded=4, wanted=4)
     assert w.take_load_errors() == set(range(21, 36))  # block 20 is inside the engine's own hit
     assert (w.stats.chunks_loaded, w.stats.chunks_engine_copied, w.stats.chunks_load_failed) == (0, 0, 4)
 

@@ -28,6 +28,7 @@ from kvgrid.ttft.bench import PRESETS
 from kvgrid.ttft.engine import EngineOptions, TTFTEngine, slots_of
 from kvgrid.ttft.model import PagedLlama
 from kvgrid.ttft.tp import TPGroup, rank_dir
+from tests.ttft.helpers import prompt
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +43,6 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPGroup]:
         yield g
     finally:
         g.close()
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, TINY.vocab, (n,), generator=gen).tolist()
 
 
 def nudge_block(kv_list: list[torch.Tensor], request_id: str, blocks: list[int]) -> None:
@@ -65,7 +61,7 @@ def test_tp2_hit_equals_the_miss_each_rank_holds_its_shard(group: TPGroup, layer
     )
     eng = group.engine(options)
     try:
-        tokens = _prompt(200, seed=10 + int(layerwise))
+        tokens = prompt(200, seed=10 + int(layerwise))
         miss = eng.run("miss", tokens)
         assert miss.loaded_tokens == 0 and miss.steps == 1
         eng.poison()  # every KV byte NaN on both ranks: what a rank neither loads nor computes shows
@@ -107,7 +103,7 @@ def test_tp2_is_the_tp1_model(group: TPGroup) -> None:
     layer 0 (before any all-reduce) is TP=1's first KV head."""
     eng = group.engine(EngineOptions(max_prompt_tokens=256, chunk_size=CHUNK, engine_id="tp-vs-1"))
     try:
-        tokens = torch.tensor(_prompt(200, seed=20))
+        tokens = torch.tensor(prompt(200, seed=20))
         slots = slots_of(list(range(13)), eng.block_size, 200, torch.device("cpu"))
         tp2 = eng.reference(tokens, 0, slots)
         whole = PagedLlama(TINY)

@@ -24,6 +24,7 @@ from kvgrid.cli import main
 from kvgrid.ttft.bench import PRESETS
 from kvgrid.ttft.engine import AgentProcess, TTFTEngine, slots_of
 from kvgrid.ttft.model import PagedLlama
+from tests.ttft.helpers import prompt
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +40,6 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
         proc.stop()
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, PRESETS["tiny"].vocab, (n,), generator=gen).tolist()
-
-
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_hit_logits_equal_the_miss_and_a_wrong_byte_shows(agent: AgentProcess, layerwise: bool) -> None:
     directory = Path(agent.uds_path).parent
@@ -53,7 +49,7 @@ def test_hit_logits_equal_the_miss_and_a_wrong_byte_shows(agent: AgentProcess, l
         engine_id=f"test-{layerwise}",
     )  # fmt: skip
     try:
-        tokens = _prompt(200, seed=int(layerwise))
+        tokens = prompt(200, seed=int(layerwise))
         miss = eng.run("miss", tokens)
         assert miss.loaded_tokens == 0 and miss.steps == 1
         eng.poison()  # every KV byte NaN: what the hit does not load or compute shows in its logits
@@ -123,7 +119,7 @@ def test_engine_without_connector_shares_the_cache_and_stores_nothing(agent: Age
     )
     plain: TTFTEngine | None = None
     try:
-        tokens = _prompt(200, seed=7)
+        tokens = prompt(200, seed=7)
         with AgentClient(agent.uds_path) as client:
             before = client.health()
             plain = eng.without_connector()

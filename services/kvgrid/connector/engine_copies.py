@@ -164,13 +164,8 @@ class StagedLoad:
 
     def finish(self) -> None:
         """Every stage is loaded before what is queued next (the step's end, or layers no hook named).
-        On CUDA each stage's event is waited for (cheap; the chain makes the last cover the others)."""
-        if self._pipeline is not None:
-            self._pipeline.through(self, self.num_stages - 1)
-            stream = torch.cuda.current_stream()
-            for event in self.stage_events():
-                stream.wait_event(event)
-            return
+        On CUDA the last stage's event covers the others: each stage's DMA waits for the scatter
+        before it (:class:`_StagePipeline`)."""
         self.wait(self.num_stages - 1)
 
     def take_release(self) -> Callable[[], Any] | None:
@@ -251,7 +246,7 @@ class _StagePipeline:
             jobs = before + [(load, s) for s in range(load.num_stages)]
             self.pending = sorted(jobs, key=lambda job: job[1])  # stable: arrival order within a stage
             try:
-                self._buffer(max(n * sum(p.nbytes for p in parts) for parts in self.copier.stage_parts))
+                self._buffer(n * max(self.copier.stage_bytes))
                 if self.landing is None:
                     self._queue_dma()
             except BaseException:
@@ -309,7 +304,7 @@ class _StagePipeline:
         load, stage = self.pending[0]
         parts = self.copier.stage_parts[stage]
         n = len(load.offsets)
-        buf = self._buffer(n * sum(p.nbytes for p in parts))
+        buf = self._buffer(n * self.copier.stage_bytes[stage])
         dma = self.dma
         if self.last is not None:
             dma.wait_event(self.last)
@@ -328,7 +323,7 @@ class _StagePipeline:
         landed = torch.cuda.Event()
         landed.record(dma)
         if stage == load.num_stages - 1 and load._release is not None:
-            self.copier._release_when_landed([TransferHandle(landed)], load._release)
+            self.copier._release_when_landed(TransferHandle(landed), load._release)
             load._release = None
         self.pending.pop(0)
         self.landing = _Landing(load, stage, views, landed)
@@ -384,6 +379,8 @@ class EngineCopier:
         """Index of a registered layer tensor -> its stage (layer-wise loads)."""
         self.stage_parts = self._build_stages(stages)
         """Per stage, one part per kernel group with layers in it."""
+        self.stage_bytes = [sum(p.nbytes for p in parts) for parts in self.stage_parts]
+        """Per stage, its bytes of one chunk."""
         self._pipeline = _StagePipeline(self) if device.type == "cuda" and self.stage_parts else None
 
     @property
@@ -451,7 +448,7 @@ class EngineCopier:
         if handle is None:
             release()
             return
-        self._release_when_landed([handle], release)
+        self._release_when_landed(handle, release)
 
     def _chunk_ids(
         self, offsets: Sequence[int], block_ids: Sequence[Sequence[int]], skip_first_n_tokens: int
@@ -468,14 +465,12 @@ class EngineCopier:
             self.mover, self.groups, block_ids, chunks, skip_first_n_tokens, allow_holes=True
         )
 
-    def _release_when_landed(self, handles: Sequence[TransferHandle], release: Callable[[], Any]) -> None:
-        """``release`` on the completer thread once every one of ``handles`` landed (in queueing
-        order)."""
+    def _release_when_landed(self, handle: TransferHandle, release: Callable[[], Any]) -> None:
+        """``release`` on the completer thread once ``handle`` landed (in queueing order)."""
 
         def land() -> None:
             try:
-                for handle in handles:
-                    handle.wait()
+                handle.wait()
             finally:
                 release()
 

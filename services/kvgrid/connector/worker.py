@@ -52,7 +52,6 @@ rewritten (stored chunks are full), and freed blocks are written only by a later
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -398,8 +397,8 @@ class ConnectorWorker:
             def release() -> None:
                 self._release_lease(order.request_id, res.lease_id)
 
-            def failed() -> None:  # a stage failed to queue, on the engine's thread
-                self._load_failed_late(LoadOutcome(order, len(res.chunk_offsets), len(keys)))
+            def failed() -> None:  # on the engine's thread: a stage failed to queue, or the copier closed
+                self._load_failed_late(order, len(res.chunk_offsets), len(keys))
 
             args = (res.chunk_offsets, block_ids, order.skip_first_n_tokens)
             if order.in_step and copier.num_stages:
@@ -458,17 +457,17 @@ class ConnectorWorker:
         self._invalid_block_ids |= self._failed_blocks(out)
         return False
 
-    def _load_failed_late(self, out: LoadOutcome) -> None:
-        """A staged load counted as loaded failed inside its step: its chunks' blocks are reported
-        for recomputation (every group's, a hybrid model's too: vLLM recomputes from the first)."""
+    def _load_failed_late(self, order: LoadOrder, loaded: int, wanted: int) -> None:
+        """A staged load counted as ``loaded`` chunks failed inside its step: the blocks of all
+        ``wanted`` chunks are reported for recomputation (every group's, a hybrid model's too: vLLM
+        recomputes from the first)."""
         log.warning(
-            "kvgrid: request %s: a layer-wise load failed in its step; vLLM recomputes it",
-            out.order.request_id,
+            "kvgrid: request %s: a layer-wise load failed in its step; vLLM recomputes it", order.request_id
         )
-        self.stats.chunks_loaded -= out.loaded
-        self.stats.chunks_engine_copied -= out.loaded
-        self.stats.chunks_load_failed += out.loaded
-        self._invalid_block_ids |= self._failed_blocks(dataclasses.replace(out, loaded=0))
+        self.stats.chunks_loaded -= loaded
+        self.stats.chunks_engine_copied -= loaded
+        self.stats.chunks_load_failed += loaded
+        self._invalid_block_ids |= self._failed_blocks(LoadOutcome(order, 0, wanted))
 
     def _failed_blocks(self, out: LoadOutcome) -> set[int]:
         tpc = self.identity.tokens_per_chunk

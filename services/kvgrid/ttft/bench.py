@@ -375,7 +375,7 @@ def _one_length(
                 failures.append(f"plain {n}: the miss without kvgrid loaded {pm.loaded_tokens} tokens")
             if i:
                 times["plain"].append(pm.ttft_s)
-            if i == cfg.iters and not torch.equal(pm.logits, _full_prefill(plain, tokens)):
+            if i == cfg.iters and not torch.equal(pm.logits, _reference(plain, tokens, 0)):
                 failures.append(f"plain {n}: the miss without kvgrid's logits differ from a full prefill's")
     prefill, tail, copy = (_median(times[k]) for k in ("prefill", "tail", "copy"))
     plain_s = _median(times["plain"]) if plain is not None else None
@@ -419,24 +419,22 @@ def _check_references(
 ) -> None:
     """The miss must equal a full prefill and the hit a tail prefill over self-computed KV, bit for bit
     (with tp > 1 every rank computes; rank 0's logits are the model's)."""
-    full = _full_prefill(eng, tokens)
-    t = torch.tensor(tokens, dtype=torch.int64, device=eng.model.device)
-    bs = eng.block_size
-    slots = slots_of(list(range(-(-len(tokens) // bs))), bs, len(tokens), eng.model.device)
-    tail = eng.reference(t[loaded:], loaded, slots).cpu()
+    full = _reference(eng, tokens, 0)
+    tail = _reference(eng, tokens, loaded)  # over the KV the full prefill just computed
     if not torch.equal(full, miss_logits):
         failures.append(f"{mode} {len(tokens)}: the miss's logits differ from a full prefill's")
     if not torch.equal(tail, hit_logits):
         failures.append(f"{mode} {len(tokens)}: the hit's logits differ from a tail prefill over the same KV")
 
 
-def _full_prefill(eng: TTFTEngine, tokens: list[int]) -> torch.Tensor:
-    """The logits of the whole prompt computed without the connector over ``eng``'s cache (CPU)."""
+def _reference(eng: TTFTEngine, tokens: list[int], start: int) -> torch.Tensor:
+    """The last token's logits of ``tokens[start:]`` computed without the connector over ``eng``'s
+    cache, on top of the KV of ``tokens[:start]`` already in it (CPU)."""
     dev = eng.model.device
     t = torch.tensor(tokens, dtype=torch.int64, device=dev)
     bs = eng.block_size
     slots = slots_of(list(range(-(-len(tokens) // bs))), bs, len(tokens), dev)
-    return eng.reference(t, 0, slots).cpu()
+    return eng.reference(t[start:], start, slots).cpu()
 
 
 def run(args: argparse.Namespace) -> int:
