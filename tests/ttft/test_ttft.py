@@ -169,7 +169,10 @@ def test_bench_reports_the_miss_without_kvgrid(
     for mode in ("whole", "layerwise"):
         r = row[mode]
         assert math.isfinite(r["kvgrid_overhead"]) and r["kvgrid_overhead"] > -1
-        assert r["kvgrid_overhead"] == pytest.approx(r["miss_ms"] / plain - 1, rel=1e-3, abs=1e-3)
+        # The JSON rounds to 4 significant digits, the ratio from unrounded times: each of the three
+        # figures may be off by 5e-4 of itself (1.222 against 1.2207 seen), so allow 2e-3 of the ratio.
+        ratio = r["miss_ms"] / plain
+        assert r["kvgrid_overhead"] == pytest.approx(ratio - 1, abs=2e-3 * ratio)
 
 
 def test_bad_values_are_refused_with_their_name() -> None:
