@@ -99,13 +99,15 @@ def test_bench_reports_both_modes_and_the_limits(capsys: pytest.CaptureFixture[s
     assert (row["prompt_tokens"], row["hit_tokens"]) == (200, 192)
     lim = row["limits"]
     assert lim["copy_bytes"] == 192 * PRESETS["tiny"].kv_bytes_per_token(torch.bfloat16)
-    assert lim["ceiling"] == pytest.approx(lim["prefill_ms"] / lim["copy_ms"], rel=1e-3)
+    # The JSON rounds every figure to 4 significant digits, a ratio of two is off by up to 1.5e-3.
+    assert lim["ceiling"] == pytest.approx(lim["prefill_ms"] / lim["copy_ms"], rel=2e-3)
     for mode in ("whole", "layerwise"):
         r = row[mode]
         assert r["hit_vs_miss_max_abs_logit_diff"] == 0.0
-        assert r["speedup"] == pytest.approx(lim["prefill_ms"] / r["hit_ms"], rel=1e-3)
-        assert r["store_overhead"] == pytest.approx(r["miss_ms"] / lim["prefill_ms"] - 1, rel=1e-3, abs=1e-3)
-        assert r["of_ceiling"] == pytest.approx(r["speedup"] / lim["ceiling"], rel=1e-3)
+        assert r["speedup"] == pytest.approx(lim["prefill_ms"] / r["hit_ms"], rel=2e-3)
+        ratio = r["miss_ms"] / lim["prefill_ms"]
+        assert r["store_overhead"] == pytest.approx(ratio - 1, abs=2e-3 * ratio)
+        assert r["of_ceiling"] == pytest.approx(r["speedup"] / lim["ceiling"], rel=2e-3)
 
 
 def test_engine_without_connector_shares_the_cache_and_stores_nothing(agent: AgentProcess) -> None:
