@@ -1,7 +1,7 @@
 """The timeline of layer-wise, engine-copied hits in the TTFT harness (GPU machine, by hand).
 
     PYTHONPATH=services:kernels:<site> python3 scripts/profile_staged_hit.py [--prompt 8192]
-        [--max-prompt 8192] [--stages 8] [--iters 4] [--whole-engine] [--no-marks]
+        [--max-prompt 8192] [--stages 8] [--iters 4] [--whole-engine] [--no-marks] [--trace]
 
 One Llama-3-8B-shaped engine (``kvgrid.ttft``) with ``layerwise`` and ``engine_copies`` over a real
 agent with a shared L1; per iteration a miss, the cache poisoned, then the hit, printing: the hit's
@@ -12,14 +12,17 @@ layer's wait returned on the host and when the engine's stream passed it on the 
 ``--max-prompt`` sizes the KV cache and L1 as ``kvgrid bench ttft`` does for its longest prompt;
 ``--whole-engine`` also builds an engine without layer-wise loads first, as the bench does;
 ``--no-marks`` leaves the layers' hooks as the bench runs them (no event per layer: only the hit
-times and the stages print). Not a benchmark (``kvgrid bench ttft`` is); it shows whether stages
-overlap the compute (the first iteration compiles, the second captures graphs).
+times and the stages print); ``--trace`` also prints host spans of vLLM's and the connector's
+calls, one line per call: where the time before the first DMA goes. Not a benchmark (``kvgrid
+bench ttft`` is); it shows whether stages overlap the compute (the first iteration compiles, the
+second captures graphs).
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,40 @@ class _Marks:
         self.inner.after_attention(i, kv)
 
 
+def _trace_host(spans: list[tuple[str, str, float, float]]) -> None:
+    """Record (name, thread, start, end) host spans of the calls on a hit's way to its first DMA."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvgrid.agent.client import AgentClient
+    from kvgrid.connector.vllm import KVGridConnector
+    from kvgrid.connector.worker import ConnectorWorker
+    from kvgrid.ttft.engine import TTFTEngine
+    from kvgrid_kernels.plan import TransferPlan
+
+    targets: list[tuple[Any, str]] = [
+        (Scheduler, "add_request"), (Scheduler, "schedule"), (Scheduler, "update_from_output"),
+        (KVGridConnector, "get_num_new_matched_tokens"), (KVGridConnector, "update_state_after_alloc"),
+        (KVGridConnector, "build_connector_meta"), (KVGridConnector, "start_load_kv"),
+        (KVGridConnector, "wait_for_layer_load"), (KVGridConnector, "wait_for_save"),
+        (AgentClient, "lookup"), (AgentClient, "retrieve"), (ConnectorWorker, "_load_here"),
+        (engine_copies.EngineCopier, "_chunk_ids"), (TransferPlan, "check_retrieve_ids"),
+        (engine_copies._StagePipeline, "add"), (engine_copies._StagePipeline, "_queue_dma"),
+        (engine_copies._StagePipeline, "_queue_scatter"), (TransferPlan, "prepare_retrieve"),
+        (TTFTEngine, "_execute"),
+    ]  # fmt: skip
+    for owner, name in targets:
+        inner = getattr(owner, name)
+
+        def traced(*a: Any, _inner: Any = inner, _name: str = f"{owner.__name__}.{name}", **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                spans.append((_name, threading.current_thread().name, t, time.perf_counter()))
+
+        setattr(owner, name, traced)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompt", type=int, default=8192)
@@ -56,6 +93,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--whole-engine", action="store_true")
     p.add_argument("--no-marks", action="store_true", help="no per-layer events (the bench's hooks)")
+    p.add_argument("--trace", action="store_true", help="host spans of the connector's and vLLM's calls")
     args = p.parse_args()
     n, top = args.prompt, max(args.max_prompt, args.prompt)
     model = PagedLlama(LLAMA3_8B, device="cuda", seed=0)
@@ -79,6 +117,9 @@ def main() -> None:
         return load
 
     engine_copies.EngineCopier.scatter_staged = timed_scatter  # type: ignore[method-assign]
+    spans: list[tuple[str, str, float, float]] = []
+    if args.trace:
+        _trace_host(spans)
     marks = _Marks(eng._hooks)
     if not args.no_marks:
         eng._hooks = marks
@@ -90,6 +131,7 @@ def main() -> None:
             torch.cuda.synchronize()
             marks.marks.clear()
             queued.clear()
+            spans.clear()
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             t0 = time.perf_counter()
@@ -105,6 +147,8 @@ def main() -> None:
                 line += f"; load queued (host) {ms(q0)}..{ms(q1)}; stage copies end (GPU) {ends}"
             layers = [(i, ms(t), round(start.elapsed_time(e), 1)) for i, t, e in marks.marks if i % 4 == 0]
             print(f"{line}; layer (i, wait returned on host, passed on GPU) {layers}", flush=True)
+            for name, thread, a, b in sorted(spans, key=lambda span: span[2]):
+                print(f"    {ms(a):8.3f} .. {ms(b):8.3f} ms  {thread:<16} {name}")
         print(eng.worker.worker.stats)
     finally:
         for e in engines:

@@ -83,6 +83,19 @@ class TransferHandle:
 
 
 @dataclass(frozen=True)
+class PreparedRetrieve:
+    """A retrieve from chunk buffers on the GPU whose device tables (chunk offsets, block ids) are
+    already uploaded (:meth:`TransferPlan.prepare_retrieve`); :meth:`TransferPlan.launch_prepared`
+    then queues kernels only -- no host-to-device copy, so nothing of it waits behind a DMA on the
+    copy engine."""
+
+    chunks: list[torch.Tensor]
+    tables: list[torch.Tensor]  # per group: chunk word offsets, block ids (views of one upload)
+    aligns: tuple[int, ...]
+    host: torch.Tensor  # the pinned source of the upload (kept until the upload ran)
+
+
+@dataclass(frozen=True)
 class _Piece:
     chunk: int
     group: int
@@ -229,6 +242,11 @@ class TransferPlan:
     # ------------------------------------------------------------------ properties
 
     @property
+    def kernel_stream(self) -> torch.cuda.Stream:
+        """CUDA: the stream this plan's gathers and scatters run on."""
+        return self._kernel_stream
+
+    @property
     def bytes_per_chunk(self) -> int:
         return self.layout.bytes_per_chunk
 
@@ -293,6 +311,40 @@ class TransferPlan:
                     ids[g][:skip] = -1
                     full = False
         return self._run(chunks, ids, to_chunk=False, wait_event=wait_event, full=full)
+
+    def prepare_retrieve(
+        self, chunk_buffers: Sequence[torch.Tensor], block_ids_per_info: Sequence[BlockIds]
+    ) -> PreparedRetrieve:
+        """Validate a retrieve from chunk buffers on the plan's GPU and upload its tables now, on
+        the caller's current stream (the stream that will also write the chunk buffers). The
+        launch must wait for an event recorded there after this call (it orders the upload)."""
+        chunks = self._chunks(chunk_buffers)
+        if not self._cuda or not chunks[0].is_cuda:
+            raise ValueError(
+                f"prepare_retrieve: expected chunk buffers on the plan's GPU, got {chunks[0].device}"
+            )
+        ids, _ = self._block_ids(block_ids_per_info, len(chunks), retrieve=True)
+        with torch.cuda.device(self.device):
+            aligns = self._direct_aligns(chunks)
+            tables, host = self._upload_once(self._direct_values(chunks, ids, aligns))
+        return PreparedRetrieve(chunks, tables, aligns, host)
+
+    def launch_prepared(self, prepared: PreparedRetrieve, *, wait_event: torch.cuda.Event) -> TransferHandle:
+        """Queue a prepared retrieve's kernels on the plan's kernel stream after ``wait_event``."""
+        with self._lock, torch.cuda.device(self.device):
+            ks = self._kernel_stream
+            ks.wait_event(wait_event)
+            if prepared.tables:  # freed early by the caller, the allocator still waits for these kernels
+                prepared.tables[0].record_stream(ks)
+            caller = torch.cuda.current_stream(self.device)
+            torch.cuda.set_stream(ks)  # a first (compiling) launch goes on the current stream
+            try:
+                self._launch_direct(prepared.chunks, prepared.tables, prepared.aligns, False, ks.cuda_stream)
+            finally:
+                torch.cuda.set_stream(caller)
+            done = torch.cuda.Event(enable_timing=True)  # lets callers time transfers
+            done.record(ks)
+            return TransferHandle(done, (prepared,))
 
     # ------------------------------------------------------------------ validation
 

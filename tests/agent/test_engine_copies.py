@@ -333,16 +333,17 @@ def _cuda_copiers(stages: int) -> tuple[EngineCopier, EngineCopier, list[torch.T
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("stages", [1, 3, 8])
 def test_cuda_staged_loads_equal_a_whole_load_bit_for_bit(stages: int) -> None:
-    """On CUDA a layer-wise load moves each stage by DMA into a GPU ring buffer and scatters it from
-    there, queued just in time: a stage is queued when a layer first asks for it, never before
-    (one DMA ahead at most). Two loads of one step, waited for in the worker's order (each stage of
-    A, then of B), share the ring. What a layer reads right after its stage's wait (queued on the
-    engine's stream) equals a whole load of the same chunks, for loads of several sizes that grow
-    and reuse the ring, and each load's lease is released once it landed."""
+    """On CUDA a layer-wise load moves each stage by DMA into one of two GPU buffers and scatters it
+    from there with kernels alone (its tables went up before its DMA), queued just in time: a
+    stage's scatter is queued when a layer first asks for it, never before (two DMAs ahead at
+    most). Two loads of one step, waited for in the worker's order (each stage of A, then of B),
+    share the buffers. What a layer reads right after its stage's wait (queued on the engine's
+    stream) equals a whole load of the same chunks, for loads of several sizes that grow and reuse
+    the buffers, and each load's lease is released once it landed."""
     staged, whole, staged_kv, whole_kv = _cuda_copiers(stages)
     bpc, layers = staged.mover.bytes_per_chunk, len(staged_kv)
     gen = torch.Generator().manual_seed(stages)
-    for n_a, n_b in ((3, 2), (9, 4), (9, 9), (9, 1), (5, 7)):  # 9 grows the ring (then graph replays)
+    for n_a, n_b in ((3, 2), (9, 4), (9, 9), (9, 1), (5, 7)):  # 9 grows the buffers
         picked = [int(c) * bpc for c in torch.randperm(40, generator=gen)[: n_a + n_b]]
         blocks = torch.randperm(256, generator=gen)[: (n_a + n_b) * 4].tolist()
         parts = [(picked[:n_a], blocks[: n_a * 4]), (picked[n_a:], blocks[n_a * 4 :])]
@@ -405,7 +406,7 @@ def test_cuda_a_load_that_cannot_finish_is_abandoned_without_raising(
         loads.append(staged.scatter_staged(offsets, [blocks], 0, fence=None, release=release, failed=failed))
     drv, real_memcpy = Driver.get(), Driver.get().memcpy_async
     if where == "scatter":
-        monkeypatch.setattr(staged.stage_parts[2][0].plan, "retrieve_async", lambda *a, **k: 1 / 0)
+        monkeypatch.setattr(staged.stage_parts[2][0].plan, "launch_prepared", lambda *a, **k: 1 / 0)
     elif where == "last-dma":
         calls = [0]
 

@@ -25,7 +25,7 @@ from kvgrid.agent.transfer import build_mover
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.connector import engine_copies
 from kvgrid.connector.engine_copies import EngineCopier, StagedLoad
-from kvgrid_kernels.plan import TransferHandle, TransferPlan
+from kvgrid_kernels.plan import PreparedRetrieve, TransferHandle, TransferPlan
 
 LAYERS, BLOCKS, TPC = 8, 64, 64  # 4 blocks of 16 tokens per chunk
 GROUPS = [EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(LAYERS)), tokens_per_block=16)]
@@ -86,18 +86,30 @@ class Rig:
         cpu_retrieve = TransferPlan.retrieve_async
         self.fail_scatter_of: int | None = None  # a stage's scatter raises
 
-        def retrieve(plan: TransferPlan, *a: Any, wait_event: Any = None, **k: Any) -> TransferHandle:
-            stage = self.stage_of_plan.get(id(plan))
-            if stage is not None:
-                if stage == self.fail_scatter_of:
-                    raise RuntimeError("injected scatter error")
-                self.log.append(("scatter", f"stage{stage}", wait_event.name if wait_event else "-"))
-            cpu_retrieve(plan, *a, **k)
+        # A prepared scatter keeps its chunk views (into a pipeline buffer) and ids; its launch
+        # runs the CPU plan's scatter then, so the bytes it reads are the buffer's at launch time.
+        def prepare(plan: TransferPlan, views: list[torch.Tensor], ids: list[Any]) -> PreparedRetrieve:
+            self.log.append(("prepare", f"stage{self.stage_of_plan[id(plan)]}"))
+            return PreparedRetrieve(list(views), [torch.as_tensor(i) for i in ids], (), torch.empty(0))
+
+        def launch(plan: TransferPlan, prepared: PreparedRetrieve, *, wait_event: Any) -> TransferHandle:
+            stage = self.stage_of_plan[id(plan)]
+            if stage == self.fail_scatter_of:
+                raise RuntimeError("injected scatter error")
+            self.log.append(("scatter", f"stage{stage}", wait_event.name))
+            cpu_retrieve(plan, prepared.chunks, [t.numpy() for t in prepared.tables])
             event = FakeEvent()
             event.record()
             return TransferHandle(event)  # type: ignore[arg-type]  # a fake CUDA event
 
-        monkeypatch.setattr(TransferPlan, "retrieve_async", retrieve)
+        monkeypatch.setattr(TransferPlan, "prepare_retrieve", prepare)
+        monkeypatch.setattr(TransferPlan, "launch_prepared", launch)
+        monkeypatch.setattr(
+            TransferPlan, "kernel_stream", property(lambda p: FakeStream(self.log, "scatter"))
+        )
+        monkeypatch.setattr(
+            torch.Tensor, "record_stream", lambda t, stream: self.log.append(("record", stream.name))
+        )
         gen = torch.Generator().manual_seed(stages)
         self.kv = [
             torch.full((BLOCKS, 2, 16, 2, 64), float("nan"), dtype=torch.bfloat16) for _ in range(LAYERS)
@@ -150,10 +162,12 @@ def scatters(log: list[tuple[str, ...]]) -> list[str]:
     return [e[1] for e in log if e[0] == "scatter"]
 
 
-def test_stages_are_queued_when_asked_one_dma_ahead_and_land_bit_for_bit(rig: Rig) -> None:
+def test_stages_are_queued_when_asked_two_dmas_ahead_into_alternate_buffers_bit_for_bit(rig: Rig) -> None:
     """Adding a load queues only its first stage's DMA; a layer's wait queues that stage's scatter
-    and then the next stage's DMA, which waits for that scatter (the chain); nothing of a later
-    stage is scattered before it is asked for; the lease ends once, after the last stage's DMA."""
+    and then DMAs until two are in flight, each into the buffer the scatter two stages before read
+    (it waits for that scatter, not for the one before it); nothing of a later stage is scattered
+    before it is asked for; the lease ends once, after the last stage's DMA. The fake DMAs land at
+    once, so a DMA into a buffer not yet scattered would change the bytes that land."""
     chunks, blocks = [2, 5, 7], list(range(10, 22))
     assert [hi - lo for lo, hi in engine_copies.stage_bounds(LAYERS, 4)] == [3, 2, 2, 1]
     load = rig.load("A", chunks, blocks)
@@ -161,14 +175,17 @@ def test_stages_are_queued_when_asked_one_dma_ahead_and_land_bit_for_bit(rig: Ri
     for stage in range(4):
         load.wait(stage)
         assert scatters(rig.log) == [f"stage{s}" for s in range(stage + 1)]
-        assert rig.memcpys == 3 * min(stage + 2, 4)  # one DMA ahead of the scatters
+        assert rig.memcpys == 3 * min(stage + 3, 4)  # two DMAs ahead of the scatters
         assert all(e is None for e in load.events[stage + 1 :])
     load.finish()
     rig.settle()
     assert rig.released == ["A"] and rig.failed == []
-    # Each DMA after the first waited for the scatter before it (the event the scatter handed out).
+    # Stage s's DMA (s >= 2) waited for stage s-2's scatter: the last reader of its buffer.
     waits = [e[2] for e in rig.log if e[0] == "wait" and e[1] == "dma"]
-    assert waits == [load.events[s].name for s in range(3)]  # type: ignore[union-attr]
+    assert waits == [load.events[s].name for s in range(2)]  # type: ignore[union-attr]
+    # Each scatter's tables went up on the DMA stream before its bytes: prepared when its DMA queued.
+    prepared = [e[1] for e in rig.log if e[0] == "prepare"]
+    assert prepared == [f"stage{s}" for s in range(4)]
     assert rig.equals_whole(chunks, blocks)
 
 

@@ -50,7 +50,7 @@ from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid_kernels.cuda_driver import Driver
 from kvgrid_kernels.pages import KernelGroupPages
-from kvgrid_kernels.plan import TransferHandle, TransferPlan
+from kvgrid_kernels.plan import PreparedRetrieve, TransferHandle, TransferPlan
 
 __all__ = ["EngineCopier", "StagedLoad", "open_engine_copier", "stage_bounds"]
 
@@ -163,10 +163,9 @@ class StagedLoad:
         return [e for e in self.events if e is not None]
 
     def finish(self) -> None:
-        """Every stage is loaded before what is queued next (the step's end, or layers no hook named).
-        On CUDA the last stage's event covers the others: each stage's DMA waits for the scatter
-        before it (:class:`_StagePipeline`)."""
-        self.wait(self.num_stages - 1)
+        """Every stage is loaded before what is queued next (the step's end, or layers no hook named)."""
+        for stage in range(self.num_stages):
+            self.wait(stage)
 
     def take_release(self) -> Callable[[], Any] | None:
         """The lease's release, handed out once (None after): run once the last stage's bytes left
@@ -190,28 +189,36 @@ class StagedLoad:
             release()
 
 
+_SLOTS = 2  # GPU buffers of the pipeline: a stage's DMA lands in one while the other's is scattered
+
+
 @dataclass
 class _Landing:
-    """One stage of one load whose DMA into the buffer is queued; ``views`` per part, per chunk."""
+    """One stage of one load whose DMA into buffer ``slot`` is queued; ``prepared`` per part: its
+    scatter, tables already uploaded."""
 
     load: StagedLoad
     stage: int
-    views: list[list[torch.Tensor]]
+    slot: int
+    prepared: list[PreparedRetrieve]
     landed: torch.cuda.Event
 
 
 class _StagePipeline:
     """CUDA layer-wise loads of one copier, queued just in time (docs/benchmarks.md, "Stages queued
-    just in time").
+    just in time" and "A DMA engine that never waits").
 
     Jobs are (load, stage) pairs in the order the engine needs them: by stage, then by the order
-    the loads arrived. A job moves by DMA (``cuMemcpyAsync`` per chunk, no SM work) from L1 into a
-    GPU buffer on the DMA stream, then a scatter reads it from there in place. The engine's thread
-    queues a job's scatter when a layer first asks for its stage, then the next job's DMA, which
-    waits for that scatter: a scatter begins with a small upload of its block ids on the copy
-    engine, and behind the next DMA it would wait for it (stages landed in pairs on the H200). So
-    one DMA is in flight at a time, and one buffer serves every stage (~0.3 ms of copy engine idle
-    per stage on the H200, the scatter included).
+    the loads arrived. A job moves by DMA (``cuMemcpyAsync`` per chunk, no SM work) from L1 into one
+    of two GPU buffers on the DMA stream, then a scatter reads it from there in place. The engine's
+    thread queues a job's scatter when a layer first asks for its stage, then DMAs until two are
+    in flight again. A DMA into a buffer waits only for the scatter that last read that buffer, so
+    the copy engine runs the stages back to back while the other buffer is scattered. What makes
+    that work: the scatter's tables (chunk offsets, block ids) are uploaded on the DMA stream just
+    after its DMA (:meth:`TransferPlan.prepare_retrieve`), so a scatter is kernels only. (With its
+    own upload, a scatter's few bytes queued on the copy engine behind the next DMA, and stages
+    landed in pairs on the H200; the fix of session 9, one buffer and each DMA waiting for the
+    scatter before it, left the copy engine idle ~0.35 ms per stage.)
 
     Why just in time: a stream that waits on the GPU stalls every stream mapped to the same
     hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``, default 8, which vLLM keeps). Queued all at
@@ -220,38 +227,41 @@ class _StagePipeline:
     of 40.6 ms; 27.1 ms with 32 queues). Queued just in time, what is queued after a wait needs
     that stage anyway.
 
-    Invariants: the buffer is rewritten only after the scatter that last read it (``last``); the
+    Invariants: a buffer is rewritten only after the scatter that last read it (``freed``); the
     first stage of a load waits for the load's fence; a load's lease is released (on the completer
     thread) once its last stage's DMA landed, as only the DMAs read L1, or at once when the load is
     abandoned (after a device sync); queueing a DMA changes ``pending`` and ``landing`` only once
-    everything that can fail succeeded; the buffer grows only in :meth:`add` (the loader thread,
-    before the forward), sized for the load's largest stage.
+    everything that can fail succeeded; buffers grow only in :meth:`add` (the loader thread, before
+    the forward), sized for the load's largest stage -- a replaced buffer is recorded on every
+    scatter stream, so the allocator reuses it only after the scatters queued on it ran.
     """
 
     def __init__(self, copier: EngineCopier) -> None:
         self.copier = copier
         self.dma = torch.cuda.Stream(copier.pool_device)
-        self.buffer: torch.Tensor | None = None
-        self.last: torch.cuda.Event | None = None  # the last scatter queued (it read the buffer)
+        self.buffers: list[torch.Tensor | None] = [None] * _SLOTS
+        self.freed: list[torch.cuda.Event | None] = [None] * _SLOTS  # each buffer's last scatter
+        self.next_slot = 0
         self.pending: list[tuple[StagedLoad, int]] = []  # no DMA queued yet, in the engine's order
-        self.landing: _Landing | None = None  # DMA queued, scatter not yet
+        self.landing: list[_Landing] = []  # DMA queued, scatter not yet (at most _SLOTS)
         self.lock = threading.Lock()
 
     def add(self, load: StagedLoad) -> None:
         """A load's stages join the schedule (the loader thread); when nothing is moving, the first
-        job's DMA starts now, before the engine's first layer asks."""
+        job's DMA starts now, before the engine's first layer asks. (One only: a load of the same
+        step added next goes before this load's second stage.)"""
         n = len(load.offsets)
         with self.lock, torch.cuda.device(self.copier.pool_device):
             before = self.pending
             jobs = before + [(load, s) for s in range(load.num_stages)]
             self.pending = sorted(jobs, key=lambda job: job[1])  # stable: arrival order within a stage
             try:
-                self._buffer(n * max(self.copier.stage_bytes))
-                if self.landing is None:
+                self._grow(n * max(self.copier.stage_bytes))
+                if not self.landing:
                     self._queue_dma()
             except BaseException:
-                self.pending = before  # the caller syncs and ends this load's lease
-                load._pipeline = None
+                self.pending = [job for job in self.pending if job[0] is not load]
+                load._pipeline = None  # the caller syncs and ends this load's lease
                 raise
 
     def through(self, load: StagedLoad, stage: int) -> torch.cuda.Event | None:
@@ -263,39 +273,40 @@ class _StagePipeline:
                 return None
             try:
                 while load.events[stage] is None and load._pipeline is not None:
-                    if self.landing is None:
+                    if not self.landing:
                         if not self.pending:  # never added, or dropped: a bug, not a hang
                             raise RuntimeError(f"stage {stage} of a load is not scheduled")
                         self._queue_dma()
-                    assert self.landing is not None
-                    self._queue_scatter(self.landing)
-                    self.landing = None
-                    if self.pending:
-                        self._queue_dma()  # one ahead
+                    self._queue_scatter(self.landing[0])
+                    self.landing.pop(0)
+                    self._fill()
             except Exception:
                 log.exception("kvgrid: queueing a layer-wise load failed; its blocks are recomputed")
                 for other in self._drop_unqueued(also=load):
                     other.abandon()
             return load.events[stage]
 
+    def _fill(self) -> None:
+        while self.pending and len(self.landing) < _SLOTS:
+            self._queue_dma()
+
     def _drop_unqueued(self, also: StagedLoad | None = None) -> list[StagedLoad]:
         """After a failure or at close: synchronize the device (queued copies read leased chunks and
-        write the buffer and blocks: a rare path), forget every job not yet scattered, and answer
+        write the buffers and blocks: a rare path), forget every job not yet scattered, and answer
         their loads (and ``also``), which the caller abandons."""
         torch.cuda.synchronize(self.copier.pool_device)
         loads = {id(ld): ld for ld, _ in self.pending}
-        if self.landing is not None:
-            loads[id(self.landing.load)] = self.landing.load
+        loads.update((id(job.load), job.load) for job in self.landing)
         if also is not None:
             loads[id(also)] = also
-        self.landing, self.pending, self.last = None, [], None
+        self.landing, self.pending, self.freed = [], [], [None] * _SLOTS
         return list(loads.values())
 
     def close(self) -> None:
         """The copier closes (its completer and mapping go next): loads with stages not yet queued
         end their leases now and are abandoned by the engine's thread at their next wait."""
         with self.lock, torch.cuda.device(self.copier.pool_device):
-            if self.pending or self.landing is not None:
+            if self.pending or self.landing:
                 for load in self._drop_unqueued():
                     load.closed = True
                     load._end()
@@ -303,50 +314,61 @@ class _StagePipeline:
     def _queue_dma(self) -> None:
         load, stage = self.pending[0]
         parts = self.copier.stage_parts[stage]
-        n = len(load.offsets)
-        buf = self._buffer(n * self.copier.stage_bytes[stage])
+        n, slot = len(load.offsets), self.next_slot
+        buf = self.buffers[slot]
+        assert buf is not None and buf.numel() >= n * self.copier.stage_bytes[stage]  # grown in add
         dma = self.dma
-        if self.last is not None:
-            dma.wait_event(self.last)
+        if (freed := self.freed[slot]) is not None:
+            dma.wait_event(freed)
         if stage == 0 and load.fence is not None:
             dma.wait_event(load.fence)  # the scatters wait for the DMAs, so for the runner's zeroing too
         drv, raw, pool_ptr = Driver.get(), dma.cuda_stream, self.copier.pool.data_ptr()
-        views: list[list[torch.Tensor]] = []
         base = 0
         for part in parts:
-            region = buf[base : base + n * part.nbytes]
-            dst = region.data_ptr()
+            dst = buf.data_ptr() + base
             for c, o in enumerate(load.offsets):
                 drv.memcpy_async(dst + c * part.nbytes, pool_ptr + o + part.offset, part.nbytes, raw)
-            views.append([region[c * part.nbytes : (c + 1) * part.nbytes] for c in range(n)])
             base += n * part.nbytes
+        prepared: list[PreparedRetrieve] = []
+        base = 0
+        # The scatter's tables go up on the DMA stream after the bytes: the copy engine starts on
+        # the bytes at once (this takes ~0.3 ms of host), and the scatter waits for both.
+        with torch.cuda.stream(dma):
+            for part in parts:
+                region = buf[base : base + n * part.nbytes]
+                views = [region[c * part.nbytes : (c + 1) * part.nbytes] for c in range(n)]
+                prepared.append(part.plan.prepare_retrieve(views, [load.block_ids[part.group]]))
+                base += n * part.nbytes
         landed = torch.cuda.Event()
         landed.record(dma)
         if stage == load.num_stages - 1 and load._release is not None:
             self.copier._release_when_landed(TransferHandle(landed), load._release)
             load._release = None
         self.pending.pop(0)
-        self.landing = _Landing(load, stage, views, landed)
+        self.next_slot = (slot + 1) % _SLOTS
+        self.landing.append(_Landing(load, stage, slot, prepared, landed))
 
     def _queue_scatter(self, job: _Landing) -> None:
-        event: torch.cuda.Event | None = job.landed
-        for part, chunk_views in zip(self.copier.stage_parts[job.stage], job.views, strict=True):
-            ids = [job.load.block_ids[part.group]]
-            event = part.plan.retrieve_async(chunk_views, ids, wait_event=event).event
-        self.last = job.load.events[job.stage] = event
+        event = job.landed
+        for part, prepared in zip(self.copier.stage_parts[job.stage], job.prepared, strict=True):
+            done = part.plan.launch_prepared(prepared, wait_event=event).event
+            assert done is not None  # CUDA: every launch records its event
+            event = done
+        self.freed[job.slot] = job.load.events[job.stage] = event
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        """The buffer with room for ``nbytes``, grown when a longer load comes. The old one is dropped
-        once the scatter that last read it finished; a DMA landing in it keeps it alive through its
-        views until its scatter is queued, and a later growth waits for that scatter (``last``)."""
-        buf = self.buffer
-        if buf is None or buf.numel() < nbytes:
-            if self.last is not None:
-                self.last.synchronize()
-            self.buffer = None
-            with torch.cuda.stream(self.dma):  # allocated where it is first used
-                buf = self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.copier.pool_device)
-        return buf
+    def _grow(self, nbytes: int) -> None:
+        """Every buffer with room for ``nbytes``, replaced when a longer load comes. A replaced
+        buffer is freed once nothing references it (a DMA landing in it keeps it through its views
+        until its scatter is queued); recorded on the scatter streams, its memory is reused only
+        after them."""
+        for slot, buf in enumerate(self.buffers):
+            if buf is None or buf.numel() < nbytes:
+                self.buffers[slot] = None
+                with torch.cuda.stream(self.dma):  # allocated where it is first written
+                    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.copier.pool_device)
+                for stream in self.copier.scatter_streams():
+                    buf.record_stream(stream)
+                self.buffers[slot] = buf
 
 
 class EngineCopier:
@@ -383,6 +405,10 @@ class EngineCopier:
         """Per stage, its bytes of one chunk."""
         self._pipeline = _StagePipeline(self) if device.type == "cuda" and self.stage_parts else None
 
+    def scatter_streams(self) -> list[torch.cuda.Stream]:
+        """CUDA: the streams the stages' scatters run on (one per stage plan)."""
+        return [part.plan.kernel_stream for parts in self.stage_parts for part in parts]
+
     @property
     def num_stages(self) -> int:
         return len(self.stage_parts)
@@ -412,7 +438,7 @@ class EngineCopier:
                 geometry = dataclasses.replace(pages.geometry, num_layers=j1 - j0)
                 sub = KernelGroupPages(pages.layers[j0:j1], geometry, name=pages.name)
                 lb = layout.layer_bytes(k)
-                part_plan = TransferPlan([sub], plan.tokens_per_chunk)
+                part_plan = TransferPlan([sub], plan.tokens_per_chunk, graphs=False)  # prepared launches
                 parts.append(_StagePart(k, layout.group_offsets[k] + j0 * lb, (j1 - j0) * lb, part_plan))
             out.append(parts)
         return out
