@@ -7,7 +7,6 @@ stage (``test_engine_copies.py`` of the agent shows a stage lands only when wait
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,26 +54,3 @@ def test_loads_are_copied_by_the_engine_and_equal_the_computed_prompt(
             # Each lease ends once its copy landed.
             wait_for("leases released", lambda: client.health().num_leased_chunks == 0)
         assert client.health().retrieved_chunks >= 8
-
-
-def test_a_layerwise_load_is_started_by_the_engines_thread_and_a_whole_one_by_the_loader(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An in-step load the engine copies layer-wise is retrieved and queued by the thread that runs
-    the forward (its first layer waits for it anyway; a hand-off to the loader thread delayed the
-    first DMA); a whole load stays on the loader thread, off the forward."""
-    worker = engine.worker.worker
-    threads: list[str] = []
-    retrieve = worker.agent.retrieve
-
-    def recording(*a: object, **k: object) -> object:
-        threads.append(threading.current_thread().name)
-        return retrieve(*a, **k)  # type: ignore[arg-type]
-
-    p = prompt(300, seed=21)
-    engine.generate(p)  # a miss: computed and stored
-    monkeypatch.setattr(worker.agent, "retrieve", recording)
-    loaded = worker.stats.chunks_loaded
-    engine.generate(p)
-    assert worker.stats.chunks_loaded - loaded == 4, threads
-    assert [t.startswith("kvgrid-load") for t in threads] == [not worker.config.layerwise], threads

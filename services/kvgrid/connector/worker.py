@@ -4,11 +4,7 @@
     registers every layer's KV tensor with the agent (CUDA IPC handles, or the shared-memory file
     of a CPU tensor -- see :mod:`kvgrid.connector.shm`) and keeps what it sent, to send it again.
 ``start_loads``
-    hands the step's :class:`LoadOrder` s to one background thread (Retrieve calls) and returns --
-    except in-step loads the engine copies layer-wise, which it starts itself (Retrieve, then the
-    first stage's DMA): the forward cannot pass its first layer before they are queued anyway, and
-    on the H200 the hand-off to the thread and its contention for the GIL with the forward's host
-    code delayed the first DMA by ~1 ms (docs/benchmarks.md, "A DMA engine that never waits").
+    hands the step's :class:`LoadOrder` s to one background thread (Retrieve calls) and returns.
 ``transfer_results``
     reports every load that ended -- succeeded, partly failed or failed -- exactly once in
     ``finished_recving``. A partial load is reported precisely: on a one-group model the blocks of
@@ -30,8 +26,8 @@ Fences (CUDA)
     agent queued its copies and records that event after them; before anything reads the loaded
     blocks (the first layer of an in-step load, or the step after an asynchronous load is
     reported) the engine's stream waits for the event -- on the GPU, so the host goes on queueing
-    the forward while the bytes move. Loads that record it run one at a time on the loader
-    thread, so the event's last record covers every load reported so far.
+    the forward while the bytes move. Loads run one at a time on the loader thread, so the event's
+    last record covers every load reported so far.
 Engine-side copies (``engine_copies``)
     when the agent shares its L1 file, loads run the same kernels in the engine's own process and
     CUDA context (:mod:`kvgrid.connector.engine_copies`): the Retrieve answers leased chunk offsets,
@@ -175,9 +171,6 @@ class ConnectorWorker:
         """Request id -> the latest background store covering it (async_store)."""
         self._copier: EngineCopier | None = None
         """Engine-side loads over the agent's shared L1 (None: the agent copies)."""
-        self._copier_in_use = threading.Lock()
-        """Held while a load uses the copier and while it is swapped: the engine's thread starts
-        staged loads itself, beside the loader thread that swaps copiers."""
         self._stage_of: dict[str, int] = {}
         """Layer name -> its stage of the copier's layer-wise loads."""
         self._staged: list[StagedLoad] = []
@@ -251,10 +244,6 @@ class ConnectorWorker:
         self._loader.submit(self._swap_copier, resp, reg).result()
 
     def _swap_copier(self, resp: Any, reg: _Registration) -> None:
-        with self._copier_in_use:
-            self._swap_copier_now(resp, reg)
-
-    def _swap_copier_now(self, resp: Any, reg: _Registration) -> None:
         want = self._cuda if self.config.engine_copies is None else self.config.engine_copies
         old = self._copier
         if old is not None and want and old.l1_file == resp.l1_file:
@@ -306,16 +295,9 @@ class ConnectorWorker:
         if not meta.loads:
             return
         self._fence_engine_stream()  # the runner's zeroing of fresh blocks must land first
-        staged_here = self._copier is not None and self._copier.num_stages > 0
-        futures: list[Future[LoadOutcome]] = []
-        for order in meta.loads:
-            if order.in_step and staged_here:  # on the engine's thread (module docstring)
-                futures.append(Future())
-                futures[-1].set_result(self._load(order))
-            else:
-                futures.append(self._loader.submit(self._load, order))
         with self._lock:
-            for order, future in zip(meta.loads, futures, strict=True):
+            for order in meta.loads:
+                future = self._loader.submit(self._load, order)
                 if order.in_step:
                     self._step_loads.append(future)
                 else:
@@ -377,10 +359,9 @@ class ConnectorWorker:
 
     def _load(self, order: LoadOrder) -> LoadOutcome:
         keys = self._my_keys(order.keys)
-        with self._copier_in_use:
-            copier = self._copier
-            if copier is not None:
-                return self._load_here(order, keys, copier)
+        copier = self._copier
+        if copier is not None:
+            return self._load_here(order, keys, copier)
         try:
             with agent_call_span("kvgrid.connector.retrieve", order.request_id):
                 res = self.agent.retrieve(
