@@ -18,8 +18,8 @@ Layer-wise loads (:meth:`EngineCopier.scatter_staged`) copy the layers in ``stag
 consecutive layers, in order, and let each layer wait only for its own stage (seed 002's layer-wise
 pipeline: loading stage s+1 overlaps the compute of stage s's layers). A stage is moved by plans over
 just its layers (the chunk layout keeps each kernel group's layers contiguous, so a stage's bytes of
-a chunk are one contiguous slice of it). On CUDA a stage moves by DMA into a GPU buffer and is
-scattered from there, queued just in time by the engine's thread (:class:`_StagePipeline`: nothing
+a chunk are one contiguous slice of it). On CUDA a stage moves by DMA into one of two GPU buffers
+and is scattered from there, queued just in time by the engine's thread (:class:`_StagePipeline`: nothing
 waits on the GPU ahead of compute that does not need it); a layer's attention waits for its
 stage's event on the engine's stream, and the step's end (or a layer no stage names) for every
 stage's. On CPU (no DMA engine to overlap with) a stage is copied by the engine's thread when its
@@ -64,9 +64,10 @@ def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
     stage holds one layer. Why: when a layer computes about as fast as its KV copies (Llama-3-8B at
     8k tokens on the H200: 0.58 ms against 0.59 ms), the compute of stage s starts once its copy
     landed and never catches up, so the hit ends near ``copied(s) + compute(stages s..last)`` for the
-    worst s; each stage also costs a fixed ~0.3 ms of copy engine idle. Weights falling by one
-    per stage (``stages - 1 - s + stages // 2``, the last stage excepted) keep that sum nearly even
-    across stages (docs/benchmarks.md, "Stages queued just in time")."""
+    worst s. Weights falling by one per stage (``stages - 1 - s + stages // 2``, the last stage
+    excepted) keep that sum nearly even across stages (docs/benchmarks.md, "Stages queued just in
+    time"). A large first stage also covers the engine's thread reaching layer 0 and queueing the
+    next DMAs: 1 or 2 layers first measured slower ("A DMA engine that never waits")."""
     n = max(1, min(stages, num_layers))
     if n < 3 or num_layers == n:
         sizes = [num_layers // n + (s < num_layers % n) for s in range(n)]
