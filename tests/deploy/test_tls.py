@@ -412,7 +412,12 @@ def _agents(
     finally:
         for p in procs:
             p.terminate()
-            p.wait(10)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:  # a stop waits up to ~7 s for its publisher and server
+                p.kill()
+                p.wait()
 
 
 def test_rendered_shared_identity_setup_registers_over_mtls(
