@@ -250,3 +250,32 @@ def test_a_stage_nobody_scheduled_is_an_error_not_a_hang(rig: Rig) -> None:
     )
     stray.wait(1)
     assert rig.released == ["S"] and rig.failed == ["S"]
+
+
+def test_a_longer_load_grows_both_buffers_without_disturbing_one_in_flight(rig: Rig) -> None:
+    """A load longer than the buffers replaces both at its add, each new buffer recorded on every
+    scatter stream (the allocator then reuses it only after the scatters queued on it ran); a load
+    whose first DMA already landed in an old buffer still scatters the right bytes from it."""
+
+    def records() -> int:
+        return sum(1 for e in rig.log if e[0] == "record")
+
+    streams = len(rig.copier.scatter_streams())
+    a = rig.load("A", [1, 3], list(range(0, 8)))  # its stage 0 lands in buffer 0 now
+    assert records() == 2 * streams
+    old = list(rig.copier._pipeline.buffers)  # type: ignore[union-attr]
+    b = rig.load("B", [4, 6, 8, 10], list(range(20, 36)))  # longer: both buffers replaced
+    new = rig.copier._pipeline.buffers  # type: ignore[union-attr]
+    assert records() == 4 * streams and all(x is not y for x, y in zip(old, new, strict=True))
+    for stage in range(4):
+        for load in (a, b):
+            load.wait(stage)
+    for load in (a, b):
+        load.finish()
+    rig.settle()
+    assert sorted(rig.released) == ["A", "B"] and rig.failed == []
+    assert rig.equals_whole([1, 3], list(range(0, 8))) and rig.equals_whole(
+        [4, 6, 8, 10], list(range(20, 36))
+    )
+    rig.load("C", [2], list(range(40, 44))).finish()  # shorter: the buffers stay
+    assert records() == 4 * streams

@@ -386,6 +386,8 @@ def test_plan_validates_inputs() -> None:
         plan.store([buf], [[1, 6]])
     with pytest.raises(ValueError, match="repeats a block id"):
         plan.retrieve([buf], [[2, 2]])
+    with pytest.raises(ValueError, match="expected chunk buffers on the plan's GPU, got cpu"):
+        plan.prepare_retrieve([buf], [[1, 2]])  # prepared scatters read GPU buffers only
     with pytest.raises(ValueError, match="one per kernel group"):
         plan.store([buf], [[1, 2], [3, 4]])
     with pytest.raises(ValueError, match="at least 32"):
