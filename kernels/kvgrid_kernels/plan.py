@@ -330,7 +330,9 @@ class TransferPlan:
         return PreparedRetrieve(chunks, tables, aligns, host)
 
     def launch_prepared(self, prepared: PreparedRetrieve, *, wait_event: torch.cuda.Event) -> TransferHandle:
-        """Queue a prepared retrieve's kernels on the plan's kernel stream after ``wait_event``."""
+        """Queue a prepared retrieve's kernels on the plan's kernel stream after ``wait_event``. The
+        returned handle keeps the chunk buffers alive; a caller that drops it early records them
+        on :attr:`kernel_stream` itself (the tables are recorded here)."""
         with self._lock, torch.cuda.device(self.device):
             ks = self._kernel_stream
             ks.wait_event(wait_event)

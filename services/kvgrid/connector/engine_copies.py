@@ -324,22 +324,21 @@ class _StagePipeline:
         if stage == 0 and load.fence is not None:
             dma.wait_event(load.fence)  # the scatters wait for the DMAs, so for the runner's zeroing too
         drv, raw, pool_ptr = Driver.get(), dma.cuda_stream, self.copier.pool.data_ptr()
-        base = 0
+        regions, base = [], 0  # per part: its chunks' slices of the buffer, back to back
         for part in parts:
-            dst = buf.data_ptr() + base
+            regions.append(buf[base : base + n * part.nbytes])
+            base += n * part.nbytes
+        for part, region in zip(parts, regions, strict=True):
+            dst = region.data_ptr()
             for c, o in enumerate(load.offsets):
                 drv.memcpy_async(dst + c * part.nbytes, pool_ptr + o + part.offset, part.nbytes, raw)
-            base += n * part.nbytes
-        prepared: list[PreparedRetrieve] = []
-        base = 0
         # The scatter's tables go up on the DMA stream after the bytes: the copy engine starts on
         # the bytes at once (this takes ~0.3 ms of host), and the scatter waits for both.
+        prepared: list[PreparedRetrieve] = []
         with torch.cuda.stream(dma):
-            for part in parts:
-                region = buf[base : base + n * part.nbytes]
+            for part, region in zip(parts, regions, strict=True):
                 views = [region[c * part.nbytes : (c + 1) * part.nbytes] for c in range(n)]
                 prepared.append(part.plan.prepare_retrieve(views, [load.block_ids[part.group]]))
-                base += n * part.nbytes
         landed = torch.cuda.Event()
         landed.record(dma)
         if stage == load.num_stages - 1 and load._release is not None:
