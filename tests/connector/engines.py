@@ -9,8 +9,10 @@ One engine per process at a time: vLLM keeps its connector in a process global, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -105,24 +107,44 @@ class Completion:
 @contextmanager
 def agent_frozen_after_lookup(
     engine: Engine, agent: AgentProc, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[None]:
+) -> Iterator[list[int]]:
     """Inside: the agent process stops (SIGSTOP) right after the scheduler's lookup found chunks,
-    so the load that follows hangs until it times out; on exit the agent continues."""
+    so the load that follows hangs until it times out; on exit the agent continues. Yields the
+    tokens each freezing lookup found (a test asserts it froze at all). The stop is waited for:
+    ``kill`` only queues it, and every agent thread must be stopped before the load is sent."""
     sched = engine.worker_scheduler
     lookup = sched.lookup
+    froze: list[int] = []
 
     def lookup_then_freeze(request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         found = lookup(request, num_computed_tokens)
         if found[0]:
             os.kill(agent.proc.pid, signal.SIGSTOP)
+            wait_stopped(agent.proc.pid)
+            froze.append(found[0])
         return found
 
     monkeypatch.setattr(sched, "lookup", lookup_then_freeze)
     try:
-        yield
+        yield froze
     finally:
         os.kill(agent.proc.pid, signal.SIGCONT)
         monkeypatch.undo()
+
+
+def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Return once every thread of ``pid`` is stopped (state ``T`` in /proc)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+        if states and all(s in "Tt" for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"agent {pid} not stopped after {timeout_s} s: thread states {states}")
+        time.sleep(0.001)
 
 
 TINY_LLAMA_CHUNK_BYTES = 64 * 1024  # 64 tokens x 2 layers x (K + V) x 2 heads x 64 x bf16

@@ -42,7 +42,8 @@ def test_a_failed_in_step_load_is_recomputed_from_the_reported_blocks(
     reference = engine.generate(tokens, salt="layerwise-fail")
     stats = engine.worker.worker.stats
     failed = stats.chunks_load_failed
-    with agent_frozen_after_lookup(engine, agent, monkeypatch):
+    with agent_frozen_after_lookup(engine, agent, monkeypatch) as froze:
         assert engine.generate(tokens, salt="layerwise-fail") == reference
-    assert stats.chunks_load_failed - failed == 4
+    assert froze == [256]  # the lookup found 4 chunks, then the agent stopped
+    assert stats.chunks_load_failed - failed == 4, stats
     assert engine.generate(prompt(200, seed=73), salt="after") is not None  # still serving
