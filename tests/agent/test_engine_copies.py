@@ -236,6 +236,42 @@ def test_a_repeated_block_id_is_refused_before_any_stage_copies(
     copier.close()
 
 
+def test_a_lookup_with_lease_hands_the_hits_to_the_engine_without_a_retrieve(
+    client: AgentClient, shared_dir: Path
+) -> None:
+    """The scheduler's Lookup with ``lease`` answers what a Retrieve with ``engine_copies`` would:
+    the hits' offsets (the same ones), leased to the request; their pins go, the lease holds them."""
+    tensors, reg = register_kv(client, "e11", shared_dir, seed=14)
+    keys, src, dst = keys_for(1100, 3), block_ids(0, 3), block_ids(20, 3)
+    want = blocks_of(tensors, src)
+    assert client.store("e11", keys, src).num_stored_chunks == 3
+    missing = keys_for(1101, 1)
+    res = client.lookup("e11", "req-l", [*keys, *missing], lease=True)
+    assert (res.num_hit_chunks, len(res.chunk_offsets), res.l1_file) == (3, 3, reg.l1_file)
+    assert res.lease_id > 0
+    health = client.health()
+    assert (health.num_leased_chunks, health.num_pinned_chunks) == (3, 0)
+    same = client.retrieve("e11", "other", keys, dst, engine_copies=True)
+    assert same.chunk_offsets == res.chunk_offsets
+    client.release_all("e11", "other")
+
+    copier = open_engine_copier(reg, tensors, GROUPS, HINTS, None)
+    assert copier is not None
+    released = threading.Event()
+    copier.scatter(res.chunk_offsets, dst, 0, fence=None, release=released.set)
+    assert released.wait(10)
+    copier.close()
+    assert all(torch.equal(g, w) for g, w in zip(blocks_of(tensors, dst), want, strict=True))
+    assert client.release_all("e11", "req-l", lease_id=res.lease_id).released_chunks == 3
+    assert client.health().num_leased_chunks == 0
+    # Without a request id (nothing could end the lease) or without ``lease``: pins, no lease.
+    assert client.lookup("e11", "", keys, lease=True).lease_id == 0
+    plain = client.lookup("e11", "req-p", keys)
+    assert (plain.num_hit_chunks, plain.lease_id, plain.chunk_offsets) == (3, 0, [])
+    assert client.health().num_pinned_chunks == 3
+    client.release_all("e11", "req-p")
+
+
 def test_a_release_naming_a_lease_ends_that_lease_only(client: AgentClient, shared_dir: Path) -> None:
     """Two loads of one request id (a preempted request loading again) hold two leases. The first
     load's Release, sent when its bytes landed on another thread than the second Retrieve, may reach
@@ -291,6 +327,11 @@ def test_a_private_l1_refuses_engine_copies(tmp_path: Path) -> None:
             text = invalid(client.retrieve, "p", "r", keys_for(800, 1), block_ids(0, 1), engine_copies=True)
             assert "engine_copies=true but this agent's L1 is private" in text
             assert "--l1-shared-dir" in text
+            # A Lookup asking for a lease gets pins instead: the engine Retrieves (agent copies).
+            assert client.store("p", keys_for(801, 1), block_ids(0, 1)).num_stored_chunks == 1
+            res = client.lookup("p", "r", keys_for(801, 1), lease=True)
+            assert (res.num_hit_chunks, res.lease_id, res.chunk_offsets, res.l1_file) == (1, 0, [], "")
+            assert client.health().num_pinned_chunks == 1
     finally:
         agent.stop()
 

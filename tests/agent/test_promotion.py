@@ -59,6 +59,7 @@ class Setup:
             tier_disk_path=str(tmp_path / "disk"),
             tier_disk_size=1 << 20,
             tier_promotion=mode,  # type: ignore[arg-type]
+            l1_shared_dir=str(tmp_path),  # engine copies: a Lookup may lease (only ready chunks)
         )
         self.core = AgentCore(
             cfg, PodIdentity(pod_uid="u"), meter=MeterProvider(metric_readers=[self.reader]).get_meter("t")
@@ -123,6 +124,24 @@ def setup(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Setup]:
     yield s
     s.store.gate.set()
     s.core.close()
+
+
+def test_a_lookup_leases_only_chunks_whose_read_has_finished(setup: Setup) -> None:
+    """Engine copies read L1 without the agent: a lease handed out while a chunk's bytes are still
+    being read from disk would let the engine copy them unread. Such a Lookup keeps its pins (the
+    Retrieve waits); once the reads finished, a Lookup leases the chunks and drops the pins."""
+    early = setup.core.lookup("e", "r", setup.keys, lease=True)
+    assert setup.store.reading.wait(5) and not setup.store.gate.is_set()
+    assert (early.num_hit_chunks, early.lease_id, early.chunk_offsets) == (3, 0, [])
+    assert setup.core.cache.stats().num_pins == 3 and setup.core.leased_chunks() == 0
+    setup.store.gate.set()
+    setup.wait_promotions()
+    later = setup.core.lookup("e", "r", setup.keys, lease=True)
+    assert later.num_hit_chunks == 3 and later.lease_id > 0 and len(later.chunk_offsets) == 3
+    assert later.l1_file == setup.core.pool.shared_file
+    assert setup.core.cache.stats().num_pins == 0 and setup.core.leased_chunks() == 3
+    assert setup.core.release_request("e", "r", later.lease_id) == (0, 3)
+    setup.no_leaks()
 
 
 def test_lookup_answers_before_the_read_and_retrieve_waits_for_it(setup: Setup) -> None:

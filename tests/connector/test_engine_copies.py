@@ -54,3 +54,31 @@ def test_loads_are_copied_by_the_engine_and_equal_the_computed_prompt(
             # Each lease ends once its copy landed.
             wait_for("leases released", lambda: client.health().num_leased_chunks == 0)
         assert client.health().retrieved_chunks >= 8
+
+
+def test_a_hit_leased_at_lookup_loads_without_a_retrieve(
+    engine: Engine, agent: AgentProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler's Lookup leases the hit (engine copies), so the worker's load makes no Retrieve
+    round trip; without the lease (the control) the same load Retrieves. Both equal the prompt computed."""
+    worker = engine.worker.worker
+    retrieves: list[str] = []
+    real_retrieve = worker.agent.retrieve
+
+    def counted(*args: object, **kwargs: object) -> object:
+        retrieves.append(str(args[1]))
+        return real_retrieve(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker.agent, "retrieve", counted)
+    assert engine.worker_scheduler.lease_at_lookup
+    with agent.client() as client:
+        for seed, lease in ((13, True), (14, False)):
+            monkeypatch.setattr(engine.worker_scheduler, "lease_at_lookup", lease)
+            p = prompt(300, seed=seed)
+            reference = engine.generate(p, salt="reference")
+            engine.generate(p)  # stored
+            copied, before = worker.stats.chunks_engine_copied, len(retrieves)
+            assert engine.generate(p) == reference
+            assert worker.stats.chunks_engine_copied - copied == 4
+            assert len(retrieves) - before == (0 if lease else 1)
+            wait_for("leases released", lambda: client.health().num_leased_chunks == 0)

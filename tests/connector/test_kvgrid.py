@@ -57,7 +57,7 @@ from kvgrid.connector.vllm import (
     LoadOrder,
     parse_connector_config,
 )
-from tests.agent.helpers import AgentProc, start_agent
+from tests.agent.helpers import AgentProc, start_agent, wait_for
 
 BLOCK = 16
 CHUNK = 64  # 4 blocks per chunk
@@ -459,6 +459,33 @@ def test_async_store_returns_at_once_and_lands_before_the_freed_blocks_are_writt
     engine.step(before_load=before_load)  # the asynchronous load ends inside this step
     for got, want in zip(engine.tokens_kv("C", 0, 192), a_kv, strict=True):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_engine_copies_lease_at_lookup_and_a_lookup_again_ends_the_earlier_lease(
+    model_config: ModelConfig, tmp_path: Path
+) -> None:
+    """With engine copies the scheduler's Lookup leases the hit (the worker needs no Retrieve). A
+    request looked up again before it is scheduled (no free blocks yet) ends its earlier lease by
+    id; the request's end ends the rest."""
+    agent = start_agent(tmp_path, "--l1-shared-dir", str(tmp_path))
+    try:
+        engine = make_engine(agent, model_config, tmp_path, engine_copies=True)
+        sched = engine.connector.scheduler
+        assert sched.lease_at_lookup
+        a_prompt = prompt(200)
+        engine.add("A", a_prompt)
+        engine.step()  # computed and stored: 3 chunks
+        req = Request("again", a_prompt, SamplingParams(max_tokens=1), None)  # type: ignore[arg-type]
+        with AgentClient(agent.uds_path) as client:
+            assert sched.lookup(req, 0) == (192, True)
+            assert client.health().num_leased_chunks == 3
+            assert sched.lookup(req, 0) == (192, True)  # the first lookup's lease ends
+            wait_for("the earlier lease ended", lambda: client.health().num_leased_chunks == 3, 10)
+            sched.finished(req)
+            wait_for("the request's lease ended", lambda: client.health().num_leased_chunks == 0, 10)
+            assert client.health().num_pinned_chunks == 0
+    finally:
+        agent.stop()
 
 
 def test_agents_without_a_peer_address_are_asked_once_not_per_finished_request(

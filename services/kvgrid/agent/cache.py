@@ -564,6 +564,19 @@ class ChunkCache:
         with self._lock:
             return self._unpin_locked(owner)
 
+    def take_ready_pins(self, owner: tuple[str, str]) -> list[Chunk] | None:
+        """``owner``'s pinned chunks with their references, no longer pins (no TTL): a lease holds
+        them now and gives them back with :meth:`release`. None, and the pins stay, when one of
+        them has bytes still being read from a lower tier (or whose read failed)."""
+        with self._lock:
+            pin = self._pins.get(owner)
+            if pin is None or any(
+                c.failed or (c.ready is not None and not c.ready.is_set()) for c in pin.chunks
+            ):
+                return None
+            del self._pins[owner]
+            return pin.chunks
+
     def unpin_instance(self, instance_id: str) -> int:
         with self._lock:
             return sum(self._unpin_locked(o) for o in [o for o in self._pins if o[0] == instance_id])

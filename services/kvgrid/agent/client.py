@@ -154,8 +154,11 @@ class AgentClient:
         *,
         pin_ttl_ms: int = 0,
         peer_address: str = "",
+        lease: bool = False,
     ) -> LookupResult:
-        """``peer_address``: fetch what is missing from that peer agent (P/D: the producer's)."""
+        """``peer_address``: fetch what is missing from that peer agent (P/D: the producer's).
+        ``lease`` (engine copies): lease the hits now when their bytes are all in the shared L1,
+        answering their offsets and the lease id (0: none taken, Retrieve them instead)."""
         resp = self._call(
             "Lookup",
             agent_pb2.LookupRequest(
@@ -164,6 +167,7 @@ class AgentClient:
                 chunk_keys=chunk_keys,
                 pin_ttl_ms=pin_ttl_ms,
                 peer_address=peer_address,
+                lease=lease,
             ),
         )
         assert isinstance(resp, agent_pb2.LookupResponse)
@@ -171,6 +175,9 @@ class AgentClient:
             num_hit_chunks=resp.num_hit_chunks,
             miss_cause=resp.miss_cause or "none",
             num_peer_chunks=resp.num_peer_chunks,
+            chunk_offsets=list(resp.chunk_offsets),
+            lease_id=resp.lease_id,
+            l1_file=resp.l1_file,
         )
 
     def retrieve(

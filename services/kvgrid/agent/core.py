@@ -391,12 +391,15 @@ class AgentCore:
         pin_ttl_ms: int = 0,
         *,
         peer_address: str = "",
+        lease: bool = False,
     ) -> LookupResult:
         """Leading chunks available: held here, then fetched from a peer -- the one at
         ``peer_address`` when the engine names it (P/D: its producer's agent), else (peer fetch on)
         the holder the controller names. With ``request_id`` they stay pinned until
         Retrieve/Release or the TTL. A failing peer never fails the lookup: it answers what it has,
-        with cause ``peer_failed``."""
+        with cause ``peer_failed``. ``lease`` (engine copies, shared L1): lease the hits to the
+        request instead of pinning them when all their bytes are here already, so the engine
+        copies without a Retrieve (:meth:`_lease_ready`)."""
         inst = self.instance(instance_id)
         with client_input():
             keys = check_chunk_keys(keys)
@@ -457,8 +460,39 @@ class AgentCore:
             span.set_attribute("hit_chunks", n)
             span.set_attribute("tier_chunks", tier)
             span.set_attribute("peer_chunks", peer)
+            offsets, lease_id = (
+                self._lease_ready(owner) if lease and request_id and n and self.pool.shared_file else ([], 0)
+            )
         after_reply(self._count_hits, self.metrics.lookup_chunks, len(keys), n, cause, peer, tier)
-        return LookupResult(num_hit_chunks=n, miss_cause=str(cause), num_peer_chunks=peer)
+        return LookupResult(
+            num_hit_chunks=n,
+            miss_cause=str(cause),
+            num_peer_chunks=peer,
+            chunk_offsets=offsets,
+            lease_id=lease_id,
+            l1_file=self.pool.shared_file if lease_id else "",
+        )
+
+    def _lease_ready(self, owner: tuple[str, str]) -> tuple[list[int], int]:
+        """Turn the pins this Lookup took into a lease of ``owner`` when each chunk's bytes are
+        final in L1: (their offsets, the lease id). Else ([], 0) and the pins stay: a chunk still
+        being read from a lower tier (or whose read failed) is served by a Retrieve, which waits."""
+        chunks = self.cache.take_ready_pins(owner)
+        if not chunks:
+            return [], 0
+        with self._totals_lock:  # no Retrieve follows: the engine copies these itself
+            self.totals.retrieved_chunks += len(chunks)
+        return self._lease(owner, chunks)
+
+    def _lease(self, owner: tuple[str, str], chunks: list[Chunk]) -> tuple[list[int], int]:
+        """Hand ``chunks`` (referenced) to a new lease of ``owner``: their offsets in the shared L1
+        file and the lease id. Release of the id (or of the whole request) drops the references."""
+        # = pool.file_offset(c.buffer), without two tensor calls per chunk.
+        page, base = self.pool.page_bytes, self._l1_base
+        lease_id = next(self._lease_ids)
+        with self._lock:
+            self._leases.setdefault(owner, {})[lease_id] = chunks
+        return [base + c.start_page * page for c in chunks], lease_id
 
     def _from_tiers(self, inst: EngineInstance, keys: Sequence[bytes], owner: tuple[str, str]) -> int:
         """Bring the leading ``keys`` back into L1: those still waiting for the tier writer (no
@@ -593,12 +627,7 @@ class AgentCore:
             lease_id = 0
             try:
                 if engine_copies:
-                    # = pool.file_offset(c.buffer), without two tensor calls per chunk.
-                    page, base = self.pool.page_bytes, self._l1_base
-                    offsets = [base + c.start_page * page for c in chunks]
-                    lease_id = next(self._lease_ids)
-                    with self._lock:
-                        self._leases.setdefault((instance_id, request_id), {})[lease_id] = chunks
+                    offsets, lease_id = self._lease((instance_id, request_id), chunks)
                     chunks = []
                 elif n:
                     handle = inst.mover.retrieve_async(

@@ -1,20 +1,25 @@
 """``kvgrid bench hotpath``: the host time of one request's calls to its agent, per transport.
 
-One request of a serving engine makes four calls to its agent: Lookup (the scheduler), Retrieve
-(with ``engine_copies``: the agent only leases the chunks, so no bytes move), Release (ends the
-lease: ``AgentClient.release_nowait``, one-way on the hot path, so its column is the send alone and
-the agent's work on it delays the Store after it) and Store (its chunks are held already: no bytes
-move either). This bench starts a real ``kvgrid agent`` (L1 shared, hot path on), registers a
-one-layer CPU KV cache and times that sequence, median over ``--iters`` requests, over
+One request of a serving engine with engine copies makes three calls to its agent: Lookup with
+``lease`` (the scheduler; the agent leases the hits and answers their offsets, so no bytes move
+and the worker needs no Retrieve), Release of that lease (``AgentClient.release_nowait``, one-way
+on the hot path, so its column is the send alone and the agent's work on it delays the Store after
+it) and Store (its chunks are held already: no bytes move either). Before the lease moved into the
+Lookup, a Retrieve with ``engine_copies`` took it: a fourth call, timed here as the flow
+``hot+retrieve``. This bench starts a real ``kvgrid agent`` (L1 shared, hot path on), registers a
+one-layer CPU KV cache and times each flow, median over ``--iters`` requests:
 
-* the hot path (``kvgrid.agent.hotpath``, a plain Unix socket; ``--spin-us``: the client polls for
-  each reply that long before sleeping, ``AgentClient(hot_path_spin_us=...)``),
-* gRPC over the agent's Unix socket (what every call cost before),
+* ``hot``: the lease flow over the hot path (``kvgrid.agent.hotpath``, a plain Unix socket;
+  ``--spin-us``: the client polls for each reply that long before sleeping,
+  ``AgentClient(hot_path_spin_us=...)``),
+* ``hot+retrieve``: Lookup, Retrieve, Release, Store over the hot path (the flow before),
+* ``grpc``: the lease flow over gRPC on the agent's Unix socket (what every call cost before the
+  hot path),
 
-and, as the limit in the same run, four round trips of a bare Unix-socket echo between this process
-and a child process (no framing, no agent work; kept at four so runs before the one-way Release
-compare, though three and a send now suffice). Printed: microseconds per request and per call,
-and the ratios hot / gRPC and limit / hot. Issue 11's goal: <= 100 us per request on the hot path.
+and, as the limit in the same run, a bare Unix-socket echo between this process and a child process
+(no framing, no agent work): its round trip times the flow's round trips (one-way sends not
+counted). Printed: microseconds per request and per call, and per flow the limit over its time.
+Issue 11's goal: <= 100 us per request on the hot path.
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ while True:
         break
     c.sendall(b)
 """
+
+
+FLOWS = {"hot": ("hot", True), "hot+retrieve": ("hot", False), "grpc": ("grpc", True)}
+"""Flow name: (transport, whether the Lookup takes the lease; else a Retrieve does)."""
 
 
 def _d(text: str) -> msgspec.Meta:
@@ -119,21 +128,30 @@ def measure(cfg: HotPathBenchConfig, tmp: Path) -> dict[str, object]:
         ids = [list(range(bpc * cfg.chunks))]
         clients["grpc"].store("bench", keys, ids)
         per_call: dict[str, dict[str, list[float]]] = {}
-        for name, c in clients.items():
+        for name, (transport, lease) in FLOWS.items():
+            c = clients[transport]
             calls: dict[str, list[float]] = {"lookup": [], "retrieve": [], "release": [], "store": []}
             for i in range(cfg.iters + 50):  # the first 50 warm up (connections, caches)
                 rid = f"{name}-{i}"
                 t = [time.perf_counter()]
-                hits = c.lookup("bench", rid, keys).num_hit_chunks
+                found = c.lookup("bench", rid, keys, lease=lease)
                 t.append(time.perf_counter())
-                got = len(c.retrieve("bench", rid, keys, ids, engine_copies=True).chunk_offsets)
-                t.append(time.perf_counter())
-                c.release_nowait("bench", rid)
+                if lease:
+                    got, lease_id = len(found.chunk_offsets), found.lease_id
+                    t.append(t[-1])  # no Retrieve
+                else:
+                    res = c.retrieve("bench", rid, keys, ids, engine_copies=True)
+                    got, lease_id = len(res.chunk_offsets), res.lease_id
+                    t.append(time.perf_counter())
+                c.release_nowait("bench", rid, lease_id)
                 t.append(time.perf_counter())
                 held = c.store("bench", keys, ids, skip_first_n_chunks=cfg.chunks).num_stored_chunks
                 t.append(time.perf_counter())
-                if (hits, got, held) != (cfg.chunks,) * 3:
-                    raise RuntimeError(f"{name}: lookup {hits}, retrieve {got}, store {held} of {cfg.chunks}")
+                if (found.num_hit_chunks, got, held) != (cfg.chunks,) * 3 or not lease_id:
+                    raise RuntimeError(
+                        f"{name}: lookup {found.num_hit_chunks}, leased {got} (lease {lease_id}), "
+                        f"store {held} of {cfg.chunks}"
+                    )
                 if i >= 50:
                     for k, step in enumerate(calls):
                         calls[step].append(t[k + 1] - t[k])
@@ -153,14 +171,18 @@ def measure(cfg: HotPathBenchConfig, tmp: Path) -> dict[str, object]:
     }
     for name, calls in per_call.items():
         per_request = [sum(xs) for xs in zip(*calls.values(), strict=True)]
+        request_us = statistics.median(per_request)
+        round_trips = 2 if FLOWS[name][1] else 3  # Release is one-way
         out[name] = {
-            "request_us": us(statistics.median(per_request)),
+            "request_us": us(request_us),
             **{f"{k}_us": us(statistics.median(v)) for k, v in calls.items()},
+            "limit_us": us(round_trips * echo),
+            "limit_vs_request": float(f"{round_trips * echo / request_us:.4g}"),
         }
-    hot, grpc_ = out["hot"], out["grpc"]
-    assert isinstance(hot, dict) and isinstance(grpc_, dict)
+    hot, before, grpc_ = out["hot"], out["hot+retrieve"], out["grpc"]
+    assert isinstance(hot, dict) and isinstance(before, dict) and isinstance(grpc_, dict)
     out["hot_vs_grpc"] = float(f"{hot['request_us'] / grpc_['request_us']:.4g}")
-    out["limit_vs_hot"] = float(f"{4 * echo * 1e6 / hot['request_us']:.4g}")
+    out["lease_vs_retrieve"] = float(f"{hot['request_us'] / before['request_us']:.4g}")
     return out
 
 
@@ -177,16 +199,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"one request's agent calls ({cfg.chunks} chunks, no bytes moved, hot-path spin "
-        f"{cfg.spin_us} us), median of {cfg.iters}; "
-        f"limit: 4 bare Unix-socket round trips = {4 * result['echo_rtt_us']:.4g} us"  # type: ignore[operator]
+        f"{cfg.spin_us} us), median of {cfg.iters}; bare Unix-socket round trip "
+        f"{result['echo_rtt_us']:.4g} us; limit = the flow's round trips x that"
     )
-    print(f"{'':6}{'request us':>11}{'lookup':>9}{'retrieve':>10}{'release':>9}{'store':>8}")
-    for name in ("hot", "grpc"):
+    head = ("request us", "lookup", "retrieve", "release", "store", "limit us", "limit/req")
+    print(f"{'':14}" + "".join(f"{h:>11}" for h in head))
+    for name in FLOWS:
         r = result[name]
         assert isinstance(r, dict)
-        print(
-            f"{name:6}{r['request_us']:>11.4g}{r['lookup_us']:>9.4g}{r['retrieve_us']:>10.4g}"
-            f"{r['release_us']:>9.4g}{r['store_us']:>8.4g}"
-        )
-    print(f"hot / grpc {result['hot_vs_grpc']:.4g}; limit / hot {result['limit_vs_hot']:.4g}")
+        cols = ("request_us", "lookup_us", "retrieve_us", "release_us", "store_us", "limit_us")
+        print(f"{name:14}" + "".join(f"{r[c]:>11.4g}" for c in cols) + f"{r['limit_vs_request']:>11.3g}")
+    print(
+        f"hot / grpc {result['hot_vs_grpc']:.4g}; "
+        f"lease at Lookup / Lookup + Retrieve {result['lease_vs_retrieve']:.4g}"
+    )
     return 0

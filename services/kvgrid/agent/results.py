@@ -14,6 +14,12 @@ class LookupResult(msgspec.Struct, frozen=True):
     """Why the walk stopped: none, not_found, layout_mismatch or peer_failed."""
     num_peer_chunks: int = 0
     """Of the hits, how many this lookup fetched from a peer agent."""
+    chunk_offsets: list[int] = msgspec.field(default_factory=list)
+    """A lease's hit chunks: their byte offsets in the agent's shared L1 file."""
+    lease_id: int = 0
+    """The lease a Lookup with ``lease`` took (0: none; Retrieve the chunks instead)."""
+    l1_file: str = ""
+    """With a lease: the shared L1 file its offsets are in."""
 
 
 class StoreResult(msgspec.Struct, frozen=True):

@@ -131,9 +131,15 @@ class AgentServicer:
             list(req.chunk_keys),
             req.pin_ttl_ms,
             peer_address=req.peer_address,
+            lease=req.lease,
         )
         return agent_pb2.LookupResponse(
-            num_hit_chunks=r.num_hit_chunks, miss_cause=r.miss_cause, num_peer_chunks=r.num_peer_chunks
+            num_hit_chunks=r.num_hit_chunks,
+            miss_cause=r.miss_cause,
+            num_peer_chunks=r.num_peer_chunks,
+            chunk_offsets=r.chunk_offsets,
+            lease_id=r.lease_id,
+            l1_file=r.l1_file,
         )
 
     def Retrieve(self, req: agent_pb2.RetrieveRequest) -> agent_pb2.RetrieveResponse:

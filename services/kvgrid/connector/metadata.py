@@ -13,6 +13,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 __all__ = ["KVGridConnectorMetadata", "LoadOrder", "StoreOrder"]
 
 
+@dataclass(frozen=True)
+class Lease:
+    """Chunks one rank's agent leased to the request at Lookup (engine copies): their offsets in
+    the agent's shared L1 file, so the worker copies them without a Retrieve, and Releases
+    ``lease_id`` once they landed."""
+
+    lease_id: int
+    chunk_offsets: list[int]
+    l1_file: str
+    """The agent's shared L1 file: a worker mapping another one (the agent restarted since the
+    Lookup) Retrieves instead, and leaves the dead agent's lease alone."""
+
+
 @dataclass
 class LoadOrder:
     """Scatter the leading held chunks of ``keys`` into the request's blocks.
@@ -32,6 +45,9 @@ class LoadOrder:
     in_step: bool = False
     """Layer-wise: the request is computed in the same step, so the load must land before each
     layer's attention (``wait_for_layer_load``) instead of being reported between steps."""
+    leases: list[Lease | None] = field(default_factory=list)
+    """Per worker rank, the chunks its agent leased at Lookup (None or absent: Retrieve them); a
+    lease covers at least the order's keys of that rank."""
 
 
 @dataclass

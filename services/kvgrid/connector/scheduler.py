@@ -40,9 +40,11 @@ metadata, so the worker can wait for its stores before the freed blocks are writ
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -53,7 +55,7 @@ from kvgrid.agent.client import AgentClient
 from kvgrid.common.hashing import chain_chunk_keys, chunk_keys, pack_token_ids
 from kvgrid.connector.chunk_policy import loadable_chunks, new_tokens_to_load, storable_chunks
 from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
-from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder, StoreOrder
+from kvgrid.connector.metadata import KVGridConnectorMetadata, Lease, LoadOrder, StoreOrder
 from kvgrid.connector.tracing import agent_call_span
 
 if TYPE_CHECKING:
@@ -109,7 +111,9 @@ class _Lookup:
     hit_chunks: int
     num_computed_tokens: int
     pinned: bool = False
-    """Some rank's agent holds pins for the request (even when the minimum hit is 0)."""
+    """Some rank's agent holds pins or a lease for the request (even when the minimum hit is 0)."""
+    leases: list[Lease | None] = field(default_factory=list)
+    """Per rank, the lease its agent took at Lookup (engine copies), for the load order."""
 
 
 @dataclass
@@ -142,8 +146,11 @@ class ConnectorScheduler:
         is_consumer: bool,
         is_producer: bool,
         event_block_size: int = 0,
+        lease_at_lookup: bool = False,
     ) -> None:
-        """``event_block_size``: tokens per vLLM block hash when vLLM's KV events are on (0: off)."""
+        """``event_block_size``: tokens per vLLM block hash when vLLM's KV events are on (0: off).
+        ``lease_at_lookup``: the workers copy loads themselves (engine copies), so each Lookup asks
+        its agent to lease the hits at once, and the load needs no Retrieve round trip."""
         self.identity = identity
         self.config = config
         self.is_consumer = is_consumer
@@ -169,7 +176,12 @@ class ConnectorScheduler:
         self._own_peers: list[str] | None = None
         self._peers_asked_at: float | None = None
         """time.monotonic() of the last Health asked for ``_own_peers`` (None: never)."""
+        self.lease_at_lookup = lease_at_lookup
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgrid-release")
+        self._releasing_lock = threading.Lock()
+        self._releasing: dict[str, Future[None]] = {}
+        """Requests whose whole-request Release is queued: a new Lookup of one waits for it, so
+        the late Release cannot end the lease that Lookup takes."""
         self.event_block_size = event_block_size
         self._events: list[KVCacheEvent] = []
 
@@ -203,7 +215,13 @@ class ConnectorScheduler:
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens the agent can supply beyond ``num_computed_tokens`` and whether the load is async."""
-        self._lookups.pop(request.request_id, None)
+        previous = self._lookups.pop(request.request_id, None)
+        if previous is not None:  # looked up again before it was scheduled: that lookup's leases go
+            self._end_leases(request.request_id, previous.leases)
+        with self._releasing_lock:
+            queued = self._releasing.get(request.request_id)
+        if queued is not None:
+            queued.result()  # rare: a preempted request's release still queued (it logs its errors)
         if not self.is_consumer:
             return 0, False
         keys = self.request_keys(request)
@@ -223,6 +241,7 @@ class ConnectorScheduler:
             hit = limit
             ident = self.identity
             peers = _peers_of(request, ident.world_size)
+            leases: list[Lease | None] = []
             for rank in range(ident.world_size):
                 address = ident.agent_addresses[rank]
                 if time.monotonic() < self._agent_back_off.get(address, 0.0):
@@ -235,6 +254,7 @@ class ConnectorScheduler:
                         keys[rank][:hit],
                         pin_ttl_ms=self.config.pin_ttl_ms,
                         peer_address=peers[rank],
+                        lease=self.lease_at_lookup,
                     )
                 except grpc.RpcError as e:
                     # An agent is away (restarting) or this rank is not registered (yet): a miss.
@@ -248,12 +268,15 @@ class ConnectorScheduler:
                     hit = 0
                 else:
                     hit = min(hit, res.num_hit_chunks)
+                    leases.append(
+                        Lease(res.lease_id, res.chunk_offsets, res.l1_file) if res.lease_id else None
+                    )
                 if hit == 0:
                     break
             span.set_attribute("kvgrid.hit_chunks", hit)
         if rank > 0 or hit:
             # Pins were taken on some ranks; after_alloc or finished releases them.
-            self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens, pinned=True)
+            self._lookups[request.request_id] = _Lookup(hit, num_computed_tokens, pinned=True, leases=leases)
         n = new_tokens_to_load(hit, tpc, num_computed_tokens)
         return n, n > 0 and not self.in_step_loads
 
@@ -281,6 +304,7 @@ class ConnectorScheduler:
                 block_ids=state.block_ids,
                 skip_first_n_tokens=found.num_computed_tokens,
                 in_step=self.in_step_loads,
+                leases=found.leases,
             )
             self._pending_loads.append(state)
             state.num_stored_chunks = max(state.num_stored_chunks, n)
@@ -458,9 +482,34 @@ class ConnectorScheduler:
         self._own_peers = found if all(found) else None
 
     def _release(self, request_id: str) -> None:
-        """Drop the request's pins on every rank's agent, off the scheduler's thread: vLLM's
-        scheduler must never wait on an agent that is slow or away (the pins' TTL bounds them)."""
-        self._releaser.submit(self._release_now, request_id)
+        """Drop the request's pins and leases on every rank's agent, off the scheduler's thread:
+        vLLM's scheduler must never wait on an agent that is slow or away (the pins' TTL bounds
+        them)."""
+        future = self._releaser.submit(self._release_now, request_id)
+        with self._releasing_lock:
+            self._releasing[request_id] = future
+        future.add_done_callback(partial(self._released, request_id))
+
+    def _released(self, request_id: str, future: Future[None]) -> None:
+        with self._releasing_lock:
+            if self._releasing.get(request_id) is future:
+                del self._releasing[request_id]
+
+    def _end_leases(self, request_id: str, leases: list[Lease | None]) -> None:
+        """End a lookup's leases by id (no load will use them), off the scheduler's thread. By id,
+        so a later lookup's lease of the same request is never ended by mistake."""
+        ident = self.identity
+        for rank, lease in enumerate(leases):
+            if lease is not None:
+                client, instance_id = self._agents[ident.agent_addresses[rank]], ident.instance_ids[rank]
+                self._releaser.submit(self._release_lease, client, instance_id, request_id, lease.lease_id)
+
+    @staticmethod
+    def _release_lease(client: AgentClient, instance_id: str, request_id: str, lease_id: int) -> None:
+        try:
+            client.release_nowait(instance_id, request_id, lease_id)
+        except grpc.RpcError as e:  # the agent went: its leases went with it
+            log.info("kvgrid release of request %s's lease failed: %s", request_id, rpc_text(e))
 
     def _release_now(self, request_id: str) -> None:
         ident = self.identity

@@ -69,7 +69,7 @@ from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.connector.chunk_policy import NULL_BLOCK_ID, failed_block_ids
 from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
 from kvgrid.connector.engine_copies import EngineCopier, StagedLoad, open_engine_copier
-from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder
+from kvgrid.connector.metadata import KVGridConnectorMetadata, Lease, LoadOrder
 from kvgrid.connector.scheduler import rpc_text
 from kvgrid.connector.shm import shared_memory_file
 from kvgrid.connector.tracing import agent_call_span
@@ -357,11 +357,18 @@ class ConnectorWorker:
     def _my_keys(self, keys: list[list[bytes]]) -> list[bytes]:
         return keys[self.identity.rank] if len(keys) > self.identity.rank else keys[0]
 
+    def _my_lease(self, order: LoadOrder) -> Lease | None:
+        leases = order.leases
+        return leases[self.identity.rank] if len(leases) > self.identity.rank else None
+
     def _load(self, order: LoadOrder) -> LoadOutcome:
         keys = self._my_keys(order.keys)
         copier = self._copier
+        lease = self._my_lease(order)
         if copier is not None:
-            return self._load_here(order, keys, copier)
+            return self._load_here(
+                order, keys, copier, lease if lease and lease.l1_file == copier.l1_file else None
+            )
         try:
             with agent_call_span("kvgrid.connector.retrieve", order.request_id):
                 res = self.agent.retrieve(
@@ -380,33 +387,43 @@ class ConnectorWorker:
         except Exception:  # a bug must not leave the request waiting forever: report it failed
             log.exception("kvgrid retrieve for request %s raised", order.request_id)
             loaded = 0
+        finally:
+            if lease is not None:  # taken for a copier that failed to open: the agent copied instead
+                self._release_lease(order.request_id, lease.lease_id)
         return LoadOutcome(order, loaded, len(keys))
 
-    def _load_here(self, order: LoadOrder, keys: list[bytes], copier: EngineCopier) -> LoadOutcome:
-        """Engine-side load: lease the chunks, scatter them here, Release once they landed."""
+    def _load_here(
+        self, order: LoadOrder, keys: list[bytes], copier: EngineCopier, lease: Lease | None
+    ) -> LoadOutcome:
+        """Engine-side load: scatter the leased chunks here, Release the lease once they landed.
+        The lease is the one the scheduler's Lookup took, else a Retrieve takes it now."""
         block_ids = agent_block_ids(order.block_ids)
         loaded = 0
         staged: StagedLoad | None = None
         try:
-            with agent_call_span("kvgrid.connector.retrieve", order.request_id):
-                res = self.agent.retrieve(
-                    self.identity.instance_id, order.request_id, keys, block_ids,
-                    skip_first_n_tokens=order.skip_first_n_tokens, engine_copies=True,
-                )  # fmt: skip
+            if lease is not None:
+                offsets, lease_id = lease.chunk_offsets[: len(keys)], lease.lease_id
+            else:
+                with agent_call_span("kvgrid.connector.retrieve", order.request_id):
+                    res = self.agent.retrieve(
+                        self.identity.instance_id, order.request_id, keys, block_ids,
+                        skip_first_n_tokens=order.skip_first_n_tokens, engine_copies=True,
+                    )  # fmt: skip
+                offsets, lease_id = res.chunk_offsets, res.lease_id
 
             def release() -> None:
-                self._release_lease(order.request_id, res.lease_id)
+                self._release_lease(order.request_id, lease_id)
 
             def failed() -> None:  # on the engine's thread: a stage failed to queue, or the copier closed
-                self._load_failed_late(order, len(res.chunk_offsets), len(keys))
+                self._load_failed_late(order, len(offsets), len(keys))
 
-            args = (res.chunk_offsets, block_ids, order.skip_first_n_tokens)
+            args = (offsets, block_ids, order.skip_first_n_tokens)
             if order.in_step and copier.num_stages:
                 staged = copier.scatter_staged(*args, fence=self._fence, release=release, failed=failed)
                 self.stats.loads_staged += 1
             else:
                 copier.scatter(*args, fence=self._fence, release=release)
-            loaded = len(res.chunk_offsets)
+            loaded = len(offsets)
             self.stats.chunks_engine_copied += loaded
         except grpc.RpcError as e:
             self._note_failure("retrieve", order.request_id, e)

@@ -351,6 +351,7 @@ class LookupRequest(_message.Message):
     CHUNK_KEYS_FIELD_NUMBER: _builtins.int
     PIN_TTL_MS_FIELD_NUMBER: _builtins.int
     PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     request_id: _builtins.str
     """Identifies the pins; Retrieve/Release with the same id drop them."""
@@ -360,6 +361,12 @@ class LookupRequest(_message.Message):
     """host:port of a peer agent to fetch the chunks after the local hits from (P/D disaggregation:
     the producer engine's agent, named in the request's kv_transfer_params); empty = the
     controller says who holds them (when peer fetch is on).
+    """
+    lease: _builtins.bool
+    """Engine copies: lease the hit chunks to request_id now and answer their offsets, so the engine
+    copies without a Retrieve. Taken only when every hit chunk's bytes are in L1 already (none
+    still being read from a lower tier) and L1 is shared; otherwise lease_id is 0 and the chunks
+    stay pinned for a Retrieve. Release naming the lease ends it.
     """
     @_builtins.property
     def chunk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
@@ -371,10 +378,11 @@ class LookupRequest(_message.Message):
         chunk_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         pin_ttl_ms: _builtins.int = ...,
         peer_address: _builtins.str = ...,
+        lease: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_keys", b"chunk_keys", "instance_id", b"instance_id", "peer_address", b"peer_address", "pin_ttl_ms", b"pin_ttl_ms", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_keys", b"chunk_keys", "instance_id", b"instance_id", "lease", b"lease", "peer_address", b"peer_address", "pin_ttl_ms", b"pin_ttl_ms", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -387,6 +395,9 @@ class LookupResponse(_message.Message):
     NUM_HIT_CHUNKS_FIELD_NUMBER: _builtins.int
     MISS_CAUSE_FIELD_NUMBER: _builtins.int
     NUM_PEER_CHUNKS_FIELD_NUMBER: _builtins.int
+    CHUNK_OFFSETS_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    L1_FILE_FIELD_NUMBER: _builtins.int
     num_hit_chunks: _builtins.int
     """Leading chunks available (and pinned)."""
     miss_cause: _builtins.str
@@ -395,16 +406,29 @@ class LookupResponse(_message.Message):
     """
     num_peer_chunks: _builtins.int
     """Of num_hit_chunks, how many this Lookup fetched from a peer agent into local L1."""
+    lease_id: _builtins.int
+    """lease: this Lookup's lease (0 = none was taken: Retrieve the chunks instead)."""
+    l1_file: _builtins.str
+    """lease: the shared L1 file the offsets are in (RegisterKVCachesResponse.l1_file). An engine
+    mapping another file (the agent restarted since) must not use the offsets.
+    """
+    @_builtins.property
+    def chunk_offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """lease: each hit chunk's byte offset in the agent's shared L1 file, as RetrieveResponse's."""
+
     def __init__(
         self,
         *,
         num_hit_chunks: _builtins.int = ...,
         miss_cause: _builtins.str = ...,
         num_peer_chunks: _builtins.int = ...,
+        chunk_offsets: _abc.Iterable[_builtins.int] | None = ...,
+        lease_id: _builtins.int = ...,
+        l1_file: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["miss_cause", b"miss_cause", "num_hit_chunks", b"num_hit_chunks", "num_peer_chunks", b"num_peer_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_offsets", b"chunk_offsets", "l1_file", b"l1_file", "lease_id", b"lease_id", "miss_cause", b"miss_cause", "num_hit_chunks", b"num_hit_chunks", "num_peer_chunks", b"num_peer_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
