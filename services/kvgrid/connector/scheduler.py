@@ -9,8 +9,10 @@ Per request, in vLLM's order:
     rank must load its shard -- as an asynchronous load.
 ``after_alloc`` (``update_state_after_alloc``)
     turns a hit into a :class:`LoadOrder` over the blocks vLLM allocated; an unused hit releases
-    its pins at once. vLLM calls it again when the request is scheduled after its load: the state
-    is kept, only the block ids are refreshed.
+    its pins at once. With ``lease_at_lookup`` (engine copies) each rank's Lookup turned its pins
+    into a lease when it could, and the order carries the leases: the worker needs no Retrieve.
+    vLLM calls it again when the request is scheduled after its load: the state is kept, only the
+    block ids are refreshed.
 ``build_meta`` (``build_connector_meta``)
     emits the pending loads and a :class:`StoreOrder` for every prompt chunk this step completes
     (with chunked prefill, each step stores the chunks it completed; a partial chunk is never
@@ -32,9 +34,12 @@ Per request, in vLLM's order:
 
 Invariants: a load order is emitted once per lookup; ``num_stored_chunks`` only grows, so a chunk
 is stored at most once per request; every pin taken is released by retrieve, by ``after_alloc``
-(unused hit) or by ``finished`` -- whichever comes first; a request with stores ordered is named
-once in ``flush_stores`` after vLLM frees its blocks (finished or preempted), in the next step's
-metadata, so the worker can wait for its stores before the freed blocks are written again.
+(unused hit) or by ``finished`` -- whichever comes first; every lease a Lookup took is ended by the
+load (by id, once its bytes landed), by the request's next Lookup (by id), or by ``after_alloc``
+(unused hit) or ``finished`` (the whole request); a Lookup waits for a whole-request Release of its
+request still queued, so that Release never ends the new lease; a request with stores ordered is
+named once in ``flush_stores`` after vLLM frees its blocks (finished or preempted), in the next
+step's metadata, so the worker can wait for its stores before the freed blocks are written again.
 """
 
 from __future__ import annotations
