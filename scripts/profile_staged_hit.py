@@ -90,6 +90,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=8192)
     p.add_argument("--max-prompt", type=int, default=0, help="KV cache and L1 sized for this (0: --prompt)")
     p.add_argument("--stages", type=int, default=8)
+    p.add_argument("--lease-at-lookup", action="store_true", help="the connector's lease_at_lookup")
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--whole-engine", action="store_true")
     p.add_argument("--no-marks", action="store_true", help="no per-layer events (the bench's hooks)")
@@ -105,7 +106,8 @@ def main() -> None:
         engines.append(TTFTEngine(model, agent.uds_path, work, max_prompt_tokens=top, engine_copies=True,
                                   engine_id="whole"))  # fmt: skip
     eng = TTFTEngine(model, agent.uds_path, work, max_prompt_tokens=top, layerwise=True, engine_copies=True,
-                     layerwise_stages=args.stages, engine_id="layerwise")  # fmt: skip
+                     layerwise_stages=args.stages, engine_id="layerwise",
+                     lease_at_lookup=args.lease_at_lookup)  # fmt: skip
     engines.append(eng)
     queued: list[tuple[float, float, engine_copies.StagedLoad]] = []
     scatter_staged = engine_copies.EngineCopier.scatter_staged

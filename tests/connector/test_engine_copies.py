@@ -28,7 +28,14 @@ def agent(workdir: Path) -> Iterator[AgentProc]:
 @pytest.fixture(scope="module", params=["whole", "layerwise"])
 def engine(request: pytest.FixtureRequest, workdir: Path, agent: AgentProc) -> Iterator[Engine]:
     layerwise = {"layerwise": True, "layerwise_stages": 2} if request.param == "layerwise" else {}
-    eng = Engine(make_tiny_llama(workdir / "model"), agent, workdir, engine_copies=True, **layerwise)
+    eng = Engine(
+        make_tiny_llama(workdir / "model"),
+        agent,
+        workdir,
+        engine_copies=True,
+        lease_at_lookup=True,
+        **layerwise,
+    )
     yield eng
     eng.close()
 
@@ -59,8 +66,9 @@ def test_loads_are_copied_by_the_engine_and_equal_the_computed_prompt(
 def test_a_hit_leased_at_lookup_loads_without_a_retrieve(
     engine: Engine, agent: AgentProc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The scheduler's Lookup leases the hit (engine copies), so the worker's load makes no Retrieve
-    round trip; without the lease (the control) the same load Retrieves. Both equal the prompt computed."""
+    """With ``lease_at_lookup`` the scheduler's Lookup leases the hit (engine copies), so the
+    worker's load makes no Retrieve round trip; without the lease (the control, and the default)
+    the same load Retrieves. Both equal the prompt computed."""
     worker = engine.worker.worker
     retrieves: list[str] = []
     real_retrieve = worker.agent.retrieve

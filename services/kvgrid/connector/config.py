@@ -119,6 +119,15 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
             "engines whose agent shares its L1; a CPU engine copies itself only when set to true"
         ),
     ] = None
+    lease_at_lookup: Annotated[
+        bool,
+        _d(
+            "With engine copies: the scheduler's Lookup leases the hits, so a load needs no Retrieve "
+            "round trip (a request's agent calls take 0.55 of the time on the H200 host). Off by "
+            "default: on the H200 an 8k-token layer-wise hit, its first copy queued ~0.3 ms earlier, "
+            "took 40.3 ms against 25.8 (the forward waited for every stage); not yet understood"
+        ),
+    ] = False
     save_decode_tokens: Annotated[
         bool,
         _d(

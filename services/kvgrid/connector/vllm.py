@@ -135,11 +135,14 @@ class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
                 and _can_prefill_on_loaded_kv(vllm_config),
                 is_producer=bool(self._kv_transfer_config.is_kv_producer),
                 event_block_size=event_block_size,
-                # The workers' choice (ConnectorWorker._swap_copier); one without a copier
-                # Retrieves the chunks and ends the lease.
-                lease_at_lookup=self.config.engine_copies
-                if self.config.engine_copies is not None
-                else vllm_config.device_config.device_type == "cuda",
+                # Only where the workers copy (ConnectorWorker._swap_copier's choice); one without
+                # a copier after all Retrieves the chunks and ends the lease.
+                lease_at_lookup=self.config.lease_at_lookup
+                and (
+                    self.config.engine_copies
+                    if self.config.engine_copies is not None
+                    else vllm_config.device_config.device_type == "cuda"
+                ),
             )
         else:
             self._worker = ConnectorWorker(self.identity, self.config)

@@ -30,15 +30,15 @@ Fences (CUDA)
     last record covers every load reported so far.
 Engine-side copies (``engine_copies``)
     when the agent shares its L1 file, loads run the same kernels in the engine's own process and
-    CUDA context (:mod:`kvgrid.connector.engine_copies`): the chunks are leased to the request --
-    by the scheduler's Lookup (the load order carries the lease), else by a Retrieve here -- the
-    worker queues the scatter from their offsets after the fence and records the load-done event
-    after it, and Release ends the lease once the bytes landed. Stores still go through the
-    agent. Layer-wise loads are copied in ``layerwise_stages`` stages of consecutive layers, each
-    layer waiting only for its own stage (on the GPU, on a per-stage event; no load-done record,
-    the step's end waits for every stage): loading stage s+1 overlaps the compute of stage s, and
-    the request costs one Release (and a Retrieve only when its Lookup could not lease) whatever
-    the number of layers.
+    CUDA context (:mod:`kvgrid.connector.engine_copies`): the chunks are leased to the request -- by
+    the scheduler's Lookup with ``lease_at_lookup`` (the load order carries it), else by a Retrieve
+    here -- the worker queues the scatter from their offsets after the fence and records the
+    load-done event after it, and Release ends the lease once the bytes landed. Stores still go
+    through the agent. Layer-wise loads are copied in ``layerwise_stages`` stages of consecutive
+    layers, each layer waiting only for its own stage (on the GPU, on a per-stage event; no
+    load-done record, the step's end waits for every stage): loading stage s+1 overlaps the compute
+    of stage s, and the request costs one Release (and a Retrieve only when its Lookup could not
+    lease) whatever the number of layers.
 Agent restarts
     a call that fails because the agent is away or forgot this instance marks the registration
     stale; the worker registers the same KV memory again (at most every

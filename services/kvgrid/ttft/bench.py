@@ -150,6 +150,10 @@ class TTFTBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
         msgspec.Meta(ge=1, description="with --copies engine: the connector's layerwise_stages (a layer-wise "
                      "load moves in that many stages of layers, each layer waiting for its own; 1: for all)"),
     ] = 8  # fmt: skip
+    lease_at_lookup: Annotated[
+        bool,
+        _d("with --copies engine: the connector's lease_at_lookup (the Lookup leases the hits: no Retrieve)"),
+    ] = False
     iters: Annotated[int, msgspec.Meta(ge=1, description="timed misses and hits per figure (median)")] = 3
     cuda_graphs: Annotated[
         bool,
@@ -254,6 +258,7 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
             layerwise=mode == "layerwise", engine_id=f"ttft-{mode}",
             async_store={"auto": None, "sync": False, "async": True}[cfg.store],
             engine_copies=cfg.copies == "engine", layerwise_stages=cfg.layerwise_stages,
+            lease_at_lookup=cfg.lease_at_lookup,
         )  # fmt: skip
 
     with contextlib.ExitStack() as stack:
@@ -297,6 +302,7 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
         "store": cfg.store,
         "copies": cfg.copies,
         "layerwise_stages": cfg.layerwise_stages,
+        "lease_at_lookup": cfg.lease_at_lookup,
         "cuda_graphs": model.cuda_graphs,
         "graph_max_tokens": model.graph_max_tokens,
         "graph_sizes": list(model.graph_sizes),
@@ -468,7 +474,8 @@ def print_table(result: dict[str, Any]) -> None:
         f"of {m['head_size']}, bf16; block {result['block_size']}, chunk {result['chunk_size']}; "
         f"median of {result['iters']}; stores {result['store']}; loads copied by the {result['copies']}"
         + (
-            f" (layer-wise in up to {result['layerwise_stages']} stages)"
+            f" (layer-wise in up to {result['layerwise_stages']} stages"
+            + ("; leased at lookup)" if result.get("lease_at_lookup") else ")")
             if result["copies"] == "engine"
             else ""
         )

@@ -201,6 +201,7 @@ class EngineOptions:
     engine_copies: bool = False
     layerwise_stages: int = 8
     engine_id: str = "ttft"
+    lease_at_lookup: bool = False
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,7 @@ def vllm_config(
                 "async_store": opts.async_store,
                 "engine_copies": opts.engine_copies,
                 "layerwise_stages": opts.layerwise_stages,
+                "lease_at_lookup": opts.lease_at_lookup,
                 "rpc_timeout_s": 600.0,
             },
         )
@@ -475,6 +477,7 @@ class TTFTEngine:
         layerwise_stages: int = 8,
         engine_id: str = "ttft",
         kv_cache_of: TTFTEngine | None = None,
+        lease_at_lookup: bool = False,
     ) -> None:
         """``agent_socket`` may contain '{rank}' (one agent per tensor-parallel rank); None: no KV
         connector (TP=1 only; :meth:`without_connector`). ``kv_cache_of``: run over that engine's KV
@@ -494,7 +497,7 @@ class TTFTEngine:
         self.options = EngineOptions(
             max_prompt_tokens=max_prompt_tokens, block_size=block_size, chunk_size=chunk_size,
             layerwise=layerwise, async_store=async_store, engine_copies=engine_copies,
-            layerwise_stages=layerwise_stages, engine_id=engine_id,
+            layerwise_stages=layerwise_stages, engine_id=engine_id, lease_at_lookup=lease_at_lookup,
         )  # fmt: skip
         self.model = model
         self.block_size = block_size
