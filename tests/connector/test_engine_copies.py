@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from kvgrid.agent.results import LookupResult
 from tests.agent.helpers import AgentProc, start_agent, wait_for
 from tests.connector.engines import Engine, make_tiny_llama, prompt
 
@@ -78,15 +80,26 @@ def test_a_hit_leased_at_lookup_loads_without_a_retrieve(
         return real_retrieve(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(worker.agent, "retrieve", counted)
-    assert engine.worker_scheduler.lease_at_lookup
+    sched = engine.worker_scheduler
+    assert sched.lease_at_lookup
+    (agent_client,) = sched._agents.values()
+    real_lookup = agent_client.lookup
     with agent.client() as client:
-        for seed, lease in ((13, True), (14, False)):
-            monkeypatch.setattr(engine.worker_scheduler, "lease_at_lookup", lease)
+        # "moved": the lease names another L1 file than the worker maps (as after an agent
+        # restart), so its offsets must not be used: the worker Retrieves.
+        for seed, lease, moved in ((13, True, False), (14, False, False), (15, True, True)):
+            monkeypatch.setattr(sched, "lease_at_lookup", lease)
+
+            def lookup(*args: object, moved: bool = moved, **kwargs: object) -> LookupResult:
+                res = real_lookup(*args, **kwargs)  # type: ignore[arg-type]
+                return msgspec.structs.replace(res, l1_file="/elsewhere") if moved and res.lease_id else res
+
+            monkeypatch.setattr(agent_client, "lookup", lookup)
             p = prompt(300, seed=seed)
             reference = engine.generate(p, salt="reference")
             engine.generate(p)  # stored
             copied, before = worker.stats.chunks_engine_copied, len(retrieves)
             assert engine.generate(p) == reference
             assert worker.stats.chunks_engine_copied - copied == 4
-            assert len(retrieves) - before == (0 if lease else 1)
+            assert len(retrieves) - before == (0 if lease and not moved else 1)
             wait_for("leases released", lambda: client.health().num_leased_chunks == 0)
