@@ -183,7 +183,7 @@ def test_stages_are_queued_when_asked_two_dmas_ahead_into_alternate_buffers_bit_
     # Stage s's DMA (s >= 2) waited for stage s-2's scatter: the last reader of its buffer.
     waits = [e[2] for e in rig.log if e[0] == "wait" and e[1] == "dma"]
     assert waits == [load.events[s].name for s in range(2)]  # type: ignore[union-attr]
-    # Each scatter's tables went up on the DMA stream before its bytes: prepared when its DMA queued.
+    # Each scatter's tables went up on the DMA stream with its bytes: prepared when its DMA queued.
     prepared = [e[1] for e in rig.log if e[0] == "prepare"]
     assert prepared == [f"stage{s}" for s in range(4)]
     assert rig.equals_whole(chunks, blocks)

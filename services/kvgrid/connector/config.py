@@ -148,6 +148,10 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
         msgspec.Meta(gt=0),
     ] = 1.0
 
+    def engine_copies_on(self, cuda: bool) -> bool:
+        """Whether the workers copy loads themselves: ``engine_copies``, or when unset, on CUDA."""
+        return cuda if self.engine_copies is None else self.engine_copies
+
 
 def parse_connector_config(extra: Mapping[str, Any] | None) -> KVGridConnectorConfig:
     """``kv_connector_extra_config`` -> config; ValueError naming the bad key or value."""

@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["PEERS_PARAM", "SKIP_SAVE_PARAM", "ConnectorScheduler", "rpc_text"]
+__all__ = ["PEERS_PARAM", "SKIP_SAVE_PARAM", "ConnectorScheduler", "end_lease", "rpc_text"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,15 @@ def rpc_text(e: grpc.RpcError) -> str:
     code = e.code() if isinstance(e, grpc.Call) else None
     details = e.details() if isinstance(e, grpc.Call) else str(e)
     return f"{getattr(code, 'name', code)}: {details}"
+
+
+def end_lease(agent: AgentClient, instance_id: str, request_id: str, lease_id: int) -> None:
+    """End one lease of the request by id: one-way on the hot path (nothing needs the answer), and
+    by id, so it never ends another load's lease of the same request."""
+    try:
+        agent.release_nowait(instance_id, request_id, lease_id)
+    except grpc.RpcError as e:  # the agent went: its leases went with it
+        log.info("kvgrid release of request %s's lease failed: %s", request_id, rpc_text(e))
 
 
 @dataclass
@@ -506,15 +515,8 @@ class ConnectorScheduler:
         ident = self.identity
         for rank, lease in enumerate(leases):
             if lease is not None:
-                client, instance_id = self._agents[ident.agent_addresses[rank]], ident.instance_ids[rank]
-                self._releaser.submit(self._release_lease, client, instance_id, request_id, lease.lease_id)
-
-    @staticmethod
-    def _release_lease(client: AgentClient, instance_id: str, request_id: str, lease_id: int) -> None:
-        try:
-            client.release_nowait(instance_id, request_id, lease_id)
-        except grpc.RpcError as e:  # the agent went: its leases went with it
-            log.info("kvgrid release of request %s's lease failed: %s", request_id, rpc_text(e))
+                agent, instance_id = self._agents[ident.agent_addresses[rank]], ident.instance_ids[rank]
+                self._releaser.submit(end_lease, agent, instance_id, request_id, lease.lease_id)
 
     def _release_now(self, request_id: str) -> None:
         ident = self.identity

@@ -138,11 +138,7 @@ class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
                 # Only where the workers copy (ConnectorWorker._swap_copier's choice); one without
                 # a copier after all Retrieves the chunks and ends the lease.
                 lease_at_lookup=self.config.lease_at_lookup
-                and (
-                    self.config.engine_copies
-                    if self.config.engine_copies is not None
-                    else vllm_config.device_config.device_type == "cuda"
-                ),
+                and self.config.engine_copies_on(vllm_config.device_config.device_type == "cuda"),
             )
         else:
             self._worker = ConnectorWorker(self.identity, self.config)

@@ -72,7 +72,7 @@ from kvgrid.connector.chunk_policy import NULL_BLOCK_ID, failed_block_ids
 from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
 from kvgrid.connector.engine_copies import EngineCopier, StagedLoad, open_engine_copier
 from kvgrid.connector.metadata import KVGridConnectorMetadata, Lease, LoadOrder
-from kvgrid.connector.scheduler import rpc_text
+from kvgrid.connector.scheduler import end_lease, rpc_text
 from kvgrid.connector.shm import shared_memory_file
 from kvgrid.connector.tracing import agent_call_span
 from kvgrid.connector.vllm_specs import (
@@ -246,7 +246,7 @@ class ConnectorWorker:
         self._loader.submit(self._swap_copier, resp, reg).result()
 
     def _swap_copier(self, resp: Any, reg: _Registration) -> None:
-        want = self._cuda if self.config.engine_copies is None else self.config.engine_copies
+        want = self.config.engine_copies_on(self._cuda)
         old = self._copier
         if old is not None and want and old.l1_file == resp.l1_file:
             return
@@ -437,10 +437,7 @@ class ConnectorWorker:
         """End this load's lease once its bytes landed (the completer thread). One-way on the hot
         path: nothing here needs the answer. By lease id, so it cannot end a later load's lease of
         the same request (another thread's Retrieve, unordered with this frame at the agent)."""
-        try:
-            self.agent.release_nowait(self.identity.instance_id, request_id, lease_id)
-        except grpc.RpcError as e:  # the agent went: its leases went with it
-            log.info("kvgrid release of request %s's lease failed: %s", request_id, rpc_text(e))
+        end_lease(self.agent, self.identity.instance_id, request_id, lease_id)
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) of the loads that ended since the last call."""
