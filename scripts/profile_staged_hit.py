@@ -2,6 +2,7 @@
 
     PYTHONPATH=services:kernels:<site> python3 scripts/profile_staged_hit.py [--prompt 8192]
         [--max-prompt 8192] [--stages 8] [--iters 4] [--whole-engine] [--no-marks] [--trace]
+        [--torch-trace FILE] [--stage-sizes 2,6,...] [--first-dmas 0|1|2] [--lease-at-lookup]
 
 One Llama-3-8B-shaped engine (``kvgrid.ttft``) with ``layerwise`` and ``engine_copies`` over a real
 agent with a shared L1; per iteration a miss, the cache poisoned, then the hit, printing: the hit's
@@ -21,6 +22,7 @@ second captures graphs).
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import threading
 import time
@@ -85,6 +87,66 @@ def _trace_host(spans: list[tuple[str, str, float, float]]) -> None:
         setattr(owner, name, traced)
 
 
+def _digest(trace: str) -> None:
+    """Per GPU stream of the hit: busy spans (gaps over 0.2 ms split them), ms from the hit's start."""
+    import json
+    from collections import defaultdict
+
+    events = json.loads(Path(trace).read_text())["traceEvents"]
+    t0 = min(e["ts"] for e in events if e.get("name") == "hit" and e.get("ph") == "X")
+    ops: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X":
+            a = (e["ts"] - t0) / 1e3
+            ops[e["args"].get("stream", -1)].append((a, a + e.get("dur", 0) / 1e3, e["cat"]))
+    for stream, items in sorted(ops.items()):
+        items.sort()
+        spans: list[list[float]] = []
+        for a, b, _ in items:
+            if spans and a - spans[-1][1] <= 0.2:
+                spans[-1][1] = max(spans[-1][1], b)
+            else:
+                spans.append([a, b])
+        kinds = sorted({k for _, _, k in items})
+        text = " ".join(f"{a:.2f}-{b:.2f}" for a, b in spans)
+        print(f"  stream {stream}: {len(items)} ops {kinds}: {text}")
+
+
+def _patch_pipeline(stage_sizes: str, first_dmas: int) -> None:
+    """Experiments on the layer-wise pipeline, by replacing its parts in this process only."""
+    if stage_sizes:
+        sizes = [int(x) for x in stage_sizes.split(",")]
+
+        def bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
+            if sum(sizes) != num_layers or len(sizes) != stages:
+                raise SystemExit(f"--stage-sizes {stage_sizes}: expected {stages} sizes, {num_layers} layers")
+            edges = [sum(sizes[:s]) for s in range(len(sizes) + 1)]
+            return list(itertools.pairwise(edges))
+
+        engine_copies.stage_bounds = bounds  # type: ignore[assignment]
+    if first_dmas == 1:
+        return
+    pipeline = engine_copies._StagePipeline
+    add, queue_dma = pipeline.add, pipeline._queue_dma
+    adding = threading.local()
+
+    def queue_dma_unless_adding(self: Any) -> None:
+        if not (getattr(adding, "on", False) and first_dmas == 0):
+            queue_dma(self)
+
+    def add_then_fill(self: Any, load: Any) -> None:
+        adding.on = True
+        try:
+            add(self, load)
+        finally:
+            adding.on = False
+        if first_dmas == 2:
+            self.fill()
+
+    pipeline._queue_dma = queue_dma_unless_adding  # type: ignore[method-assign]
+    pipeline.add = add_then_fill  # type: ignore[method-assign]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompt", type=int, default=8192)
@@ -95,7 +157,17 @@ def main() -> None:
     p.add_argument("--whole-engine", action="store_true")
     p.add_argument("--no-marks", action="store_true", help="no per-layer events (the bench's hooks)")
     p.add_argument("--trace", action="store_true", help="host spans of the connector's and vLLM's calls")
+    p.add_argument("--torch-trace", default="", help="write the last hit's torch.profiler trace (CUPTI) here")
+    p.add_argument("--stage-sizes", default="", help="layers per stage: 2,6,6,6,6,4,1,1")
+    p.add_argument(
+        "--first-dmas",
+        type=int,
+        default=1,
+        choices=(0, 1, 2),
+        help="DMAs the loader thread queues when a load is added (0: the first layer's wait does)",
+    )
     args = p.parse_args()
+    _patch_pipeline(args.stage_sizes, args.first_dmas)
     n, top = args.prompt, max(args.max_prompt, args.prompt)
     model = PagedLlama(LLAMA3_8B, device="cuda", seed=0)
     work = Path(tempfile.mkdtemp(dir="/dev/shm"))
@@ -136,9 +208,20 @@ def main() -> None:
             spans.clear()
             start = torch.cuda.Event(enable_timing=True)
             start.record()
+            profiler = None
+            if args.torch_trace and it == args.iters - 1:
+                profiler = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                )
+                profiler.start()
             t0 = time.perf_counter()
-            hit = eng.run(f"hit-{it}", tokens)
+            with torch.profiler.record_function("hit"):
+                hit = eng.run(f"hit-{it}", tokens)
             torch.cuda.synchronize()
+            if profiler is not None:
+                profiler.stop()
+                profiler.export_chrome_trace(args.torch_trace)
+                _digest(args.torch_trace)
 
             def ms(t: float, t0: float = t0) -> float:
                 return round(1e3 * (t - t0), 2)

@@ -144,9 +144,11 @@ class StagedLoad:
         if self._pipeline is not None:
             stream = torch.cuda.current_stream()
             if (stage, stream.cuda_stream) != self._waited:  # a stage's later layers: already waited
-                event = self._pipeline.through(self, stage)
+                pipeline = self._pipeline
+                event = pipeline.through(self, stage)
                 if event is not None:
                     stream.wait_event(event)
+                    pipeline.fill()  # the next DMAs after the layer's wait: it is what the host is late for
                 self._waited = (stage, stream.cuda_stream)
             return
         while self._copied <= stage and self._copy_stage is not None:
@@ -280,16 +282,23 @@ class _StagePipeline:
                         self._queue_dma()
                     self._queue_scatter(self.landing[0])
                     self.landing.pop(0)
-                    self._fill()
             except Exception:
                 log.exception("kvgrid: queueing a layer-wise load failed; its blocks are recomputed")
                 for other in self._drop_unqueued(also=load):
                     other.abandon()
             return load.events[stage]
 
-    def _fill(self) -> None:
-        while self.pending and len(self.landing) < _SLOTS:
-            self._queue_dma()
+    def fill(self) -> None:
+        """Queue DMAs until two are in flight (the engine's thread, after :meth:`through`'s stream
+        wait: when the host is behind the GPU, the layer's compute is queued before these calls)."""
+        with self.lock, torch.cuda.device(self.copier.pool_device):
+            try:
+                while self.pending and len(self.landing) < _SLOTS:
+                    self._queue_dma()
+            except Exception:
+                log.exception("kvgrid: queueing a layer-wise load failed; its blocks are recomputed")
+                for other in self._drop_unqueued():
+                    other.abandon()
 
     def _drop_unqueued(self, also: StagedLoad | None = None) -> list[StagedLoad]:
         """After a failure or at close: synchronize the device (queued copies read leased chunks and

@@ -15,10 +15,11 @@ No vLLM engine runs: this module plays the model runner with vLLM's real classes
   it) and ``None`` as ``save_kv_layer``'s attention metadata (not read either), a
   ``ModelRunnerOutput`` with the sampled token and a ``KVConnectorOutput``.
 
-Step order (``vllm/v1/worker/kv_connector_model_runner_mixin.py``): ``schedule`` ->
-``bind_connector_metadata`` -> ``handle_preemptions`` -> ``start_load_kv`` before the forward when
-the step has synchronous (in-step, layer-wise) loads -> forward, per layer ``wait_for_layer_load``
-... ``save_kv_layer`` -> ``start_load_kv`` after the forward otherwise -> ``wait_for_save`` ->
+Step order (``vllm/v1/worker/kv_connector_model_runner_mixin.py``): ``schedule`` -> the step's
+inputs go up (the cache slots, pinned, without blocking: vLLM's ``_prepare_inputs`` runs before the
+connector's context) -> ``bind_connector_metadata`` -> ``handle_preemptions`` -> ``start_load_kv``
+before the forward when the step has synchronous (in-step, layer-wise) loads -> forward, per layer
+``wait_for_layer_load`` ... ``save_kv_layer`` -> ``start_load_kv`` after the forward otherwise -> ``wait_for_save`` ->
 ``get_transfer_results`` (vLLM 0.32's form of ``get_finished``; the connector answers both from the
 same state, so only one is called) -> ``get_block_ids_with_load_errors`` -> ``clear_connector_metadata`` ->
 ``update_from_output``.
@@ -411,6 +412,10 @@ class RankWorker:
 
         w = self._connector
         ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        slots: torch.Tensor | None = None
+        if plan.request_id is not None:  # before the connector's loads, as in vLLM's runner: a pinned
+            # upload queued after a load's first DMA waits behind the whole DMA train (benchmarks.md)
+            slots = slots_of(plan.blocks, self.block_size, plan.start + plan.num_tokens, self.model.device)
         if w is not None:
             w.bind_connector_metadata(plan.metadata)
             w.handle_preemptions(plan.metadata)
@@ -418,12 +423,11 @@ class RankWorker:
                 w.start_load_kv(ctx)
         logits: torch.Tensor | None = None
         sampled: list[list[int]] = []
-        if plan.request_id is not None:
+        if slots is not None:
             start, n = plan.start, plan.num_tokens
             if start and self.after_load is not None and w is not None:
                 w.wait_for_layer_load(layer_name(0))  # in-step loads land first
                 self.after_load(plan.request_id, plan.blocks)
-            slots = slots_of(plan.blocks, self.block_size, start + n, self.model.device)
             lg = self.model.forward(tokens[start : start + n], start, self.kv_list, slots, self.hooks)
             if start + n >= tokens.numel():
                 logits = lg
