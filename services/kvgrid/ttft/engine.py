@@ -19,10 +19,10 @@ Step order (``vllm/v1/worker/kv_connector_model_runner_mixin.py``): ``schedule``
 inputs go up (the cache slots, pinned, without blocking: vLLM's ``_prepare_inputs`` runs before the
 connector's context) -> ``bind_connector_metadata`` -> ``handle_preemptions`` -> ``start_load_kv``
 before the forward when the step has synchronous (in-step, layer-wise) loads -> forward, per layer
-``wait_for_layer_load`` ... ``save_kv_layer`` -> ``start_load_kv`` after the forward otherwise -> ``wait_for_save`` ->
-``get_transfer_results`` (vLLM 0.32's form of ``get_finished``; the connector answers both from the
-same state, so only one is called) -> ``get_block_ids_with_load_errors`` -> ``clear_connector_metadata`` ->
-``update_from_output``.
+``wait_for_layer_load`` ... ``save_kv_layer`` -> ``start_load_kv`` after the forward otherwise ->
+``wait_for_save`` -> ``get_transfer_results`` (vLLM 0.32's form of ``get_finished``; the connector
+answers both from the same state, so only one is called) -> ``get_block_ids_with_load_errors`` ->
+``clear_connector_metadata`` -> ``update_from_output``.
 
 The scheduler side (:class:`TTFTEngine`: vLLM's ``Scheduler``, one request's loop) and one rank's
 worker side (:class:`RankWorker`: its KV cache, the connector's worker half, the step above from
