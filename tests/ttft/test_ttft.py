@@ -110,6 +110,45 @@ def test_bench_reports_both_modes_and_the_limits(capsys: pytest.CaptureFixture[s
         assert r["of_ceiling"] == pytest.approx(r["speedup"] / lim["ceiling"], rel=2e-3)
 
 
+def test_a_step_uploads_its_inputs_before_the_connector_starts_loads(
+    agent: AgentProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's runner uploads a step's inputs (``_prepare_inputs``) before the connector's context
+    starts loads; the harness must too. On CUDA a pinned upload queued after a load's first DMA waits
+    on the copy engine behind every DMA of the load (docs/benchmarks.md, session 12), which made the
+    harness's layer-wise hits wait for the whole load."""
+    import kvgrid.ttft.engine as engine_mod
+
+    directory = Path(agent.uds_path).parent
+    model = PagedLlama(PRESETS["tiny"])
+    eng = TTFTEngine(
+        model, agent.uds_path, directory, max_prompt_tokens=256, chunk_size=CHUNK, layerwise=True,
+        engine_id="test-order",
+    )  # fmt: skip
+    calls: list[str] = []
+    upload, start = engine_mod.slots_of, type(eng.worker).start_load_kv
+
+    def logged_upload(*a: Any, **k: Any) -> torch.Tensor:
+        calls.append("inputs")
+        return upload(*a, **k)
+
+    def logged_start(self: Any, *a: Any, **k: Any) -> None:
+        calls.append("start_load_kv")
+        start(self, *a, **k)
+
+    monkeypatch.setattr(engine_mod, "slots_of", logged_upload)
+    monkeypatch.setattr(type(eng.worker), "start_load_kv", logged_start)
+    try:
+        tokens = prompt(200, seed=11)
+        eng.run("order-miss", tokens)
+        calls.clear()
+        hit = eng.run("order-hit", tokens)
+        assert hit.loaded_tokens == 3 * CHUNK and hit.steps == 1  # an in-step load: start_load_kv first
+        assert calls == ["inputs", "start_load_kv"]
+    finally:
+        eng.close()
+
+
 def test_engine_without_connector_shares_the_cache_and_stores_nothing(agent: AgentProcess) -> None:
     """The bench's ``plain miss`` engine: vLLM without any KV connector over the other engine's KV
     cache. The agent sees nothing of it (a connector would register its cache and store the
