@@ -22,6 +22,7 @@ second captures graphs).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import tempfile
 import threading
@@ -112,6 +113,30 @@ def _digest(trace: str) -> None:
         print(f"  stream {stream}: {len(items)} ops {kinds}: {text}")
 
 
+def _patch_inline_start() -> None:
+    """Experiment: a leased in-step load needs no round trip, so start it on the engine's thread (this
+    ignores the loader thread's ordering against a copier swap: a profile has no re-registration)."""
+    from concurrent.futures import Future
+
+    from kvgrid.connector.worker import ConnectorWorker
+
+    start_loads = ConnectorWorker.start_loads
+
+    def inline(self: Any, meta: Any) -> None:
+        rest = []
+        for order in meta.loads:
+            if order.in_step and self._my_lease(order) is not None:
+                self._fence_engine_stream()
+                done: Future[Any] = Future()
+                done.set_result(self._load(order))
+                self._step_loads.append(done)
+            else:
+                rest.append(order)
+        start_loads(self, dataclasses.replace(meta, loads=rest))
+
+    ConnectorWorker.start_loads = inline  # type: ignore[method-assign]
+
+
 def _patch_pipeline(stage_sizes: str, first_dmas: int) -> None:
     """Experiments on the layer-wise pipeline, by replacing its parts in this process only."""
     if stage_sizes:
@@ -159,6 +184,7 @@ def main() -> None:
     p.add_argument("--trace", action="store_true", help="host spans of the connector's and vLLM's calls")
     p.add_argument("--torch-trace", default="", help="write the last hit's torch.profiler trace (CUPTI) here")
     p.add_argument("--stage-sizes", default="", help="layers per stage: 2,6,6,6,6,4,1,1")
+    p.add_argument("--inline-start", action="store_true", help="leased loads start on the engine thread")
     p.add_argument(
         "--first-dmas",
         type=int,
@@ -168,6 +194,8 @@ def main() -> None:
     )
     args = p.parse_args()
     _patch_pipeline(args.stage_sizes, args.first_dmas)
+    if args.inline_start:
+        _patch_inline_start()
     n, top = args.prompt, max(args.max_prompt, args.prompt)
     model = PagedLlama(LLAMA3_8B, device="cuda", seed=0)
     work = Path(tempfile.mkdtemp(dir="/dev/shm"))
