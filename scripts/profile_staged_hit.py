@@ -2,7 +2,7 @@
 
     PYTHONPATH=services:kernels:<site> python3 scripts/profile_staged_hit.py [--prompt 8192]
         [--max-prompt 8192] [--stages 8] [--iters 4] [--whole-engine] [--no-marks] [--trace]
-        [--torch-trace FILE] [--stage-sizes 2,6,...] [--first-dmas 0|1|2] [--lease-at-lookup]
+        [--torch-trace FILE] [--stage-sizes 2,6,...] [--first-dmas 0|1|2] [--retrieve] [--inline-start]
 
 One Llama-3-8B-shaped engine (``kvgrid.ttft``) with ``layerwise`` and ``engine_copies`` over a real
 agent with a shared L1; per iteration a miss, the cache poisoned, then the hit, printing: the hit's
@@ -14,7 +14,11 @@ layer's wait returned on the host and when the engine's stream passed it on the 
 ``--whole-engine`` also builds an engine without layer-wise loads first, as the bench does;
 ``--no-marks`` leaves the layers' hooks as the bench runs them (no event per layer: only the hit
 times and the stages print); ``--trace`` also prints host spans of vLLM's and the connector's
-calls, one line per call: where the time before the first DMA goes. Not a benchmark (``kvgrid
+calls, one line per call: where the time before the first DMA goes; ``--torch-trace`` writes the
+last hit's CUPTI trace and prints each GPU stream's busy spans. Experiments, replacing parts in this
+process only: ``--stage-sizes`` (layers per stage), ``--first-dmas`` (DMAs queued when a load is
+added; 0: at the first layer's wait), ``--inline-start`` (leased loads started on the engine's
+thread), ``--retrieve`` (no lease at Lookup). Not a benchmark (``kvgrid
 bench ttft`` is); it shows whether stages overlap the compute (the first iteration compiles, the
 second captures graphs).
 """
@@ -177,7 +181,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=8192)
     p.add_argument("--max-prompt", type=int, default=0, help="KV cache and L1 sized for this (0: --prompt)")
     p.add_argument("--stages", type=int, default=8)
-    p.add_argument("--lease-at-lookup", action="store_true", help="the connector's lease_at_lookup")
+    p.add_argument("--retrieve", action="store_true", help="lease_at_lookup off: the load Retrieves")
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--whole-engine", action="store_true")
     p.add_argument("--no-marks", action="store_true", help="no per-layer events (the bench's hooks)")
@@ -207,7 +211,7 @@ def main() -> None:
                                   engine_id="whole"))  # fmt: skip
     eng = TTFTEngine(model, agent.uds_path, work, max_prompt_tokens=top, layerwise=True, engine_copies=True,
                      layerwise_stages=args.stages, engine_id="layerwise",
-                     lease_at_lookup=args.lease_at_lookup)  # fmt: skip
+                     lease_at_lookup=not args.retrieve)  # fmt: skip
     engines.append(eng)
     queued: list[tuple[float, float, engine_copies.StagedLoad]] = []
     scatter_staged = engine_copies.EngineCopier.scatter_staged

@@ -115,7 +115,7 @@ def test_extra_config_is_validated() -> None:
     cfg = parse_connector_config({"agent_socket": "/tmp/a.sock", "chunk_size": 128, "pin_ttl_ms": 5})
     assert (cfg.agent_socket, cfg.chunk_size, cfg.pin_ttl_ms) == ("/tmp/a.sock", 128, 5)
     assert parse_connector_config(None).chunk_size == 256
-    assert parse_connector_config(None).lease_at_lookup is False  # measured slower on the GPU (docs)
+    assert parse_connector_config(None).lease_at_lookup is True  # one round trip less per load (docs)
     with pytest.raises(ValueError, match="chunk_sise"):
         parse_connector_config({"chunk_sise": 64})
     with pytest.raises(ValueError, match="chunk_size"):

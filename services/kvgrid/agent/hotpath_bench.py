@@ -1,18 +1,18 @@
 """``kvgrid bench hotpath``: the host time of one request's calls to its agent, per transport.
 
-One request of a serving engine with engine copies and the connector's ``lease_at_lookup`` makes
-three calls to its agent: Lookup with ``lease`` (the scheduler; the agent leases the hits and
+One request of a serving engine with engine copies and the connector's ``lease_at_lookup`` (the
+default) makes three calls to its agent: Lookup with ``lease`` (the scheduler; the agent leases the hits and
 answers their offsets, so no bytes move and the worker needs no Retrieve), Release of that lease
 (``AgentClient.release_nowait``, one-way on the hot path, so its column is the send alone and the
 agent's work on it delays the Store after it) and Store (its chunks are held already: no bytes move
-either). Without it (the default), a Retrieve with ``engine_copies`` takes the lease: a fourth call,
+either). Without it, a Retrieve with ``engine_copies`` takes the lease: a fourth call,
 timed here as the flow ``hot+retrieve``. This bench starts a real ``kvgrid agent`` (L1 shared, hot
 path on), registers a one-layer CPU KV cache and times each flow, median over ``--iters`` requests:
 
 * ``hot``: the lease flow over the hot path (``kvgrid.agent.hotpath``, a plain Unix socket;
   ``--spin-us``: the client polls for each reply that long before sleeping,
   ``AgentClient(hot_path_spin_us=...)``),
-* ``hot+retrieve``: Lookup, Retrieve, Release, Store over the hot path (the default flow),
+* ``hot+retrieve``: Lookup, Retrieve, Release, Store over the hot path (``lease_at_lookup: false``),
 * ``grpc``: the lease flow over gRPC on the agent's Unix socket (what every call cost before the
   hot path),
 

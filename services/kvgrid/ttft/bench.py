@@ -152,8 +152,11 @@ class TTFTBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = 8  # fmt: skip
     lease_at_lookup: Annotated[
         bool,
-        _d("with --copies engine: the connector's lease_at_lookup (the Lookup leases the hits: no Retrieve)"),
-    ] = False
+        _d(
+            "with --copies engine: the connector's lease_at_lookup (the Lookup leases the hits: no "
+            "Retrieve); false: every load Retrieves"
+        ),
+    ] = True
     iters: Annotated[int, msgspec.Meta(ge=1, description="timed misses and hits per figure (median)")] = 3
     cuda_graphs: Annotated[
         bool,
@@ -475,7 +478,7 @@ def print_table(result: dict[str, Any]) -> None:
         f"median of {result['iters']}; stores {result['store']}; loads copied by the {result['copies']}"
         + (
             f" (layer-wise in up to {result['layerwise_stages']} stages"
-            + ("; leased at lookup)" if result.get("lease_at_lookup") else ")")
+            + ("; leased at Lookup)" if result.get("lease_at_lookup") else "; a Retrieve per load)")
             if result["copies"] == "engine"
             else ""
         )

@@ -202,7 +202,7 @@ class EngineOptions:
     engine_copies: bool = False
     layerwise_stages: int = 8
     engine_id: str = "ttft"
-    lease_at_lookup: bool = False
+    lease_at_lookup: bool = True  # the connector's default
 
 
 @dataclass(frozen=True)
@@ -481,7 +481,7 @@ class TTFTEngine:
         layerwise_stages: int = 8,
         engine_id: str = "ttft",
         kv_cache_of: TTFTEngine | None = None,
-        lease_at_lookup: bool = False,
+        lease_at_lookup: bool = True,
     ) -> None:
         """``agent_socket`` may contain '{rank}' (one agent per tensor-parallel rank); None: no KV
         connector (TP=1 only; :meth:`without_connector`). ``kv_cache_of``: run over that engine's KV
