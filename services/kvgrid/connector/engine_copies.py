@@ -211,24 +211,25 @@ class _StagePipeline:
     """CUDA layer-wise loads of one copier, queued just in time (docs/benchmarks.md, "Stages queued
     just in time" and "A DMA engine that never waits").
 
-    Jobs are (load, stage) pairs in the order the engine needs them: by stage, then by the order
-    the loads arrived. A job moves by DMA (``cuMemcpyAsync`` per chunk, no SM work) from L1 into one
-    of two GPU buffers on the DMA stream, then a scatter reads it from there in place. The engine's
-    thread queues a job's scatter when a layer first asks for its stage, then DMAs until two are
-    in flight again. A DMA into a buffer waits only for the scatter that last read that buffer, so
-    the copy engine runs the stages back to back while the other buffer is scattered. What makes
-    that work: the scatter's tables (chunk offsets, block ids) are uploaded on the DMA stream just
-    after its DMA (:meth:`TransferPlan.prepare_retrieve`), so a scatter is kernels only. (With its
-    own upload, a scatter's few bytes queued on the copy engine behind the next DMA, and stages
-    landed in pairs on the H200; the fix of session 9, one buffer and each DMA waiting for the
-    scatter before it, left the copy engine idle ~0.35 ms per stage.)
+    Jobs are (load, stage) pairs in the order the engine needs them: by stage, then by the order the
+    loads arrived. A job moves by DMA (``cuMemcpyAsync`` per chunk, no SM work) from L1 into one of two
+    GPU buffers on the DMA stream, then a scatter reads it from there in place. The engine's thread
+    queues a job's scatter when a layer first asks for its stage and, once the engine's stream waits for
+    it, DMAs until two are in flight again (:meth:`fill`). A DMA into a buffer waits only for the
+    scatter that last read that buffer, so the copy engine runs the stages back to back while the other
+    buffer is scattered. What makes that work: the scatter's tables (chunk offsets, block ids) are
+    uploaded on the DMA stream just after its DMA (:meth:`TransferPlan.prepare_retrieve`), so a scatter
+    is kernels only. (With its own upload, a scatter's few bytes queued on the copy engine behind the
+    next DMA, and stages landed in pairs on the H200; the fix of session 9, one buffer and each DMA
+    waiting for the scatter before it, left the copy engine idle ~0.35 ms per stage.)
 
     Why just in time: a stream that waits on the GPU stalls every stream mapped to the same
     hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``, default 8, which vLLM keeps). Queued all at
     once before layer 0, the scatters' waits sat ahead of the whole forward, and where a scatter
     stream shared the engine stream's queue the compute waited for the whole load (H200, 8k: a hit
     of 40.6 ms; 27.1 ms with 32 queues). Queued just in time, what is queued after a wait needs
-    that stage anyway.
+    that stage anyway. The step's own pinned uploads go first (vLLM's order): one queued after a
+    DMA waits for the whole DMA train (docs/benchmarks.md, session 12).
 
     Invariants: a buffer is rewritten only after the scatter that last read it (``freed``); the
     first stage of a load waits for the load's fence; a load's lease is released (on the completer

@@ -423,7 +423,7 @@ class RankWorker:
                 w.start_load_kv(ctx)
         logits: torch.Tensor | None = None
         sampled: list[list[int]] = []
-        if slots is not None:
+        if plan.request_id is not None and slots is not None:
             start, n = plan.start, plan.num_tokens
             if start and self.after_load is not None and w is not None:
                 w.wait_for_layer_load(layer_name(0))  # in-step loads land first
