@@ -152,7 +152,7 @@ def _patch_pipeline(stage_sizes: str, first_dmas: int) -> None:
             edges = [sum(sizes[:s]) for s in range(len(sizes) + 1)]
             return list(itertools.pairwise(edges))
 
-        engine_copies.stage_bounds = bounds  # type: ignore[assignment]
+        engine_copies.stage_bounds = bounds
     if first_dmas == 1:
         return
     pipeline = engine_copies._StagePipeline
