@@ -1,13 +1,13 @@
 """``kvgrid bench hotpath``: the host time of one request's calls to its agent, per transport.
 
 One request of a serving engine with engine copies and the connector's ``lease_at_lookup`` (the
-default) makes three calls to its agent: Lookup with ``lease`` (the scheduler; the agent leases the hits and
-answers their offsets, so no bytes move and the worker needs no Retrieve), Release of that lease
-(``AgentClient.release_nowait``, one-way on the hot path, so its column is the send alone and the
-agent's work on it delays the Store after it) and Store (its chunks are held already: no bytes move
-either). Without it, a Retrieve with ``engine_copies`` takes the lease: a fourth call,
-timed here as the flow ``hot+retrieve``. This bench starts a real ``kvgrid agent`` (L1 shared, hot
-path on), registers a one-layer CPU KV cache and times each flow, median over ``--iters`` requests:
+default) makes three calls to its agent: Lookup with ``lease`` (the scheduler; the agent leases the
+hits and answers their offsets, so no bytes move and the worker needs no Retrieve), Release of that
+lease (``AgentClient.release_nowait``, one-way on the hot path, so its column is the send alone and
+the agent's work on it delays the Store after it) and Store (its chunks are held already: no bytes
+move either). Without it, a Retrieve with ``engine_copies`` takes the lease: a fourth call, timed
+here as the flow ``hot+retrieve``. This bench starts a real ``kvgrid agent`` (L1 shared, hot path
+on), registers a one-layer CPU KV cache and times each flow, median over ``--iters`` requests:
 
 * ``hot``: the lease flow over the hot path (``kvgrid.agent.hotpath``, a plain Unix socket;
   ``--spin-us``: the client polls for each reply that long before sleeping,

@@ -284,9 +284,7 @@ class _StagePipeline:
                     self._queue_scatter(self.landing[0])
                     self.landing.pop(0)
             except Exception:
-                log.exception("kvgrid: queueing a layer-wise load failed; its blocks are recomputed")
-                for other in self._drop_unqueued(also=load):
-                    other.abandon()
+                self._abandon_unqueued(also=load)
             return load.events[stage]
 
     def fill(self) -> None:
@@ -297,9 +295,14 @@ class _StagePipeline:
                 while self.pending and len(self.landing) < _SLOTS:
                     self._queue_dma()
             except Exception:
-                log.exception("kvgrid: queueing a layer-wise load failed; its blocks are recomputed")
-                for other in self._drop_unqueued():
-                    other.abandon()
+                self._abandon_unqueued()
+
+    def _abandon_unqueued(self, also: StagedLoad | None = None) -> None:
+        """A stage failed to queue (inside the forward): log it, drop every unqueued job and abandon
+        their loads (and ``also``), whose blocks the worker reports for recomputation."""
+        log.exception("kvgrid: queueing a layer-wise load failed; its blocks are recomputed")
+        for other in self._drop_unqueued(also=also):
+            other.abandon()
 
     def _drop_unqueued(self, also: StagedLoad | None = None) -> list[StagedLoad]:
         """After a failure or at close: synchronize the device (queued copies read leased chunks and
