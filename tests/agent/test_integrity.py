@@ -12,26 +12,33 @@ is accepted, bit for bit.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
 
 from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.config import AgentConfig
+from kvgrid.agent.core import AgentCore
 from kvgrid.agent.l1 import L1Pool
 from kvgrid.agent.peers import ChunkSender, PeerFetcher, PeerMetrics
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.checksum import CHECKSUM_BYTES, ChecksumMismatch, chunk_checksum, verify_checksum
+from kvgrid.common.identity import PodIdentity
 from tests.agent.helpers import (
+    GROUPS,
+    HINTS,
     NAMESPACE,
     FakePeer,
     block_ids,
     fetch_once,
     keys_for,
+    make_kv,
     register_kv,
     start_agent,
     wait_for,
@@ -41,7 +48,7 @@ NS_ID = NAMESPACE.namespace_id()
 
 
 def malicious_peer(
-    make: Callable[[agent_pb2.FetchChunksRequest], list[agent_pb2.FetchChunksResponse]],
+    make: Callable[[agent_pb2.FetchChunksRequest], Iterable[agent_pb2.FetchChunksResponse]],
 ) -> FakePeer:
     """A peer answering every FetchChunks with ``make(request)``."""
     return FakePeer(lambda req, context: make(req))
@@ -101,10 +108,22 @@ def test_forged_peer_chunks_never_reach_l1_or_the_engine(tmp_path: Path, attack:
             "no_checksum": (real, [None, None]),
             "checksum_of_other_bytes": (real, [chunk_checksum(real[1]), chunk_checksum(real[0])]),
         }[attack]
-        peer = malicious_peer(lambda req: stream(sent[0], 4096, list(sent[1])))
+        answered = threading.Event()
+
+        def answer(req: agent_pb2.FetchChunksRequest) -> Iterable[agent_pb2.FetchChunksResponse]:
+            msgs = stream(sent[0], 4096, list(sent[1]))
+            yield msgs[0]  # the announcement, with the first part of chunk 0
+            if mode == "async":
+                # The rest only once the Lookup answered, so the answer shows the chunks pending
+                # (the other order: test_chunks_that_failed_before_the_lookup_answered_are_not_counted).
+                answered.wait(10)
+            yield from msgs[1:]
+
+        peer = malicious_peer(answer)
         before = client.health()
 
         hit = client.lookup("victim", "r1", keys, peer_address=peer.address)
+        answered.set()
 
         assert len(peer.requests) >= 1 and list(peer.requests[0].chunk_keys) == keys[1:]
         if mode == "sync":
@@ -135,6 +154,45 @@ def test_forged_peer_chunks_never_reach_l1_or_the_engine(tmp_path: Path, attack:
         if peer is not None:
             peer.server.stop(0)
         agent.stop()
+
+
+def test_chunks_that_failed_before_the_lookup_answered_are_not_counted(tmp_path: Path) -> None:
+    """Asynchronous fetch, in-process: the forged stream arrives whole, and its chunks fail before
+    the Lookup walks the index again (the fetch returns only once they did). The answer is the
+    local hit with cause ``peer_failed``, not a hit on chunks already gone nor ``not_found``."""
+    cfg = AgentConfig(l1_size=8 << 20, uds_path="", tcp_port=0, peer_fetch_mode="async")
+    core = AgentCore(cfg, PodIdentity(pod_uid="u"), meter=MeterProvider().get_meter("t"))
+    peer: FakePeer | None = None
+    try:
+        tensors, _ = make_kv(tmp_path, seed=3)
+        inst = core.register(
+            "victim", engine_groups=GROUPS, tensors=tensors, namespace=NAMESPACE, layout_hints=HINTS
+        )
+        keys = keys_for(1203, 3)
+        assert core.store("victim", keys[:1], block_ids(0, 1)).num_stored_chunks == 1
+        real = [forged(inst.bytes_per_chunk, 30), forged(inst.bytes_per_chunk, 31)]
+        swapped: list[bytes | None] = [chunk_checksum(real[1]), chunk_checksum(real[0])]
+        peer = malicious_peer(lambda req: stream(real, 4096, swapped))
+        fetch = core.peers.fetch
+
+        def fetch_then_fail(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+            got = fetch(*args, **kwargs)  # type: ignore[arg-type]
+            assert got.chunks == 2 and not got.error  # pending: the answer would count them
+            wait_for(
+                "the pending chunks failed",
+                lambda: core.cache.prefix_length(keys, inst.layout_id, namespace_id=NS_ID)[0] == 1,
+            )
+            return got
+
+        core.peers.fetch = fetch_then_fail  # type: ignore[method-assign]
+
+        hit = core.lookup("victim", "r1", keys, peer_address=peer.address)
+
+        assert (hit.num_hit_chunks, hit.num_peer_chunks, hit.miss_cause) == (1, 0, "peer_failed")
+    finally:
+        if peer is not None:
+            peer.server.stop(0)
+        core.close()
 
 
 def test_same_stream_with_the_right_checksums_is_accepted(tmp_path: Path) -> None:

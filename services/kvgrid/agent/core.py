@@ -397,9 +397,10 @@ class AgentCore:
         ``peer_address`` when the engine names it (P/D: its producer's agent), else (peer fetch on)
         the holder the controller names. With ``request_id`` they stay pinned until
         Retrieve/Release or the TTL. A failing peer never fails the lookup: it answers what it has,
-        with cause ``peer_failed``. ``lease`` (engine copies, shared L1): lease the hits to the
-        request instead of pinning them when all their bytes are here already, so the engine
-        copies without a Retrieve (:meth:`_lease_ready`)."""
+        with cause ``peer_failed`` (also when an asynchronous fetch's chunks failed before the
+        answer). ``lease`` (engine copies, shared L1): lease the hits to the request instead of
+        pinning them when all their bytes are here already, so the engine copies without a
+        Retrieve (:meth:`_lease_ready`)."""
         inst = self.instance(instance_id)
         with client_input():
             keys = check_chunk_keys(keys)
@@ -435,6 +436,7 @@ class AgentCore:
                         )
                 tier = n - local
                 if cause == MissCause.NOT_FOUND and (peer_address or self.config.peer_fetch_enabled):
+                    walked = n
                     fetched = self.peers.fetch(
                         keys[n:],
                         namespace_id=inst.namespace_id,
@@ -451,7 +453,9 @@ class AgentCore:
                             n, cause = self.cache.prefix_length(
                                 keys, inst.layout_id, namespace_id=inst.namespace_id
                             )
-                    if fetched.error and n < len(keys):
+                    # An asynchronous fetch's pending chunks may have failed already (a forged
+                    # stream arrives whole at once): fewer than fetched are there, and the peer is why.
+                    if n < len(keys) and (fetched.error or n < walked + fetched.chunks):
                         cause = MissCause.PEER_FAILED
             finally:
                 if held:
