@@ -194,12 +194,13 @@ def _release(instance: str) -> object:
 def test_bench_hotpath_times_each_flow_against_bare_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
+    from kvgrid.agent.hotpath_bench import HotPathBenchConfig, _flows
     from kvgrid.cli import main
 
-    assert main(["bench", "hotpath", "--iters", "20", "--chunks", "2", "--json"]) == 0
+    assert main(["bench", "hotpath", "--iters", "20", "--chunks", "2", "--gap-us", "200", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    hot, before, grpc_ = r["hot"], r["hot+retrieve"], r["grpc"]
-    for t, retrieves in ((hot, False), (before, True), (grpc_, False)):
+    hot, before, grpc_, apart = r["hot"], r["hot+retrieve"], r["grpc"], r["hot spaced"]
+    for t, retrieves in ((hot, False), (before, True), (grpc_, False), (apart, False)):
         # A request's time is the sum of its calls', so its median is at least each call's median
         # (medians of sums and sums of medians differ by more than noise allows to bound: CI saw
         # 1806 against 1181 over 20 requests).
@@ -207,10 +208,19 @@ def test_bench_hotpath_times_each_flow_against_bare_round_trips(capsys: pytest.C
         assert min(calls[:1] + calls[2:]) > 0 and t["request_us"] >= max(calls)
         assert (t["retrieve_us"] > 0) == retrieves  # the lease flows make no Retrieve
         round_trips = 3 if retrieves else 2
-        assert t["limit_us"] == pytest.approx(round_trips * r["echo_rtt_us"], rel=1e-3)
+        echo = r["spaced_echo_rtt_us"] if t is apart else r["echo_rtt_us"]  # the limit is spaced alike
+        assert t["limit_us"] == pytest.approx(round_trips * echo, rel=1e-3)
         assert t["limit_vs_request"] == pytest.approx(t["limit_us"] / t["request_us"], rel=1e-3)
     assert r["hot_vs_grpc"] == pytest.approx(hot["request_us"] / grpc_["request_us"], rel=1e-3)
     assert r["lease_vs_retrieve"] == pytest.approx(hot["request_us"] / before["request_us"], rel=1e-3)
+    assert (r["gap_us"], r["spaced_vs_hot"]) == (
+        200,
+        pytest.approx(apart["request_us"] / hot["request_us"], rel=1e-3),
+    )
+    # --gap-us 0 leaves the spaced flow out.
+    assert "hot spaced" not in _flows(HotPathBenchConfig(gap_us=0)) and "hot spaced" in _flows(
+        HotPathBenchConfig()
+    )
 
 
 def test_the_first_call_after_an_agent_restart_reaches_the_new_agent(tmp_path: Path) -> None:
