@@ -160,7 +160,8 @@ def test_forged_reused_and_malformed_hellos_are_refused_and_the_port_keeps_servi
 
 
 def test_a_fetcher_that_never_connects_does_not_pin_chunks_past_the_ttl() -> None:
-    server = _server(peer_fetch_timeout_ms=300, pin_ttl_ms=1000)
+    # The ticket lives 2 s, so the first clear() below comes well before it lapses on a slow machine.
+    server = _server(peer_fetch_timeout_ms=2000, pin_ttl_ms=3000)
     try:
         keys = keys_for(703, 2)
         _put(server, keys, NBYTES)
@@ -169,7 +170,7 @@ def test_a_fetcher_that_never_connects_does_not_pin_chunks_past_the_ttl() -> Non
         with ch:
             assert first.data_ticket
             assert server.core.cache.clear() == 0  # referenced by the ticket
-            wait_for("ticket expired", lambda: server.core is not None and server.core.cache.clear() == 2, 5)
+            wait_for("ticket expired", lambda: server.core is not None and server.core.cache.clear() == 2, 10)
     finally:
         server.stop(0)
 

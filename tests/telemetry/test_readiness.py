@@ -141,11 +141,13 @@ def test_an_agent_that_never_answers_delays_readiness_only_until_max_wait(
     _register(srv.address, "pod-slow", f"127.0.0.1:{slow_agent.port}")
     assert _status(srv.health_address) == SERVING
     t0 = time.monotonic()
-    late = started(readiness_settle_ms=200, readiness_max_wait_ms=1500, snapshot_timeout_ms=20_000)
+    # The registration must land within the settle time (else the watcher latches SERVING with no
+    # agent to wait for): 1 s leaves room for a stalled CI machine (200 ms once did not).
+    late = started(readiness_settle_ms=1000, readiness_max_wait_ms=2500, snapshot_timeout_ms=20_000)
     _register(late.address, "pod-slow", f"127.0.0.1:{slow_agent.port}")
     assert _status(late.health_address) == NOT_SERVING
-    _wait_status([late.address, late.health_address], SERVING, timeout_s=5)
-    assert time.monotonic() - t0 >= 1.2  # not before readiness_max_wait_ms
+    _wait_status([late.address, late.health_address], SERVING, timeout_s=8)
+    assert time.monotonic() - t0 >= 2.2  # not before readiness_max_wait_ms
 
 
 def _points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
