@@ -6,6 +6,7 @@ and counted by the agent."""
 
 from __future__ import annotations
 
+import os
 import socket
 import stat
 import struct
@@ -467,3 +468,42 @@ def test_after_reply_runs_now_unless_deferred_and_deferred_work_survives_a_failu
     assert done == [1, 4, 2, 3]
     assert "deferred test_after_reply_runs_now_unless_deferred" in caplog.text
     assert "metric exporter broke" in caplog.text
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (from /proc, 10 ms resolution)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("spin_us", [0, 400_000])
+def test_with_hot_path_spin_a_connection_polls_for_the_next_call_and_then_sleeps(
+    tmp_path: Path, spin_us: int
+) -> None:
+    agent = start_agent(tmp_path, "--hot-path-spin-us", str(spin_us), pod_uid=f"uid-hotpath-spin-{spin_us}")
+    client = agent.client()
+    try:
+        register_kv(client, "s", tmp_path, seed=6)
+        keys = keys_for(95, 2)
+        # The calls are the same with or without polling, a one-way Release followed at once included.
+        assert client.store("s", keys, block_ids(0, 2)).num_stored_chunks == 2
+        assert client.lookup("s", "q", keys).num_hit_chunks == 2
+        client.release_nowait("s", "q")
+        assert client.release_all("s", "q").released_pins == 0  # the one-way Release ran first
+        time.sleep(0.6)  # any polling from the calls above has ended
+        before = _cpu_seconds(agent.proc.pid)
+        assert client.lookup("s", "", keys).num_hit_chunks == 2
+        time.sleep(0.3)
+        polled = _cpu_seconds(agent.proc.pid) - before
+        time.sleep(0.3)  # the 400 ms of polling end here
+        before = _cpu_seconds(agent.proc.pid)
+        time.sleep(0.3)
+        idle = _cpu_seconds(agent.proc.pid) - before
+        if spin_us:
+            assert polled >= 0.15  # a core busy polling for the engine's next call (0.3 s at most)
+        else:
+            assert polled < 0.1
+        assert idle < 0.1  # polling is bounded: the thread sleeps again
+    finally:
+        client.close()
+        agent.stop()

@@ -55,6 +55,16 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
             "of gRPC's ~0.7 ms (connectors use it when it is there)"
         ),
     ] = True
+    hot_path_spin_us: Annotated[
+        int,
+        _d(
+            "After each hot-path call, poll that connection this long for the engine's next call "
+            "before sleeping: a call within it finds the agent awake (measured: an engine's calls 1 ms "
+            "apart cost half as much on the 2-core VM) at the price of a busy core meanwhile; at most "
+            "one connection polls at a time. 0: sleep at once"
+        ),
+        msgspec.Meta(ge=0, le=1_000_000),
+    ] = 0
     l1_size: Annotated[
         ByteSize,
         _d(

@@ -81,6 +81,14 @@ class HotPathBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
         int,
         msgspec.Meta(ge=0, description="the hot-path client spins this long for a reply before sleeping"),
     ] = 0
+    agent_spin_us: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            le=1_000_000,
+            description="the agent's hot_path_spin_us: it polls for the next call this long before sleeping",
+        ),
+    ] = 0
     gap_us: Annotated[
         int,
         msgspec.Meta(
@@ -178,7 +186,7 @@ def measure(cfg: HotPathBenchConfig, tmp: Path) -> dict[str, object]:
     agent, _ = start_agent(
         "hotpath",
         ["--uds-path", str(uds), "--tcp-port", "-1", "--l1-size", "64MiB", "--shm-allowed-dirs", str(tmp),
-         "--l1-shared-dir", str(tmp), "--log-level", "warning"],
+         "--l1-shared-dir", str(tmp), "--log-level", "warning", "--hot-path-spin-us", str(cfg.agent_spin_us)],
         bench_env(),
     )  # fmt: skip
     clients = {
@@ -219,6 +227,7 @@ def measure(cfg: HotPathBenchConfig, tmp: Path) -> dict[str, object]:
         "iters": cfg.iters,
         "chunks": cfg.chunks,
         "spin_us": cfg.spin_us,
+        "agent_spin_us": cfg.agent_spin_us,
         "gap_us": cfg.gap_us,
         "echo_rtt_us": us(echo[False]),
         **({"spaced_echo_rtt_us": us(echo[True])} if cfg.gap_us else {}),
@@ -258,9 +267,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     spaced_echo = f" ({result['spaced_echo_rtt_us']:.4g} us spaced)" if cfg.gap_us else ""
     print(
-        f"one request's agent calls ({cfg.chunks} chunks, no bytes moved, hot-path spin "
-        f"{cfg.spin_us} us, spaced flow {cfg.gap_us} us apart), median of {cfg.iters}; bare Unix-socket "
-        f"round trip {result['echo_rtt_us']:.4g} us{spaced_echo}; limit = the flow's round trips x that"
+        f"one request's agent calls ({cfg.chunks} chunks, no bytes moved, hot-path spin: client "
+        f"{cfg.spin_us} us, agent {cfg.agent_spin_us} us; spaced flow {cfg.gap_us} us apart), median of "
+        f"{cfg.iters}; bare Unix-socket round trip {result['echo_rtt_us']:.4g} us{spaced_echo}; "
+        "limit = the flow's round trips x that"
     )
     head = ("request us", "lookup", "retrieve", "release", "store", "limit us", "limit/req")
     print(f"{'':14}" + "".join(f"{h:>11}" for h in head))

@@ -315,6 +315,7 @@ class AgentServer:
                     max_message_bytes=cfg.max_message_bytes,
                     metrics=rpc_metrics,
                     tracer=self._tracer,
+                    spin_us=cfg.hot_path_spin_us,
                 ).start()
             else:
                 Path(hot).unlink(missing_ok=True)  # a previous run's: clients would try it
