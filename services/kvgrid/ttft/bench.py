@@ -157,6 +157,15 @@ class TTFTBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
             "Retrieve); false: every load Retrieves"
         ),
     ] = True
+    agent_spin_us: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            le=1_000_000,
+            description="each agent's hot_path_spin_us (it polls for the engine's next call this long "
+            "before sleeping; 0: sleeps at once)",
+        ),
+    ] = 0
     iters: Annotated[int, msgspec.Meta(ge=1, description="timed misses and hits per figure (median)")] = 3
     cuda_graphs: Annotated[
         bool,
@@ -268,7 +277,7 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
         if cfg.tp > 1:
             group = TPGroup(
                 shape, work, tp=cfg.tp, device=cfg.device, seed=cfg.seed, cuda_graphs=cfg.cuda_graphs,
-                l1_size=l1, l1_shared_dir=shared,
+                l1_size=l1, l1_shared_dir=shared, agent_spin_us=cfg.agent_spin_us,
             )  # fmt: skip
             stack.callback(group.close)
             model = group.model
@@ -277,7 +286,7 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
                 return group.engine(options(mode))
         else:
             model = PagedLlama(shape, device=device, dtype=dtype, seed=cfg.seed, cuda_graphs=cfg.cuda_graphs)
-            agent = AgentProcess(work, l1, l1_shared_dir=shared)
+            agent = AgentProcess(work, l1, l1_shared_dir=shared, spin_us=cfg.agent_spin_us)
             stack.callback(agent.stop)
 
             def make(mode: Mode) -> TTFTEngine:
@@ -306,6 +315,7 @@ def measure(cfg: TTFTBenchConfig, work: Path) -> dict[str, Any]:
         "copies": cfg.copies,
         "layerwise_stages": cfg.layerwise_stages,
         "lease_at_lookup": cfg.lease_at_lookup,
+        "agent_spin_us": cfg.agent_spin_us,
         "cuda_graphs": model.cuda_graphs,
         "graph_max_tokens": model.graph_max_tokens,
         "graph_sizes": list(model.graph_sizes),
@@ -482,6 +492,7 @@ def print_table(result: dict[str, Any]) -> None:
             if result["copies"] == "engine"
             else ""
         )
+        + (f"; agents poll {result['agent_spin_us']} us for a call" if result.get("agent_spin_us") else "")
         + "; "
         + (
             f"forwards of <= {result['graph_max_tokens']} tokens as piecewise CUDA graphs (captured: "

@@ -90,15 +90,16 @@ __all__ = [
 class AgentProcess:
     """A ``kvgrid agent`` process on a Unix socket in ``directory`` (CPU KV files allowed there)."""
 
-    def __init__(self, directory: Path, l1_size: int, *, l1_shared_dir: str = "") -> None:
-        """``l1_shared_dir``: the agent keeps L1 in a file there (engines copy themselves)."""
+    def __init__(self, directory: Path, l1_size: int, *, l1_shared_dir: str = "", spin_us: int = 0) -> None:
+        """``l1_shared_dir``: the agent keeps L1 in a file there (engines copy themselves);
+        ``spin_us``: its ``hot_path_spin_us``."""
         self.uds_path = str(directory / "agent.sock")
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
         env["OTEL_SDK_DISABLED"] = "true"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvgrid.cli", "agent", "--uds-path", self.uds_path, "--tcp-port", "-1",
              "--l1-size", str(l1_size), "--shm-allowed-dirs", str(directory), "--log-level", "warning",
-             "--l1-shared-dir", l1_shared_dir],
+             "--l1-shared-dir", l1_shared_dir, "--hot-path-spin-us", str(spin_us)],
             stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         assert self.proc.stdout is not None

@@ -187,6 +187,7 @@ class TPGroup:
         cuda_graphs: bool = True,
         l1_size: int = 64 << 20,
         l1_shared_dir: str = "",
+        agent_spin_us: int = 0,
         timeout_s: float = 300.0,
     ) -> None:
         """``work``: an empty directory (it gets the ranks' folders and the process group's store)."""
@@ -207,7 +208,10 @@ class TPGroup:
         try:
             for r in range(tp):
                 rank_dir(work, r).mkdir(parents=True, exist_ok=True)
-                self.agents.append(AgentProcess(rank_dir(work, r), l1_size, l1_shared_dir=l1_shared_dir))
+                agent = AgentProcess(
+                    rank_dir(work, r), l1_size, l1_shared_dir=l1_shared_dir, spin_us=agent_spin_us
+                )
+                self.agents.append(agent)
             ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited CUDA or threads
             for r in range(1, tp):
                 proc = ctx.Process(target=_rank_main, args=(r, self.spec), name=f"kvgrid-ttft-rank{r}")
