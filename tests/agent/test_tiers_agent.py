@@ -92,7 +92,12 @@ def test_prefix_goes_l1_disk_s3_and_back_bit_for_bit(tmp_path: Path, seaweed: Se
                 assert not any(in_l1(a))
             if all(on_s3(a)) and not any(on_disk(a)):
                 break
-            time.sleep(0.1)  # the writer runs between stores
+            # The writer has written this filler's spills before the next store (no L1 pages wait
+            # for it: 5 pages of 4 KiB per chunk), so 40 fillers are a count, not a time budget.
+            wait_for(
+                lambda: (h := c.health()).l1_used_bytes == h.num_chunks * 5 * 4096,
+                "the tier writer caught up",
+            )
         assert all(on_s3(a)) and not any(on_disk(a)) and not any(in_l1(a))
 
         # Back into L1 on a Lookup (counted as hits), then into other blocks of the engine.
