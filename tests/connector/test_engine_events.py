@@ -47,7 +47,17 @@ def subscriber(engine: Engine, endpoint: str) -> Iterator[zmq.Socket[bytes]]:
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(endpoint)
-    time.sleep(0.5)  # ZeroMQ's slow joiner: the subscription must reach the publisher first
+    # ZeroMQ's slow joiner: events published before the subscription reached the publisher are
+    # lost. Publish (a prompt vLLM caches, which kvgrid does not store) until one arrives, then
+    # drain: the subscription is in place, observed rather than waited for.
+    deadline = time.monotonic() + 60
+    for i in range(1000):
+        engine.generate(prompt(40, seed=900 + i), salt=f"join{i}", kv_transfer_params={SKIP_SAVE_PARAM: True})
+        if sock.poll(1000):
+            break
+        assert time.monotonic() < deadline, "no KV event reached the subscriber in 60 s"
+    while sock.poll(300):
+        sock.recv_multipart()
     yield sock
     sock.close(linger=0)
 
