@@ -147,8 +147,17 @@ def test_real_vllm_publisher_both_forms_replay_and_medium(free_port: Callable[[]
         wait_until(lambda: gpu() == 2, what="replayed BlockStored (2 chunks)")
         # Positional (pre-0.26) form, carried by the same real publisher.
         positional = ["BlockStored", h[8:16], h[7], tokens[32:64], BS, None, "GPU", None]
-        pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[positional]))
-        wait_until(lambda: gpu() == 4, what="positional BlockStored")
+        # The first live batch may go before the controller's subscription reached the publisher
+        # (ZeroMQ's slow joiner; no later batch would reveal the gap): published again until it
+        # lands. Storing the same blocks again changes nothing.
+        for _ in range(30):
+            pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[positional]))
+            try:
+                wait_until(lambda: gpu() == 4, timeout=1.0, what="positional BlockStored")
+                break
+            except AssertionError:
+                continue
+        assert gpu() == 4, "positional BlockStored never arrived"
         pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[stored(16, 24)]))
         wait_until(lambda: gpu() == 6, what="tagged BlockStored")
         # The block completing chunk 2 (block 11) goes: the GPU prefix stops at 2.
