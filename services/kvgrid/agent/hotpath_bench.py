@@ -21,7 +21,6 @@ on), registers a one-layer CPU KV cache and times each flow, median over ``--ite
   sleep each time, so every call pays its wakeup with cold caches. The flows above send each call
   right after the last one's reply and catch the agent still awake, so they read low,
 
-
 and, as the limit in the same run, a bare Unix-socket echo between this process and a child process
 (no framing, no agent work): its round trip times the flow's round trips (one-way sends not
 counted). Printed: microseconds per request and per call, and per flow the limit over its time.
@@ -38,13 +37,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 import torch
 
 from kvgrid.agent.bench_procs import AgentDidNotStart, bench_env, shm_scratch, start_agent, stop_all
 from kvgrid.common.config import add_config_arguments, config_from_args
+
+if TYPE_CHECKING:
+    from kvgrid.agent.client import AgentClient
 
 __all__ = ["HotPathBenchConfig", "add_arguments", "run"]
 
@@ -117,7 +119,14 @@ def _flows(cfg: HotPathBenchConfig) -> list[str]:
 
 
 def _request(
-    client: Any, rid: str, keys: list[bytes], ids: list[list[int]], *, lease: bool, gap: float, chunks: int
+    client: AgentClient,
+    rid: str,
+    keys: list[bytes],
+    ids: list[list[int]],
+    *,
+    lease: bool,
+    gap: float,
+    chunks: int,
 ) -> dict[str, float]:
     """Seconds of each call of one request (Lookup, Retrieve unless the Lookup leases, one-way
     Release, Store), each after ``gap`` seconds of work; RuntimeError when the agent's answers are
