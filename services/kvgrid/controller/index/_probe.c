@@ -40,11 +40,18 @@ static void release(bufs_t *b) {
     if (b->keys.obj) PyBuffer_Release(&b->keys);
 }
 
-static int check_shape(bufs_t *b, Py_ssize_t stride, int shift) {
+/* The table buffers match (stride, shift); ``item`` is the byte width of one element of ``keys``
+ * (16 for a key, 8 * stride for place's whole rows). */
+static int check_shape(bufs_t *b, Py_ssize_t stride, int shift, Py_ssize_t item) {
     Py_ssize_t cap = b->st.len;
     if (cap <= 0 || (cap & (cap - 1)) || stride < 3 || b->tab.len != cap * stride * 8 || shift < 1 ||
-        shift > 63 || ((uint64_t)1 << (64 - shift)) != (uint64_t)cap || b->keys.len % 16) {
+        shift > 63 || ((uint64_t)1 << (64 - shift)) != (uint64_t)cap) {
         PyErr_SetString(PyExc_ValueError, "_probe: buffers do not match the table shape");
+        return -1;
+    }
+    if (b->keys.len % item) {
+        PyErr_Format(PyExc_ValueError, "_probe: %zd bytes of keys or rows are not whole items of %zd bytes",
+                     b->keys.len, item);
         return -1;
     }
     return 0;
@@ -87,7 +94,7 @@ static inline void prefetch_homes(const uint8_t *st, const uint64_t *tab, Py_ssi
 /* Parse the (state, tab, stride, shift, w, keys, stop) arguments of probe / probe_words. */
 static int probe_args(PyObject *args, bufs_t *b, Py_ssize_t *stride, int *shift, Py_ssize_t *w, int *stop) {
     if (!PyArg_ParseTuple(args, "y*y*nily*p", &b->st, &b->tab, stride, shift, w, &b->keys, stop)) return -1;
-    if (check_shape(b, *stride, *shift) < 0) return -1;
+    if (check_shape(b, *stride, *shift, 16) < 0) return -1;
     if (*w < 1 || 2 + TIERS * *w > *stride) {
         PyErr_SetString(PyExc_ValueError, "_probe: mask words do not fit the row");
         return -1;
@@ -150,7 +157,7 @@ static PyObject *insert(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *out = NULL;
     if (!PyArg_ParseTuple(args, "w*w*ninKy*", &b.st, &b.tab, &stride, &shift, &off, &bit, &b.keys))
         return NULL;
-    if (check_shape(&b, stride, shift) < 0) goto done;
+    if (check_shape(&b, stride, shift, 16) < 0) goto done;
     if (off < 2 || off >= stride) {
         PyErr_SetString(PyExc_ValueError, "_probe: word offset outside the row");
         goto done;
@@ -384,11 +391,7 @@ static PyObject *place(PyObject *Py_UNUSED(self), PyObject *args) {
     int shift;
     PyObject *out = NULL;
     if (!PyArg_ParseTuple(args, "w*w*niy*", &b.st, &b.tab, &stride, &shift, &b.keys)) return NULL;
-    if (check_shape(&b, stride, shift) < 0) goto done;
-    if (b.keys.len % (8 * stride)) {
-        PyErr_SetString(PyExc_ValueError, "_probe.place: rows do not match the row width");
-        goto done;
-    }
+    if (check_shape(&b, stride, shift, 8 * stride) < 0) goto done;
     uint8_t *st = b.st.buf;
     uint64_t *tab = b.tab.buf;
     const uint64_t *rows = b.keys.buf, mask = (uint64_t)b.st.len - 1;

@@ -129,10 +129,20 @@ class MemoryIndex(ChunkIndex):
 
     # --- table --------------------------------------------------------------------------------
     def _alloc(self, cap: int) -> None:
-        self._state = np.zeros(cap, dtype=np.uint8)
-        self._set_tab(np.zeros((cap, 2 + NUM_TIERS * self._w), dtype=np.uint64))
-        self._used = 0  # full + tombstone rows
-        self._shift = 64 - (cap.bit_length() - 1)
+        state, tab, shift = self._fresh(cap)
+        self._swap(state, tab, shift, used=0)
+
+    def _fresh(self, cap: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Empty (state, table, shift) of ``cap`` rows at the current mask width."""
+        state = np.zeros(cap, dtype=np.uint8)
+        tab = np.zeros((cap, 2 + NUM_TIERS * self._w), dtype=np.uint64)
+        return state, tab, 64 - (cap.bit_length() - 1)
+
+    def _swap(self, state: np.ndarray, tab: np.ndarray, shift: int, used: int) -> None:
+        self._state = state
+        self._shift = shift
+        self._used = used  # full + tombstone rows
+        self._set_tab(tab)
 
     def _set_tab(self, tab: np.ndarray) -> None:
         self._tab = tab
@@ -142,10 +152,14 @@ class MemoryIndex(ChunkIndex):
         self._mt = tab.reshape(-1).data.cast("B").cast("Q")
         self._mst = self._state.data.cast("B")
 
-    def _home(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    @staticmethod
+    def _home_of(lo: np.ndarray, hi: np.ndarray, shift: int) -> np.ndarray:
         # keys are cryptographic hashes: their top bits are already uniform (any key still works,
         # structured ones only probe longer)
-        return ((lo ^ (hi >> np.uint64(1))) >> np.uint64(self._shift)).astype(np.intp)
+        return ((lo ^ (hi >> np.uint64(1))) >> np.uint64(shift)).astype(np.intp)
+
+    def _home(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        return self._home_of(lo, hi, self._shift)
 
     def _probe(self, lo: np.ndarray, hi: np.ndarray, words: np.ndarray | None = None) -> np.ndarray:
         """Row of every key (``lo``/``hi`` arrays), -1 where absent; with ``words`` (zeros,
@@ -183,26 +197,28 @@ class MemoryIndex(ChunkIndex):
         return out
 
     def _rehash(self, need: int) -> None:
-        """Rebuild the table without tombstones, at load <= 1/2 with ``need`` more keys."""
+        """Rebuild the table without tombstones, at load <= 1/2 with ``need`` more keys.
+
+        Invariant: the new table is built completely beside the old one and swapped in only after
+        every row was placed; a failure leaves the old table (and every answer) as it was.
+        """
         cap = _MIN_CAP
         while 2 * (self._n + need) > cap:
             cap *= 2
-        rows = np.flatnonzero(self._state == _FULL)
-        old = self._tab[rows]
-        self._alloc(cap)
-        self._place(old[:, 0], old[:, 1], old)
+        rows = np.ascontiguousarray(self._tab[self._state == _FULL])
+        state, tab, shift = self._fresh(cap)
+        self._place(state, tab, shift, rows)
+        self._swap(state, tab, shift, used=len(rows))
 
-    def _place(self, lo: np.ndarray, hi: np.ndarray, rows: np.ndarray) -> None:
-        """Insert whole ``rows`` (keys ``lo``/``hi``, distinct, absent) into a table without
-        tombstones (rehash): in C one row after another, else vectorized rounds."""
+    def _place(self, state: np.ndarray, tab: np.ndarray, shift: int, rows: np.ndarray) -> None:
+        """Insert whole ``rows`` (keys distinct) into the empty table ``state``/``tab``: in C one
+        row after another, else vectorized rounds (each free row taken by one key per round)."""
         if self._c is not None:
-            self._c.place(self._state, self._tab, self._stride, self._shift, np.ascontiguousarray(rows))
-            self._used += len(lo)
+            self._c.place(state, tab, tab.shape[1], shift, rows)
             return
-        mask = len(self._state) - 1
-        pos = self._home(lo, hi)
-        todo = np.arange(len(lo))
-        state = self._state
+        mask = len(state) - 1
+        pos = self._home_of(rows[:, 0], rows[:, 1], shift)
+        todo = np.arange(len(rows))
         while len(todo):
             p = pos[todo]
             free = state[p] == _EMPTY
@@ -210,12 +226,11 @@ class MemoryIndex(ChunkIndex):
             win = todo[free][first]
             wp = pos[win]
             state[wp] = _FULL
-            self._tab[wp] = rows[win]
+            tab[wp] = rows[win]
             lost = np.ones(len(todo), dtype=bool)
             lost[np.flatnonzero(free)[first]] = False
             todo = todo[lost]
             pos[todo] = (pos[todo] + 1) & mask
-        self._used += len(lo)
 
     def _grow_words(self, need_slots: int) -> None:
         w = self._w
