@@ -163,6 +163,17 @@ def test_a_primary_restarted_empty_is_restored_by_the_agents_resync(
         timeout=5,
         what="every replica counted the loss",
     )
+    # An agent's last sequence reaches the replicas that do not serve its stream through the
+    # registry's ``seq`` hash, which the shard lost too: the serving replica publishes it again on
+    # the sweep after the one whose sync found the data gone, then the others read it on their next
+    # sync -- after the index is restored on a slow machine. Wait for it, then compare the replicas.
+    want = sorted((a.pod.pod_uid, len(a.truth()), a.seq) for a in agents)
+    assert all(seq > 0 for _, _, seq in want)
+    wait_until(
+        lambda: all(sorted((r[0], r[4], r[5]) for r in _agents(s)) == want for s in replicas.stubs),
+        timeout=5,
+        what="every replica listing every agent's entries and last sequence",
+    )
     rows = [_agents(s) for s in replicas.stubs]
     assert rows[0] == rows[1] == rows[2] and len(rows[0]) == 3
     assert took < 10

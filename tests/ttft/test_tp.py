@@ -2,9 +2,11 @@
 
 What must hold (issue 16): every rank stores and loads its own shard under its own keys through
 its own agent; the scheduler's lookup is the minimum over the ranks; a hit's first-token logits
-equal the miss's bit for bit (as with TP=1 on the CPU: the tail's rows go through the same kernels,
-and the all-reduce of two ranks is one rounding of the same two partial sums); the sharded model is
-the TP=1 model (logits close, not equal: the reduction order differs). Controls: a block nudged on
+equal a tail prefill over the KV the ranks computed themselves bit for bit, and a miss's a full
+prefill's (same kernels, same shapes; the all-reduce of two ranks is one rounding of the same two
+partial sums); hit against miss is close, not equal (other shapes: some CPUs' GEMMs sum in another
+order, :data:`tests.ttft.helpers.CROSS_SHAPE_ATOL`); the sharded model is the TP=1 model (logits
+close, not equal: the reduction order differs). Controls: a block nudged on
 rank 1 only moves the logits (rank 1's loaded bytes matter); the shard test fails when a rank takes
 the wrong slice of the weights.
 """
@@ -28,7 +30,7 @@ from kvgrid.ttft.bench import PRESETS
 from kvgrid.ttft.engine import EngineOptions, TTFTEngine, slots_of
 from kvgrid.ttft.model import PagedLlama
 from kvgrid.ttft.tp import TPGroup, rank_dir
-from tests.ttft.helpers import prompt
+from tests.ttft.helpers import CROSS_SHAPE_ATOL, assert_cross_shape_close, prompt
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +54,7 @@ def nudge_block(kv_list: list[torch.Tensor], request_id: str, blocks: list[int])
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_tp2_hit_equals_the_miss_each_rank_holds_its_shard(group: TPGroup, layerwise: bool) -> None:
+def test_tp2_hit_equals_a_tail_prefill_each_rank_holds_its_shard(group: TPGroup, layerwise: bool) -> None:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -69,12 +71,12 @@ def test_tp2_hit_equals_the_miss_each_rank_holds_its_shard(group: TPGroup, layer
         assert hit.loaded_tokens == 3 * CHUNK  # on both ranks: their outputs were aggregated
         assert hit.steps == 1 if layerwise else hit.steps >= 2
         assert torch.isfinite(hit.logits).all()
-        assert torch.equal(hit.logits, miss.logits)
         slots = slots_of(list(range(13)), eng.block_size, 200, torch.device("cpu"))
         t = torch.tensor(tokens)
         # Without the connector, over KV the ranks compute themselves: the full prefill, then the tail.
         assert torch.equal(eng.reference(t, 0, slots), miss.logits)
         assert torch.equal(eng.reference(t[192:], 192, slots), hit.logits)
+        assert_cross_shape_close(hit.logits, miss.logits)  # other shapes: close
 
         # Each rank's agent holds that rank's chunks under that rank's keys, and not the other's.
         half = cast(KVGridConnector, eng.scheduler.connector).scheduler  # the scheduler's connector half
@@ -92,7 +94,7 @@ def test_tp2_hit_equals_the_miss_each_rank_holds_its_shard(group: TPGroup, layer
         eng.poison()
         wrong = eng.run("hit-nudged", tokens)
         assert wrong.loaded_tokens == 3 * CHUNK
-        assert not torch.equal(wrong.logits, miss.logits)
+        assert not torch.equal(wrong.logits, hit.logits)  # same shapes as the hit's: only the KV differs
         eng.set_after_load(1, None)
     finally:
         eng.close()
@@ -145,7 +147,7 @@ def test_bench_tp2_runs_without_failures() -> None:
     # The copy limit is ONE rank's hit KV: half the KV heads.
     assert row["limits"]["copy_bytes"] == 192 * TINY.kv_bytes_per_token(torch.bfloat16) // 2
     for mode in ("whole", "layerwise"):
-        assert row[mode]["hit_vs_miss_max_abs_logit_diff"] == 0.0
+        assert 0.0 <= row[mode]["hit_vs_miss_max_abs_logit_diff"] <= CROSS_SHAPE_ATOL  # other shapes
         assert row[mode]["kvgrid_overhead"] is None  # no engine without a connector with tp > 1
     assert row["limits"]["plain_miss_ms"] is None
     assert result["cuda_graphs"] is False

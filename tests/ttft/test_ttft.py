@@ -1,11 +1,12 @@
 """``kvgrid bench ttft`` on the CPU: the harness drives vLLM's scheduler and KVGridConnector against a
-real agent process, and a hit's first-token logits are the miss's.
+real agent process, and a hit's first-token logits are the ones the model computes itself.
 
-Exactness: on the CPU the hit's logits equal the miss's bit for bit (the tail's rows go through the
-same bf16 kernels with the same reduction order per row), and on every device they equal a tail
-prefill over self-computed KV bit for bit (same kernels, same shapes: only the KV's origin
-differs). The control perturbs one loaded KV block and sees the logits move, so the comparison
-can fail.
+Exactness: on every device a hit's logits equal a tail prefill over self-computed KV bit for bit
+(same kernels, same shapes: only the KV's origin differs), and a miss's a full prefill's. Hit
+against miss is close, not bit for bit: the tail's rows run other shapes than the whole prompt's,
+and on some CPUs (oneDNN's AMX GEMMs on Intel Xeon) those sum in another order and round
+differently in bf16 (:data:`tests.ttft.helpers.CROSS_SHAPE_ATOL`). The control perturbs one loaded
+KV block and sees the logits move, so the comparison can fail.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kvgrid.cli import main
 from kvgrid.ttft.bench import PRESETS
 from kvgrid.ttft.engine import AgentProcess, TTFTEngine, slots_of
 from kvgrid.ttft.model import PagedLlama
-from tests.ttft.helpers import prompt
+from tests.ttft.helpers import CROSS_SHAPE_ATOL, assert_cross_shape_close, prompt
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_hit_logits_equal_the_miss_and_a_wrong_byte_shows(agent: AgentProcess, layerwise: bool) -> None:
+def test_hit_logits_equal_a_tail_prefill_and_a_wrong_byte_shows(agent: AgentProcess, layerwise: bool) -> None:
     directory = Path(agent.uds_path).parent
     model = PagedLlama(PRESETS["tiny"])
     eng = TTFTEngine(
@@ -59,11 +60,13 @@ def test_hit_logits_equal_the_miss_and_a_wrong_byte_shows(agent: AgentProcess, l
         assert hit.loaded_tokens == 3 * CHUNK
         assert hit.steps == 1 if layerwise else hit.steps >= 2
         assert torch.isfinite(hit.logits).all()
-        assert torch.equal(hit.logits, miss.logits)
         t = torch.tensor(tokens)
         slots = slots_of(list(range(13)), eng.block_size, 200, model.device)
+        # Bit for bit against forwards of the same shapes: the miss a full prefill, the hit a tail
+        # prefill over the KV the full prefill just computed.
         assert torch.equal(model.forward(t, 0, eng.kv_list, slots), miss.logits)
         assert torch.equal(model.forward(t[192:], 192, eng.kv_list, slots), hit.logits)
+        assert_cross_shape_close(hit.logits, miss.logits)  # other shapes: close
 
         # Control: one loaded block of one layer nudged after the load; the logits must move.
         def nudge(request_id: str, blocks: list[int]) -> None:
@@ -74,7 +77,7 @@ def test_hit_logits_equal_the_miss_and_a_wrong_byte_shows(agent: AgentProcess, l
         eng.after_load = nudge
         wrong = eng.run("hit-nudged", tokens)
         assert wrong.loaded_tokens == 3 * CHUNK
-        assert not torch.equal(wrong.logits, miss.logits)
+        assert not torch.equal(wrong.logits, hit.logits)  # same shapes as the hit's: only the KV differs
     finally:
         eng.close()
 
@@ -83,7 +86,8 @@ def _bench_row(
     device: str, prompt_tokens: int, capsys: pytest.CaptureFixture[str], *flags: str
 ) -> dict[str, Any]:
     """``kvgrid bench ttft --json`` of the tiny model, one prompt length, 64-token chunks: the one
-    row, once the run exited 0 and reported no failures."""
+    row, once the run exited 0 and reported no failures (among them the bit-exact checks: every
+    mode's last hit against a tail prefill over the same KV, its miss against a full prefill)."""
     argv = ["bench", "ttft", "--device", device, "--model", "tiny", "--prompts", str(prompt_tokens),
             "--chunk-size", "64", "--iters", "1", "--json", *flags]  # fmt: skip
     assert main(argv) == 0
@@ -103,7 +107,7 @@ def test_bench_reports_both_modes_and_the_limits(capsys: pytest.CaptureFixture[s
     assert lim["ceiling"] == pytest.approx(lim["prefill_ms"] / lim["copy_ms"], rel=2e-3)
     for mode in ("whole", "layerwise"):
         r = row[mode]
-        assert r["hit_vs_miss_max_abs_logit_diff"] == 0.0
+        assert 0.0 <= r["hit_vs_miss_max_abs_logit_diff"] <= CROSS_SHAPE_ATOL  # other shapes: close
         assert r["speedup"] == pytest.approx(lim["prefill_ms"] / r["hit_ms"], rel=2e-3)
         ratio = r["miss_ms"] / lim["prefill_ms"]
         assert r["store_overhead"] == pytest.approx(ratio - 1, abs=2e-3 * ratio)
