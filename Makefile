@@ -16,7 +16,7 @@ VLLM_PURE_DEPS := pyzmq cbor2 packaging psutil urllib3 regex "transformers<5.20,
 	"compressed-tensors==0.17.0" loguru blake3 setproctitle
 export VLLM_TARGET_DEVICE ?= cpu
 
-.PHONY: demo test lint typecheck unit proto install clean
+.PHONY: demo test lint typecheck unit fuzz proto install clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ unit: $(STAMP) $(HELM)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck unit
+
+# The stateful index tests with a long, randomised budget (CI runs a fixed, derandomised one).
+FUZZ_EXAMPLES ?= 2000
+fuzz: $(STAMP)
+	KVGRID_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider --timeout=0 tests/controller/test_index_stateful.py
 
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py

@@ -47,6 +47,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvgrid.controller.routing_bench",
         "replay a production trace: Score vs round-robin, least-loaded, prefix routing (hits, TTFT, spread)",
     ),
+    "serve": (
+        "kvgrid.ttft.serve",
+        "many requests at once through vLLM's scheduler at rising rates: TTFT/ITL percentiles and "
+        "throughput, vLLM's prefix cache alone vs + kvgrid",
+    ),
     "tier": ("kvgrid.agent.tier_bench", "disk tier write/read-back GB/s vs raw sequential I/O, same fs"),
     "transfer": ("kvgrid_kernels.bench", "KV transfer kernels: store/retrieve GB/s vs pinned memcpy"),
     "ttft": (

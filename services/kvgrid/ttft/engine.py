@@ -64,7 +64,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -72,6 +72,8 @@ from kvgrid.ttft.model import LayerHooks, ModelShape, PagedLlama, layer_name
 
 if TYPE_CHECKING:
     from kvgrid.connector.vllm import KVGridConnector
+
+_T = TypeVar("_T")
 
 __all__ = [
     "AgentProcess",
@@ -204,6 +206,14 @@ class EngineOptions:
     layerwise_stages: int = 8
     engine_id: str = "ttft"
     lease_at_lookup: bool = True  # the connector's default
+    # Serving many requests at once (kvgrid.ttft.serve_engine); the defaults fit one request at a time.
+    num_blocks: int = 0
+    """KV blocks (0: room for one request of the longest prompt plus one chunk)."""
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int = 0
+    """Tokens per step (0: a whole prompt in one step, no chunked prefill)."""
+    prefix_caching: bool = False
+    """vLLM's own GPU prefix cache."""
 
 
 @dataclass(frozen=True)
@@ -283,8 +293,8 @@ def vllm_config(
             }
         )
     )
-    # Room for one request of the longest prompt, plus one chunk of slack.
-    num_blocks = -(-max_len // block_size) + opts.chunk_size // block_size + 1
+    # Room for one request of the longest prompt, plus one chunk of slack, unless given.
+    num_blocks = opts.num_blocks or -(-max_len // block_size) + opts.chunk_size // block_size + 1
     transfer = None
     if agent_socket is not None:
         transfer = KVTransferConfig(
@@ -306,7 +316,7 @@ def vllm_config(
         )
     cfg = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_len),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=opts.prefix_caching),
         # The connector's identity (its rank, the world size, '{rank}' in agent_socket) comes from here.
         parallel_config=ParallelConfig(
             tensor_parallel_size=model.tp_size, rank=rank, distributed_executor_backend="mp"
@@ -314,8 +324,8 @@ def vllm_config(
         scheduler_config=SchedulerConfig(
             max_model_len=max_len,
             is_encoder_decoder=False,
-            max_num_batched_tokens=max_len,  # a whole prompt in one step: no chunked prefill
-            max_num_seqs=4,
+            max_num_batched_tokens=opts.max_num_batched_tokens or max_len,  # max_len: no chunked prefill
+            max_num_seqs=opts.max_num_seqs,
             enable_chunked_prefill=True,
         ),
         kv_transfer_config=transfer,
@@ -408,39 +418,52 @@ class RankWorker:
 
     def step(self, plan: StepPlan, tokens: torch.Tensor) -> StepResult:
         """One scheduler step's work on this rank; ``tokens``: the request's prompt on the model's device."""
-        from vllm.forward_context import ForwardContext
-        from vllm.v1.outputs import KVConnectorOutput
-
-        w = self._connector
-        ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
         slots: torch.Tensor | None = None
         if plan.request_id is not None:  # before the connector's loads, as in vLLM's runner: a pinned
             # upload queued after a load's first DMA waits behind the whole DMA train (benchmarks.md)
             slots = slots_of(plan.blocks, self.block_size, plan.start + plan.num_tokens, self.model.device)
-        if w is not None:
-            w.bind_connector_metadata(plan.metadata)
-            w.handle_preemptions(plan.metadata)
-            if plan.has_sync_kv_loads:
-                w.start_load_kv(ctx)
-        logits: torch.Tensor | None = None
-        sampled: list[list[int]] = []
-        if plan.request_id is not None and slots is not None:
+
+        def forward() -> tuple[torch.Tensor | None, list[list[int]]]:
+            w = self._connector
+            if plan.request_id is None or slots is None:
+                return None, []
             start, n = plan.start, plan.num_tokens
             if start and self.after_load is not None and w is not None:
                 w.wait_for_layer_load(layer_name(0))  # in-step loads land first
                 self.after_load(plan.request_id, plan.blocks)
             lg = self.model.forward(tokens[start : start + n], start, self.kv_list, slots, self.hooks)
             if start + n >= tokens.numel():
-                logits = lg
-                sampled.append([int(lg.argmax())])  # .item() waits for the device
-            else:
-                sampled.append([])
-        if w is None:  # vLLM's runner without a KV transfer group: no connector call, no output of it
-            return StepResult(logits, sampled, None)
-        if not plan.has_sync_kv_loads:
+                return lg, [[int(lg.argmax())]]  # .item() waits for the device
+            return None, [[]]
+
+        (logits, sampled), output = self.connector_step(
+            plan.metadata, plan.has_sync_kv_loads, plan.finished_req_ids, forward
+        )
+        return StepResult(logits, sampled, output)
+
+    def connector_step(
+        self, metadata: Any, has_sync_kv_loads: bool, finished_req_ids: set[str], forward: Callable[[], _T]
+    ) -> tuple[_T, Any]:
+        """``forward()`` between the connector's calls of one step (module docstring's order); returns
+        its result and the rank's ``KVConnectorOutput`` (None without a connector: vLLM's runner
+        without a KV transfer group makes no connector call)."""
+        from vllm.forward_context import ForwardContext
+        from vllm.v1.outputs import KVConnectorOutput
+
+        w = self._connector
+        ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        if w is not None:
+            w.bind_connector_metadata(metadata)
+            w.handle_preemptions(metadata)
+            if has_sync_kv_loads:
+                w.start_load_kv(ctx)
+        result = forward()
+        if w is None:
+            return result, None
+        if not has_sync_kv_loads:
             w.start_load_kv(ctx)
         w.wait_for_save()
-        results = w.get_transfer_results(plan.finished_req_ids)
+        results = w.get_transfer_results(finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
         output = KVConnectorOutput(
@@ -449,7 +472,7 @@ class RankWorker:
             failed_recving=results.failed_recving or set(),
             invalid_block_ids=invalid,
         )
-        return StepResult(logits, sampled, output)
+        return result, output
 
     def reference(self, token_ids: torch.Tensor, start: int, slots: torch.Tensor) -> torch.Tensor:
         """The model over this rank's cache without the connector (the bench's limits and references)."""
@@ -483,6 +506,10 @@ class TTFTEngine:
         engine_id: str = "ttft",
         kv_cache_of: TTFTEngine | None = None,
         lease_at_lookup: bool = True,
+        num_blocks: int = 0,
+        max_num_seqs: int = 4,
+        max_num_batched_tokens: int = 0,
+        prefix_caching: bool = False,
     ) -> None:
         """``agent_socket`` may contain '{rank}' (one agent per tensor-parallel rank); None: no KV
         connector (TP=1 only; :meth:`without_connector`). ``kv_cache_of``: run over that engine's KV
@@ -503,6 +530,8 @@ class TTFTEngine:
             max_prompt_tokens=max_prompt_tokens, block_size=block_size, chunk_size=chunk_size,
             layerwise=layerwise, async_store=async_store, engine_copies=engine_copies,
             layerwise_stages=layerwise_stages, engine_id=engine_id, lease_at_lookup=lease_at_lookup,
+            num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            prefix_caching=prefix_caching,
         )  # fmt: skip
         self.model = model
         self.block_size = block_size

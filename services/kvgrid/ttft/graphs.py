@@ -79,7 +79,11 @@ class PiecewiseGraphs:
     """The ``layers + 1`` graphs of a forward of ``n`` tokens and their static buffers (module
     docstring)."""
 
-    def __init__(self, model: PagedLlama, n: int, pool: _POOL_HANDLE, stream: torch.cuda.Stream) -> None:
+    def __init__(
+        self, model: PagedLlama, n: int, pool: _POOL_HANDLE, stream: torch.cuda.Stream, all_rows: bool = False
+    ) -> None:
+        """``all_rows``: the last piece ends at the last layer's output for every row (a batch's
+        logits are taken from several rows, eagerly); else at the last row's logits."""
         s, dev = model.shape, model.device
         self.n = n
         # Static inputs and outputs, allocated on the current stream outside the pool.
@@ -106,7 +110,8 @@ class PiecewiseGraphs:
             return (h,)
 
         def final(h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return (model.head(model.mlp(s.layers - 1, h, self.attn)),)
+            out = model.mlp(s.layers - 1, h, self.attn)
+            return (out if all_rows else model.head(out),)
 
         stream.wait_stream(torch.cuda.current_stream())  # the static buffers' initialisation
         with torch.cuda.stream(stream):
@@ -122,7 +127,8 @@ class PiecewiseGraphs:
 
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """One forward: copy the inputs in, replay piece by piece with ``attention`` between; the last
-        row's logits (a pool tensor the next replay overwrites: copy it before another forward)."""
+        row's logits, or every row's output with ``all_rows`` (a pool tensor the next replay
+        overwrites: use it before another forward)."""
         if token_ids.shape != self.tokens.shape or positions.shape != self.positions.shape:
             raise ValueError(
                 f"graphs of {self.n} tokens: got {tuple(token_ids.shape)} token ids and "
@@ -144,18 +150,20 @@ class GraphCache:
 
     def __init__(self, model: PagedLlama) -> None:
         self.model = model
-        self._by_n: dict[int, PiecewiseGraphs] = {}
+        self._by_n: dict[tuple[int, bool], PiecewiseGraphs] = {}
         self._pool: _POOL_HANDLE | None = None
         self._stream: torch.cuda.Stream | None = None
 
     def sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(self._by_n))
+        return tuple(sorted({n for n, _ in self._by_n}))
 
-    def get(self, n: int) -> PiecewiseGraphs:
-        graphs = self._by_n.get(n)
+    def get(self, n: int, all_rows: bool = False) -> PiecewiseGraphs:
+        graphs = self._by_n.get((n, all_rows))
         if graphs is None:
             if self._pool is None or self._stream is None:
                 self._pool = torch.cuda.graph_pool_handle()
                 self._stream = torch.cuda.Stream(device=self.model.device)
-            graphs = self._by_n[n] = PiecewiseGraphs(self.model, n, self._pool, self._stream)
+            graphs = self._by_n[(n, all_rows)] = PiecewiseGraphs(
+                self.model, n, self._pool, self._stream, all_rows
+            )
         return graphs

@@ -34,7 +34,8 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 
 from kvgrid.ttft.graphs import GraphCache
 
-__all__ = ["LLAMA3_8B", "LayerHooks", "ModelShape", "PagedLlama", "layer_name"]
+__all__ = ["LLAMA3_8B", "LayerHooks", "ModelShape", "PackedBatch", "PagedLlama", "layer_name"]
 
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,6 +107,41 @@ def layer_name(i: int) -> str:
 class LayerHooks(Protocol):
     def before_attention(self, layer: int) -> None: ...
     def after_attention(self, layer: int, kv: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One scheduler step's tokens of several requests, packed as vLLM's runner packs them.
+
+    Request ``r`` computes positions ``[starts[r], starts[r] + counts[r])``; its rows are
+    ``[query_start[r], query_start[r + 1])`` of the packed tensors. Rows past ``query_start[-1]``
+    (up to ``len(token_ids)``) are padding for a captured graph's size: position 0, slot 0 (vLLM's
+    null block, never given to a request), and no request reads them.
+    """
+
+    token_ids: torch.Tensor
+    """``[T]`` int64 on the model's device."""
+    positions: torch.Tensor
+    """``[T]`` int64 on the model's device."""
+    new_slots: torch.Tensor
+    """``[T]``: the cache slot each row's KV is written to."""
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+    query_start: torch.Tensor
+    """``[R + 1]`` int32 on the device: the row offsets above (vLLM's ``cu_seqlens_q``)."""
+    seq_lens: torch.Tensor
+    """``[R]`` int32 on the device: ``starts + counts`` (the context each request attends over)."""
+    block_table: torch.Tensor
+    """``[R, max blocks]`` int32 on the device: each request's blocks, zero-padded."""
+    ctx_slots: tuple[torch.Tensor, ...]
+    """Per request the slots of positions ``[0, starts[r] + counts[r])`` (the per-request path)."""
+    logit_rows: torch.Tensor
+    """Rows whose logits the step returns (each sampling request's last row), int64 on the device."""
+
+    @property
+    def rows(self) -> int:
+        """Real (unpadded) rows."""
+        return sum(self.counts)
 
 
 class _Layer:
@@ -278,6 +314,37 @@ class PagedLlama:
                 q, kv = self.project(i + 1, h, cos, sin)
         return self.head(h).float()
 
+    @torch.inference_mode()
+    def forward_batch(
+        self, batch: PackedBatch, kv_caches: list[torch.Tensor], hooks: LayerHooks | None = None
+    ) -> torch.Tensor:
+        """One scheduler step over several requests (:class:`PackedBatch`): projections and MLP over
+        all packed rows at once, attention per request over its paged context (vLLM's Triton
+        varlen kernel on CUDA, SDPA per request on CPU). Returns the logits of ``batch.logit_rows``
+        (float32, ``[len(logit_rows), vocab]``). On CUDA a batch of at most ``graph_max_tokens``
+        rows replays piecewise graphs of its padded size, as :meth:`forward` does."""
+        s = self.shard
+        n = batch.token_ids.numel()
+        if len(kv_caches) != s.layers:
+            raise ValueError(f"forward_batch: {len(kv_caches)} KV caches for {s.layers} layers")
+        attention = _BatchAttention(self, kv_caches, batch, hooks)
+        if self._graphs is not None and n <= self.graph_max_tokens:
+            h = self._graphs.get(n, all_rows=True).run(batch.token_ids, batch.positions, attention)
+        else:
+            cos, sin = self.rope_tables(batch.positions)
+            h = self.embed_tokens(batch.token_ids)
+            q, kv = self.project(0, h, cos, sin)
+            for i in range(s.layers):
+                out = attention(i, q.contiguous(), kv)
+                h = self.mlp(i, h, out.reshape(n, s.heads * s.head_size))
+                if i + 1 < s.layers:
+                    q, kv = self.project(i + 1, h, cos, sin)
+        return self.head_rows(h, batch.logit_rows)
+
+    def head_rows(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) of the hidden states ``h[rows]``."""
+        return (self._norm(h.index_select(0, rows), self.final_norm) @ self.lm_head.T).float()
+
 
 class _Attention:
     """One forward's attention of layer ``i`` over the paged cache, eager in every mode (it depends on
@@ -356,3 +423,98 @@ def masked_gqa_attention(
     stacked = q.transpose(0, 1).reshape(kv_heads, heads // kv_heads * t, d)[None]  # row r*T+t: head kvh*rep+r
     out = F.scaled_dot_product_attention(stacked, keys, values, attn_mask=bias)
     return out[0].reshape(heads, t, d).transpose(0, 1)  # the kernel may answer it strided
+
+
+def _vllm_unified_attention() -> Any:
+    """vLLM's ``unified_attention`` from its Python sources, compiled by the Triton found here.
+
+    The harness runs vLLM's CPU build's sources on the GPU too (no vLLM wheel there); that build
+    turns Triton off unless Triton has a CPU backend, so ``vllm.triton_utils`` is pointed at the real
+    Triton before the kernel's module is first imported (it binds ``triton`` and ``tl`` then)."""
+    import sys
+
+    name = "vllm.v1.attention.ops.triton_unified_attention"
+    if name not in sys.modules:
+        import triton
+        import triton.language as tl
+        import vllm.triton_utils as tu
+
+        if not tu.HAS_TRITON:
+            from triton.language.extra import libdevice
+
+            tu.triton, tu.tl, tu.tldevice, tu.HAS_TRITON = triton, tl, libdevice, True
+            for helper in ("vllm.v1.attention.ops.triton_attention_helpers",):
+                if helper in sys.modules:  # bound the placeholders: import it again
+                    del sys.modules[helper]
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    return unified_attention
+
+
+def _stored(cache: torch.Tensor, layer: int, kv_heads: int, head_size: int) -> torch.Tensor:
+    """Layer ``layer``'s cache as stored, ``[blocks, block_size, kv_heads, 2 * head_size]``."""
+    stored = cache.permute(0, 2, 1, 3)
+    if not stored.is_contiguous():
+        raise ValueError(
+            f"layer {layer}: KV cache of shape {tuple(cache.shape)} strides {cache.stride()} is not "
+            f"stored [blocks, slots, heads, 2*head_size] (vLLM's LBNHC view)"
+        )
+    return stored
+
+
+class _BatchAttention:
+    """One step's attention of layer ``i`` over several requests' paged KV: the hooks, the cache
+    write of every row's new KV, then per request attention over positions ``[0, seq_len)``.
+
+    On CUDA vLLM's ``unified_attention`` (its Triton kernel for varlen queries over a block table,
+    the one its Triton backend runs) does all requests in one launch; elsewhere SDPA runs per
+    request over the gathered slots. Padding rows get zeros."""
+
+    def __init__(
+        self, model: PagedLlama, kv_caches: list[torch.Tensor], batch: PackedBatch, hooks: LayerHooks | None
+    ) -> None:
+        self.model, self.kv_caches, self.batch, self.hooks = model, kv_caches, batch, hooks
+        self.triton = model.device.type == "cuda"
+        self.max_q = max(batch.counts, default=0)
+        self.max_k = max((a + b for a, b in zip(batch.starts, batch.counts, strict=True)), default=0)
+
+    def __call__(self, i: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        s, b = self.model.shard, self.batch
+        if self.hooks is not None:
+            self.hooks.before_attention(i)
+        cache = self.kv_caches[i]
+        stored = _stored(cache, i, s.kv_heads, s.head_size)
+        flat = stored.view(-1, s.kv_heads, 2 * s.head_size)
+        flat[b.new_slots] = kv
+        out = torch.zeros_like(q)
+        rows = b.rows
+        if self.triton:
+            unified_attention = _vllm_unified_attention()
+            unified_attention(
+                q=q[:rows], k=stored[..., : s.head_size], v=stored[..., s.head_size :], out=out[:rows],
+                cu_seqlens_q=b.query_start, max_seqlen_q=self.max_q, seqused_k=b.seq_lens,
+                max_seqlen_k=self.max_k, softmax_scale=s.head_size**-0.5, causal=True,
+                window_size=(-1, -1), block_table=b.block_table, softcap=0, q_descale=None,
+                k_descale=None, v_descale=None,
+            )  # fmt: skip
+        else:
+            row = 0
+            for start, count, slots in zip(b.starts, b.counts, b.ctx_slots, strict=True):
+                ctx = flat[slots]
+                keys = ctx[..., : s.head_size].transpose(0, 1)[None]
+                values = ctx[..., s.head_size :].transpose(0, 1)[None]
+                mask = None
+                if start:  # queries at start.. see keys 0..their own position
+                    end = start + count
+                    mask = (
+                        torch.arange(end, device=q.device)[None, :]
+                        <= torch.arange(start, end, device=q.device)[:, None]
+                    )
+                out[row : row + count] = F.scaled_dot_product_attention(
+                    q[row : row + count].transpose(0, 1)[None], keys, values, attn_mask=mask,
+                    is_causal=mask is None, enable_gqa=True,
+                )[0].transpose(0, 1)  # fmt: skip
+                row += count
+        if self.hooks is not None:
+            self.hooks.after_attention(i, cache)
+        return out
