@@ -64,7 +64,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch
 
@@ -214,6 +214,8 @@ class EngineOptions:
     """Tokens per step (0: a whole prompt in one step, no chunked prefill)."""
     prefix_caching: bool = False
     """vLLM's own GPU prefix cache."""
+    kv_role: Literal["kv_both", "kv_consumer"] = "kv_both"
+    """The connector's role: ``kv_consumer`` loads and never stores."""
 
 
 @dataclass(frozen=True)
@@ -300,7 +302,7 @@ def vllm_config(
         transfer = KVTransferConfig(
             kv_connector="KVGridConnector",
             kv_connector_module_path="kvgrid.connector.vllm",
-            kv_role="kv_both",
+            kv_role=opts.kv_role,
             engine_id=opts.engine_id,
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={

@@ -13,7 +13,9 @@ that sampled it returned. Configurations:
 * ``kvgrid``: vLLM (prefix cache on) + ``KVGridConnector`` with its defaults and an agent whose L1
   is what the Helm chart gives one GPU (8 GiB);
 * ``kvgrid-engine-copies``: the same with the agent's L1 shared with the engine, which copies its
-  loads itself (the chart's ``l1Shared``).
+  loads itself (the chart's ``l1Shared``);
+* ``kvgrid-lookup-only``: the connector that never stores (``kv_role: kv_consumer``): what its
+  lookups and calls cost a request without the stores.
 
 The GPU KV cache holds ``--gpu-cache-fraction`` (default 1/4) of the workload's working set, so
 vLLM's own cache cannot keep it. A run admits arrivals for ``--run-s`` seconds, then drains for at
@@ -63,7 +65,7 @@ from kvgrid.ttft.workloads import ChatConfig, ChatWorkload, QAConfig, QAWorkload
 __all__ = ["ServeBenchConfig", "add_arguments", "measure", "plot", "run"]
 
 ENV_PREFIX = "KVGRID_BENCH_SERVE_"
-Config = Literal["vllm-prefix", "vllm-nocache", "kvgrid", "kvgrid-engine-copies"]
+Config = Literal["vllm-prefix", "vllm-nocache", "kvgrid", "kvgrid-engine-copies", "kvgrid-lookup-only"]
 CONFIGS: tuple[Config, ...] = ("vllm-prefix", "vllm-nocache", "kvgrid")
 BASELINE: Config = "vllm-prefix"
 
@@ -91,7 +93,10 @@ class ServeBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = "qa"  # fmt: skip
     configs: Annotated[
         tuple[Config, ...],
-        _d("configurations, side by side (vllm-prefix, vllm-nocache, kvgrid, kvgrid-engine-copies)"),
+        _d(
+            "configurations, side by side (vllm-prefix, vllm-nocache, kvgrid, kvgrid-engine-copies, "
+            "kvgrid-lookup-only)"
+        ),
     ] = CONFIGS
     rates: Annotated[
         tuple[float, ...], _d("request rates (requests/s); empty = 1,2,4,8,12 on cuda, 2,8 on cpu")
@@ -215,6 +220,7 @@ def _options(cfg: ServeBenchConfig, r: _Resolved, name: Config, num_blocks: int)
         engine_id=f"serve-{name}", engine_copies=name == "kvgrid-engine-copies", num_blocks=num_blocks,
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=r.batched_tokens,
         prefix_caching=name != "vllm-nocache",
+        kv_role="kv_consumer" if name == "kvgrid-lookup-only" else "kv_both",
     )  # fmt: skip
 
 
