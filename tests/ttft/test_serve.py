@@ -103,6 +103,15 @@ def test_other_tokens_fail_the_comparison(tmp_path: Path, monkeypatch: pytest.Mo
     assert any("generated other tokens" in f for f in out["failures"])
 
 
+def test_the_connector_without_stores_serves_the_same_tokens_and_stores_nothing(tmp_path: Path) -> None:
+    cfg = msgspec.structs.replace(CFG, configs=("vllm-prefix", "kvgrid-lookup-only"), users=3, rounds=2)
+    out = serve.measure(cfg, tmp_path)
+    assert out["failures"] == []
+    row = _rows(out)["kvgrid-lookup-only"]
+    assert row["completed"] > 0 and row["requests_with_other_tokens"] == 0
+    assert row["bytes_stored"] == 0 and row["kvgrid_hit_rate"] == 0
+
+
 def test_bad_values_name_themselves() -> None:
     with pytest.raises(ValueError, match=r"rates=.*expected finite"):
         serve.resolve(msgspec.structs.replace(CFG, rates=(0.0,)))
