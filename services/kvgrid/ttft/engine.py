@@ -512,6 +512,7 @@ class TTFTEngine:
         max_num_seqs: int = 4,
         max_num_batched_tokens: int = 0,
         prefix_caching: bool = False,
+        kv_role: Literal["kv_both", "kv_consumer"] = "kv_both",
     ) -> None:
         """``agent_socket`` may contain '{rank}' (one agent per tensor-parallel rank); None: no KV
         connector (TP=1 only; :meth:`without_connector`). ``kv_cache_of``: run over that engine's KV
@@ -533,7 +534,7 @@ class TTFTEngine:
             layerwise=layerwise, async_store=async_store, engine_copies=engine_copies,
             layerwise_stages=layerwise_stages, engine_id=engine_id, lease_at_lookup=lease_at_lookup,
             num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            prefix_caching=prefix_caching,
+            prefix_caching=prefix_caching, kv_role=kv_role,
         )  # fmt: skip
         self.model = model
         self.block_size = block_size

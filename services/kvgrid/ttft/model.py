@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kvgrid.ttft.graphs import GraphCache
+from kvgrid.ttft.graphs import Attention, GraphCache
 
 __all__ = ["LLAMA3_8B", "LayerHooks", "ModelShape", "PackedBatch", "PagedLlama", "layer_name"]
 
@@ -304,6 +304,12 @@ class PagedLlama:
         attention = _Attention(self, kv_caches, slots[start:end], slots[:end], mask, hooks)
         if self._graphs is not None and n <= self.graph_max_tokens:
             return self._graphs.get(n).run(token_ids, positions, attention).float()
+        return self.head(self._eager(token_ids, positions, attention)).float()
+
+    def _eager(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """Every layer eagerly (the pieces the graphs capture, in the same order): the last layer's
+        output for every row."""
+        s, n = self.shard, token_ids.numel()
         cos, sin = self.rope_tables(positions)
         h = self.embed_tokens(token_ids)
         q, kv = self.project(0, h, cos, sin)
@@ -312,7 +318,7 @@ class PagedLlama:
             h = self.mlp(i, h, out.reshape(n, s.heads * s.head_size))
             if i + 1 < s.layers:
                 q, kv = self.project(i + 1, h, cos, sin)
-        return self.head(h).float()
+        return h
 
     @torch.inference_mode()
     def forward_batch(
@@ -331,14 +337,7 @@ class PagedLlama:
         if self._graphs is not None and n <= self.graph_max_tokens:
             h = self._graphs.get(n, all_rows=True).run(batch.token_ids, batch.positions, attention)
         else:
-            cos, sin = self.rope_tables(batch.positions)
-            h = self.embed_tokens(batch.token_ids)
-            q, kv = self.project(0, h, cos, sin)
-            for i in range(s.layers):
-                out = attention(i, q.contiguous(), kv)
-                h = self.mlp(i, h, out.reshape(n, s.heads * s.head_size))
-                if i + 1 < s.layers:
-                    q, kv = self.project(i + 1, h, cos, sin)
+            h = self._eager(batch.token_ids, batch.positions, attention)
         return self.head_rows(h, batch.logit_rows)
 
     def head_rows(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ Layout (every name starts with the configured prefix ``P``, default ``kvg:``)::
 
     P c:<key16>        HASH slot -> tier bits (1 = L1, 2 = GPU, 4 = L2)     one per chunk with holders
     P s:<key16>        HASH slot -> expiry (unix ms)                 speculative entries, PEXPIRE'd
+    P sp:<slot>        SET of key16: a holder's speculative keys     PEXPIRE'd; expiries only extend
     P h:<slot>:<tier>  SET of key16                                  a holder's keys per tier
     P slots            HASH holder -> slot;  P owner  HASH slot -> holder;  P slotmap  bitmap
     P entries, P chunks counters
@@ -162,18 +163,25 @@ return removed
 )
 
 # ARGV: prefix, holder, expiry_ms, ttl_ms, key...
+# The hashes' and the set's expiries only extend (PTTL -1: just created): a later, shorter TTL must
+# not cut another entry of the same hash (a field's own deadline is checked at lookup) nor expire
+# the set before keys it lists (the drop finds the holder's fields through it).
 _SPECULATE = (
     _SLOT_FN
     + """
 local slot = slot_of(ARGV[2], true)
 local sp = P .. 'sp:' .. slot
+local ttl = tonumber(ARGV[4])
+local function extend(k)
+  if redis.call('PTTL', k) < ttl then redis.call('PEXPIRE', k, ttl) end
+end
 for i = 5, #ARGV do
   local s = P .. 's:' .. ARGV[i]
   redis.call('HSET', s, slot, ARGV[3])
-  redis.call('PEXPIRE', s, ARGV[4])
+  extend(s)
   redis.call('SADD', sp, ARGV[i])
 end
-redis.call('PEXPIRE', sp, ARGV[4])
+extend(sp)
 return 0
 """
 )
@@ -247,6 +255,12 @@ class RedisIndex(ChunkIndex):
             pipe.hgetall(s + k)
         pipe.hgetall(self._pb + b"owner")
         out = pipe.execute()
+        # A slot without owner was dropped between commands: its bits count for nobody (a chunk
+        # held only there ends the prefix, as one nobody holds).
+        owners: dict[int, bytes] = {int(slot_b): holder_b for slot_b, holder_b in out[-1].items()}
+        live = 0
+        for slot in owners:
+            live |= 1 << slot
         now_ms = time.time() * 1000
         l1: list[int] = []
         gpu: list[int] = []
@@ -268,29 +282,14 @@ class RedisIndex(ChunkIndex):
             for slot_b, exp_b in spec.items():
                 if float(exp_b) > now_ms:
                     g |= 1 << int(slot_b)
+            a, g, d = a & live, g & live, d & live
             if not a and not g and not d:
                 break
             l1.append(a)
             gpu.append(g)
             l2.append(d)
             union |= a | g | d
-        owners: dict[bytes, bytes] = out[-1]
-        slots = {}
-        for slot_b, holder_b in owners.items():
-            slot = int(slot_b)
-            if union >> slot & 1:
-                slots[slot] = holder_b.decode()
-        # A slot set in a mask but without owner was dropped between commands: forget its bits.
-        missing = 0
-        while union:
-            b = union & -union
-            if (b.bit_length() - 1) not in slots:
-                missing |= b
-            union ^= b
-        if missing:
-            l1 = [m & ~missing for m in l1]
-            gpu = [m & ~missing for m in gpu]
-            l2 = [m & ~missing for m in l2]
+        slots = {slot: holder.decode() for slot, holder in owners.items() if union >> slot & 1}
         return PrefixView(l1=l1, gpu=gpu, slots=slots, l2=l2 if any(l2) else None)
 
     def _slot(self, holder: str) -> str | None:

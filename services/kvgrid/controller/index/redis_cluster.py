@@ -7,6 +7,7 @@ Layout (every name starts with the configured prefix ``P``; ``{..}`` is the clus
     P c:{b}<key16>     HASH hid -> tier bits (1 = L1, 2 = GPU, 4 = L2)    b = bucket_of(key), 0..1023
     P n:{b}            counter: chunk hashes of bucket b (lost with them: stays exact)
     P s:<key16>        HASH hid -> expiry (unix ms), PEXPIRE'd    speculative, spread over shards
+                       (it and P sp:{hid}: expiries only extend; lookups check each field's own)
     P h:{hid}:<tier>   SET of key16: a holder's keys per tier     P sp:{hid}  its speculative keys
     R islots  HASH holder -> "<slot>:<hid>"    R iowner  HASH slot -> hid + holder    R imap  bitmap
     R igen    STRING: the generation token of the holder table's shard
@@ -129,6 +130,24 @@ for i = 1, #ARGV do redis.call('SADD', KEYS[1], ARGV[i]) end
 return gone
 """
 
+# KEYS: speculative hashes of one cluster slot, or the holder's set sp:{hid}. ARGV: ttl_ms, then
+# 'h', hid, expiry_ms (set hid's field of each hash) or 's', key... (add the keys to the set).
+# Expiries only extend (PTTL -1: just created): a later, shorter TTL must not cut another entry of
+# the same hash (a field's own deadline is checked at lookup) nor expire the set before keys it
+# lists (the drop finds the holder's fields through it).
+_SPECULATE = """
+local ttl = tonumber(ARGV[1])
+for i = 1, #KEYS do
+  if ARGV[2] == 'h' then
+    redis.call('HSET', KEYS[i], ARGV[3], ARGV[4])
+  else
+    for j = 3, #ARGV do redis.call('SADD', KEYS[i], ARGV[j]) end
+  end
+  if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
+end
+return 0
+"""
+
 # KEYS: R islots, R iowner, R imap. ARGV: holder, a fresh hid, create (1|0) -> "<slot>:<hid>" or nil.
 _HID_OF = """
 local e = redis.call('HGET', KEYS[1], ARGV[1])
@@ -197,6 +216,7 @@ class RedisClusterIndex(ChunkIndex):
         self._read = self._r.register_script(_HGETALL_MANY)
         self._hid_of = self._r.register_script(_HID_OF)
         self._drop_entry = self._r.register_script(_DROP_ENTRY)
+        self._speculate = self._r.register_script(_SPECULATE)
         self._holder_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
         self._locks_lock = threading.Lock()
         self._loaded: set[str] = set()
@@ -333,15 +353,13 @@ class RedisClusterIndex(ChunkIndex):
         expiry, ttl = int(time.time() * 1000) + ttl_ms, max(1, ttl_ms)
         hid = self._hid(holder, create=True)
         assert hid is not None
-        pipe = self._r.pipeline(transaction=False)
+        groups: dict[int, list[bytes]] = defaultdict(list)
         for k in keys:
             s = self._spec(k)
-            pipe.hset(s, hid, expiry)
-            pipe.pexpire(s, ttl)
-        sp = self._spec_set(hid)
-        pipe.sadd(sp, *keys)
-        pipe.pexpire(sp, ttl)
-        pipe.execute()
+            groups[key_slot(s)].append(s)
+        calls: list[list[bytes | str | int]] = [[len(g), *g, ttl, "h", hid, expiry] for g in groups.values()]
+        calls.append([1, self._spec_set(hid), ttl, "s", *keys])
+        self._evalsha_pipelined(self._speculate, calls)
 
     # --- reads ----------------------------------------------------------------------------------
     @_reachable
