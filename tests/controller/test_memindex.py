@@ -182,3 +182,50 @@ def test_bad_keys_are_named_on_the_single_query_and_insert_paths(native: bool) -
         with pytest.raises(ValueError, match=r"chunk_keys\[1\]"):
             index.add("a/1", L1, bad)  # type: ignore[arg-type]
     assert index.num_entries() == 0
+
+
+class _CountingDict(dict):  # type: ignore[type-arg]
+    """A dict that counts whole-map walks (what made each reservation cost O(live reservations))."""
+
+    walks = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        _CountingDict.walks += 1
+        return super().__iter__()
+
+    def items(self):  # type: ignore[no-untyped-def]
+        _CountingDict.walks += 1
+        return super().items()
+
+    def keys(self):  # type: ignore[no-untyped-def]
+        _CountingDict.walks += 1
+        return super().keys()
+
+
+def test_a_reservation_costs_its_keys_not_the_live_reservations(monkeypatch: pytest.MonkeyPatch) -> None:
+    idx = MemoryIndex()
+    idx._spec = _CountingDict()
+    for i in range(50):  # 20,000 live reserved keys on 50 pods
+        idx.add_speculative(f"pod{i}/1", rand_keys(400), 60_000)
+    _CountingDict.walks = 0
+    new = rand_keys(8)
+    idx.add_speculative("router-pick/1", new, 60_000)
+    idx.drop_holder("pod3/1")  # a drop walks only its own reservations
+    assert _CountingDict.walks == 0
+    assert idx.lookup(new).gpu[0] != 0  # the reservation is there
+
+
+def test_expired_reservations_leave_with_their_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvgrid.controller.index.memory as memory
+
+    clock = [1000.0]
+    monkeypatch.setattr(memory.time, "monotonic", lambda: clock[0])
+    idx = MemoryIndex()
+    short, long_ = rand_keys(3), rand_keys(3)
+    idx.add_speculative("a/1", short, 1_000)
+    idx.add_speculative("b/1", long_, 60_000)
+    idx.add_speculative("a/1", long_[:1], 60_000)  # a/1 refreshes one key for longer
+    clock[0] += 2.0
+    idx.add_speculative("c/1", rand_keys(1), 60_000)  # any reservation expires what is due
+    assert set(idx._spec) == {bytes(k) for k in long_} | set(idx._spec_keys[idx._slots.by_holder["c/1"]])
+    assert idx._spec_keys[idx._slots.by_holder["a/1"]] == {bytes(long_[0])}

@@ -9,6 +9,7 @@ in Python over memoryviews; both leave the same rows and give the same answers (
 
 from __future__ import annotations
 
+import heapq
 import struct
 import threading
 import time
@@ -111,7 +112,13 @@ class MemoryIndex(ChunkIndex):
         self._w = max(1, width // 64)  # mask words per tier
         self._slots = _Slots()
         self._counts: dict[tuple[int, IndexTier], int] = {}
-        self._spec: dict[bytes, dict[int, float]] = {}
+        self._spec: dict[bytes, dict[int, float]] = {}  # key -> slot -> deadline (monotonic s)
+        # Invariants: every (key, slot) in _spec is in _spec_keys[slot], and has a heap entry with its
+        # deadline (the heap may also hold stale entries of refreshed or dropped ones: skipped when
+        # popped). Expiry pops the heap's due front, so a reservation costs O(its keys) (amortised),
+        # whatever the number of live ones.
+        self._spec_keys: dict[int, set[bytes]] = {}
+        self._spec_due: list[tuple[float, bytes, int]] = []
         self._lock = threading.RLock()
         self._n = 0  # full rows (distinct chunks)
         self._holders_copy: tuple[int, dict[int, str]] = (-1, {})  # (slots version, by_slot copy)
@@ -450,7 +457,7 @@ class MemoryIndex(ChunkIndex):
             if n:
                 for tier in IndexTier:
                     self._clear_column(*self._col(slot, tier))
-            for k in [k for k, d in self._spec.items() if slot in d]:
+            for k in self._spec_keys.pop(slot, ()):
                 d = self._spec[k]
                 del d[slot]
                 if not d:
@@ -460,21 +467,30 @@ class MemoryIndex(ChunkIndex):
 
     def add_speculative(self, holder: str, keys: Sequence[bytes], ttl_ms: int) -> None:
         check_keys(keys)
-        deadline = time.monotonic() + ttl_ms / 1000.0
+        now = time.monotonic()
+        deadline = now + ttl_ms / 1000.0
         with self._lock:
             slot = self._slot(holder)
+            mine = self._spec_keys.setdefault(slot, set())
             for k in keys:
-                self._spec.setdefault(bytes(k), {})[slot] = deadline
-            if len(self._spec) > 4 * len(keys) + 1024:
-                self._expire_speculative(time.monotonic())
+                k = bytes(k)
+                self._spec.setdefault(k, {})[slot] = deadline
+                mine.add(k)
+                heapq.heappush(self._spec_due, (deadline, k, slot))
+            self._expire_speculative(now)
 
     def _expire_speculative(self, now: float) -> None:
-        for k in list(self._spec):
-            d = self._spec[k]
-            for s in [s for s, t in d.items() if t <= now]:
-                del d[s]
+        """Drop the entries whose deadline passed (the heap's due front)."""
+        due, spec = self._spec_due, self._spec
+        while due and due[0][0] <= now:
+            t, k, slot = heapq.heappop(due)
+            d = spec.get(k)
+            if d is None or d.get(slot) != t:
+                continue  # refreshed with a later deadline, or dropped with its holder
+            del d[slot]
+            self._spec_keys[slot].discard(k)
             if not d:
-                del self._spec[k]
+                del spec[k]
 
     # --- reads --------------------------------------------------------------------------------
     def _gather(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
