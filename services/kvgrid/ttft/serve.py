@@ -99,7 +99,11 @@ class ServeBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
         ),
     ] = CONFIGS
     rates: Annotated[
-        tuple[float, ...], _d("request rates (requests/s); empty = 1,2,4,8,12 on cuda, 2,8 on cpu")
+        tuple[float, ...],
+        _d(
+            "request rates (requests/s; inf: every session's first request at once); empty = 1,2,4,8,12 on "
+            "cuda, 2,8 on cpu"
+        ),
     ] = ()
     max_model_len: Annotated[int, msgspec.Meta(ge=0, description="context (0: 8192 on cuda, 512 on cpu)")] = 0
     users: Annotated[int, msgspec.Meta(ge=0, description="qa: users (0: 12 on cuda, 6 on cpu)")] = 0
@@ -180,8 +184,8 @@ def resolve(cfg: ServeBenchConfig) -> _Resolved:
     if cfg.layers:
         shape = msgspec.structs.replace(shape, layers=cfg.layers)
     rates = cfg.rates or ((1.0, 2.0, 4.0, 8.0, 12.0) if cuda else (2.0, 8.0))
-    if any(not (r > 0 and math.isfinite(r)) for r in rates):
-        raise ValueError(f"rates={rates}: expected finite requests/s > 0")
+    if any(not r > 0 for r in rates):  # NaN fails too
+        raise ValueError(f"rates={rates}: expected requests/s > 0 (or inf)")
     if not cfg.configs or len(set(cfg.configs)) != len(cfg.configs):
         raise ValueError(f"configs={cfg.configs}: expected distinct names among {', '.join(CONFIGS)}")
     if cfg.chunk_size % cfg.block_size:
@@ -282,6 +286,7 @@ def serve_once(
         tokens: dict[str, list[int]] = {}
         done: dict[str, float] = {}
         first_computed: dict[str, int] = {}
+        first_external: dict[str, int] = {}
         preempted = steps = 0
         t0 = time.perf_counter()
         wl.start(rate, 0.0)
@@ -305,6 +310,7 @@ def serve_once(
                 t = time.perf_counter() - t0
                 preempted += ev.preempted
                 first_computed.update(ev.first_schedule)
+                first_external.update(ev.first_external)
                 for rid, tok in ev.sampled.items():
                     tokens[rid].append(tok)
                     if rid in last:
@@ -348,7 +354,7 @@ def serve_once(
     all_ttft = ttft + censored
     span = max(done.values(), default=end)
     chunk_bytes = cfg.chunk_size * r.shape.kv_bytes_per_token(model.dtype)
-    from_kvgrid = (ws.chunks_loaded - loaded0) * cfg.chunk_size if ws else 0  # prompt tokens loaded by kvgrid
+    from_kvgrid = sum(first_external.values())  # prompt tokens kvgrid supplied at first schedule
     cached = sum(first_computed.values())
     prompts = sum(prompt_len[r] for r in first_computed)
     row = {
@@ -366,7 +372,7 @@ def serve_once(
         "prompt_tokens_per_s": _sig(sum(prompt_len[r] for r in done) / span) if span > 0 else 0.0,
         "gpu_prefix_hit_rate": _sig(max(0, cached - from_kvgrid) / prompts) if prompts else 0.0,
         "kvgrid_hit_rate": _sig(from_kvgrid / prompts) if prompts else 0.0,
-        "bytes_loaded": ws.chunks_loaded * chunk_bytes if ws else 0,
+        "bytes_loaded": (ws.chunks_loaded - loaded0) * chunk_bytes if ws else 0,
         "bytes_stored": ws.chunks_stored * chunk_bytes if ws else 0,
         "agent_cpu_s": _sig(agent_cpu),
         "preemptions": preempted,

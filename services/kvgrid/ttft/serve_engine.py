@@ -136,6 +136,8 @@ class StepEvents:
     """Requests that completed (max_tokens reached) this step."""
     first_schedule: dict[str, int] = field(default_factory=dict)
     """Request id -> its computed tokens when first scheduled (its prefix hit, GPU cache and kvgrid)."""
+    first_external: dict[str, int] = field(default_factory=dict)
+    """Request id -> of those, the tokens the connector supplied (kvgrid's hit)."""
     scheduled_tokens: int = 0
     preempted: int = 0
     logits: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -175,6 +177,18 @@ class ServeEngine:
         self._hasher = get_request_block_hasher(opts.block_size, hash_fn)
         self._states: dict[str, _ReqState] = {}
         self._seen: set[str] = set()
+        self._external: dict[str, int] = {}
+        connector = self.scheduler.connector
+        if connector is not None:  # what the connector answers the scheduler, per request (latest)
+            matched = connector.get_num_new_matched_tokens
+
+            def recording(request: Any, num_computed_tokens: int) -> Any:
+                answer = matched(request, num_computed_tokens)
+                if answer[0] is not None:
+                    self._external[request.request_id] = answer[0]
+                return answer
+
+            connector.get_num_new_matched_tokens = recording  # type: ignore[method-assign]
         self.keep_logits = False
         """Return each sampled request's logits in :attr:`StepEvents.logits` (the bench's checks)."""
 
@@ -213,6 +227,7 @@ class ServeEngine:
             if new.req_id not in self._seen:
                 self._seen.add(new.req_id)
                 events.first_schedule[new.req_id] = new.num_computed_tokens
+                events.first_external[new.req_id] = self._external.pop(new.req_id, 0)
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             more = cached.new_block_ids[i]
