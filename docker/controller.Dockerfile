@@ -22,4 +22,6 @@ USER 65532:65532
 # for kubelet probes when the service port needs mTLS (--health-port; the chart sets it with TLS on).
 EXPOSE 50061 9400 50071
 ENTRYPOINT ["kvgrid"]
-CMD ["controller", "--listen=0.0.0.0:50061"]
+# Loopback unless TLS is configured (the chart passes its own args): plaintext on a network address
+# is refused without --insecure-plaintext-on-network (docs/security.md).
+CMD ["controller", "--listen=127.0.0.1:50061"]

@@ -273,7 +273,8 @@ def test_controller_with_existing_secret_reads_the_url_from_it(helm: list[str], 
     (redis_env,) = [e for e in container["env"] if e["name"] == "KVGRID_REDIS_URL"]
     assert redis_env["valueFrom"]["secretKeyRef"] == {"name": "valkey-url", "key": "redis-url"}
     assert not any(a.startswith("--redis-url") for a in container["args"])  # never a password in args
-    cfg = _parse_kvgrid(container, ControllerConfig, {"KVGRID_REDIS_URL": "redis://valkey:6379/1"})
+    env = {**_literal_env(container), "KVGRID_REDIS_URL": "redis://valkey:6379/1"}  # + the TLS files
+    cfg = _parse_kvgrid(container, ControllerConfig, env)
     assert (cfg.index_backend, cfg.redis_url) == ("redis", "redis://valkey:6379/1")
 
 

@@ -129,6 +129,8 @@ def test_pods_mount_the_secret_layout_and_get_tls_env_the_real_parsers_read(
             f"{MOUNT}/ca.crt",
         )
         assert cfg.tls_trust_domain == "cluster.local"
+        # With TLS the services listen on the pod's network without the insecure flag.
+        assert "--insecure-plaintext-on-network" not in c["args"] and not cfg.insecure_plaintext_on_network
     # Rotation is in place (the services reload the files): no checksum annotation restarts pods.
     annotations = find(docs, "Deployment", f"{RELEASE}-kvgrid-controller")["spec"]["template"]["metadata"][
         "annotations"
@@ -216,6 +218,15 @@ def test_tls_off_renders_the_plaintext_setup_and_warns(helm: list[str], tmp_path
         assert MOUNT not in [m["mountPath"] for m in c["volumeMounts"]]
         assert c["readinessProbe"]["grpc"] == {"port": port}  # plaintext: gRPC health on the service port
         assert not [a for a in c["args"] if a.startswith("--health-port")]
+        # Without TLS a service listens on the network only when told so explicitly (docs/security.md).
+        assert "--insecure-plaintext-on-network" in c["args"]
+        config_type = ControllerConfig if name == "controller" else AgentConfig
+        cfg = config_from_args(config_type, _parser_ns(c), env=literal_env(c))
+        assert cfg.tls is None and cfg.insecure_plaintext_on_network
+        if isinstance(cfg, AgentConfig):
+            assert cfg.listen_host == "0.0.0.0"
+        else:
+            assert cfg.listen == f"0.0.0.0:{port}"
     # NOTES.txt (printed by helm install) carries the warning.
     proc = run(
         [

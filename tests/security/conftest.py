@@ -53,6 +53,16 @@ class Pki:
         """A CA-signed certificate without any kvgrid URI SAN."""
         return self._make("no-identity", "https://example.com/whoever")
 
+    def in_namespace(self, ns: str, role: str, pod: str = "", *, dns_form: bool = False) -> Path:
+        """A ``role`` identity of Kubernetes namespace ``ns``, signed by our CA (a shared issuer): a URI
+        SAN (per-pod with ``pod``), or with ``dns_form`` the DNS SAN the chart's own CA writes. Serving
+        roles also carry their server name."""
+        server = {"agent": (AGENT_SERVER_NAME,), "controller": (CONTROLLER_SERVER_NAME,)}.get(role, ())
+        name = f"ns-{ns}-{role}-{pod or 'shared'}{'-dns' if dns_form else ''}"
+        if dns_form:
+            return self._make(name, dns=(f"{role}.{ns}.kvgrid-id.cluster.local", *server))
+        return self._make(name, spiffe(role, pod, ns=ns), dns=server)
+
 
 def read(directory: Path) -> tuple[bytes, bytes, bytes]:
     return tuple((directory / n).read_bytes() for n in ("tls.crt", "tls.key", "ca.crt"))  # type: ignore[return-value]

@@ -228,6 +228,10 @@ instead; see docs/deploy.md.
 - {{ printf "--peer-fetch-mode=%v" $v.agent.peerFetchMode | quote }}
 - {{ printf "--peer-data-port=%s" (include "kvgrid.agentDataPort" .) | quote }}
 - {{ printf "--log-level=%v" $v.agent.logLevel | quote }}
+{{- if eq (include "kvgrid.tlsProvider" .root) "off" }}
+{{- /* Without TLS the agent listens on loopback only unless told so explicitly (docs/security.md). */}}
+- "--insecure-plaintext-on-network"
+{{- end }}
 {{- if $v.metrics.enabled }}
 - {{ printf "--prometheus-port=%s" (include "kvgrid.agentMetricsPort" .) | quote }}
 {{- end }}
@@ -413,6 +417,31 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 {{- include "kvgrid.agentTlsVolumes" . }}
 {{- end }}
 
+{{/*
+Pod Security "restricted" for an engine pod with the agent sidecar: put it under the pod's
+spec.securityContext. The engine runs as the agent's uid and gid (agent.securityContext, 65532: the
+agent creates the socket and the shared L1 file for its own uid); fsGroup (tls.fsGroup) makes the
+certificate Secret's files (mode 0440) readable by the agent; RuntimeDefault seccomp for every
+container. An engine image that needs another uid must still run as the agent's to use its socket.
+*/}}
+{{- define "kvgrid.enginePodSecurityContext" -}}
+{{- $sc := default (dict) .Values.agent.securityContext -}}
+runAsNonRoot: true
+runAsUser: {{ default 65532 $sc.runAsUser | int64 }}
+runAsGroup: {{ default 65532 $sc.runAsGroup | int64 }}
+fsGroup: {{ .Values.tls.fsGroup | int64 }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* The engine container's securityContext for Pod Security "restricted" (with kvgrid.enginePodSecurityContext). */}}
+{{- define "kvgrid.engineSecurityContext" -}}
+runAsNonRoot: true
+allowPrivilegeEscalation: false
+capabilities:
+  drop: [ALL]
+{{- end }}
+
 {{/* Volume mounts for the engine container: the agent's socket directory and the shared /dev/shm. */}}
 {{- define "kvgrid.engineVolumeMounts" -}}
 - name: kvgrid-socket
@@ -446,6 +475,9 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
 {{- end }}
 {{- if ne (include "kvgrid.tlsProvider" .) "off" }}
 - {{ printf "--health-port=%d" (int .Values.controller.healthPort) | quote }}
+{{- else }}
+{{- /* Without TLS a non-loopback --listen is refused unless said explicitly (docs/security.md). */}}
+- "--insecure-plaintext-on-network"
 {{- end }}
 {{- $r := .Values.controller.readiness }}
 {{- $settle := ternary 10000 0 (eq .Values.controller.index.backend "memory") }}

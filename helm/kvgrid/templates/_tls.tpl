@@ -18,14 +18,76 @@ place and the services reload them, so nothing here restarts pods for a new cert
 {{- if not $t.enabled }}
 {{- "off" }}
 {{- else if eq $t.provider "auto" }}
-{{- if .Capabilities.APIVersions.Has "cert-manager.io/v1" }}
+{{- include "kvgrid.tlsAutoProvider" . }}
+{{- else }}
+{{- $t.provider }}
+{{- end }}
+{{- end }}
+
+{{/*
+The certificate source tls.provider=auto uses: sticky. An install picks cert-manager when the
+cluster serves cert-manager.io/v1, else helm, and records the pick in the ConfigMap
+<fullname>-tls-source (templates/tls-source.yaml). Every later upgrade keeps the recorded source,
+even after cert-manager's CRDs appear (or go): switching would delete the chart's CA and role
+Secrets and point the pods at Secrets cert-manager has not written yet. Only an explicit
+tls.provider changes the source (and the record follows it). A release installed before the record
+existed is read from its Secrets: cert-manager's carry the cert-manager.io/certificate-name
+annotation, the chart's own are labelled managed-by Helm.
+
+Without a cluster (helm template, --dry-run=client) lookup finds nothing: the install pick. The
+lookups run once per render (the answer is kept in the root context under kvgridTlsAutoProvider).
+*/}}
+{{- define "kvgrid.tlsAutoProvider" -}}
+{{- if not (hasKey . "kvgridTlsAutoProvider") }}
+{{- $ns := .Release.Namespace }}
+{{- $found := dict
+  "recorded" (lookup "v1" "ConfigMap" $ns (include "kvgrid.tlsSourceName" .))
+  "router" (lookup "v1" "Secret" $ns (include "kvgrid.componentName" (dict "root" . "suffix" "router-tls")))
+  "ca" (lookup "v1" "Secret" $ns (include "kvgrid.componentName" (dict "root" . "suffix" "ca")))
+  "certManager" (.Capabilities.APIVersions.Has "cert-manager.io/v1")
+  "record" (include "kvgrid.tlsSourceName" .) }}
+{{- $_ := set . "kvgridTlsAutoProvider" (include "kvgrid.tlsAutoChoice" $found) }}
+{{- end }}
+{{- get . "kvgridTlsAutoProvider" }}
+{{- end }}
+
+{{/*
+The decision of kvgrid.tlsAutoProvider from what lookup found (kept apart so tests can feed it):
+(dict "recorded" <ConfigMap or {}> "router" <router Secret or {}> "ca" <CA Secret or {}>
+"certManager" <the cluster serves cert-manager.io/v1> "record" <the ConfigMap's name>).
+A release on cert-manager whose cluster lost cert-manager.io/v1 fails rather than switch.
+*/}}
+{{- define "kvgrid.tlsAutoChoice" -}}
+{{- $recorded := dig "data" "provider" "" .recorded }}
+{{- if and (eq $recorded "cert-manager") (not .certManager) }}
+{{- fail (printf "tls.provider=auto: this release gets its certificates from cert-manager (ConfigMap %s records it), but the cluster does not serve cert-manager.io/v1. auto never switches the source on its own: install cert-manager's CRDs again, or set tls.provider=helm to move to the chart's own CA (a new CA and new certificates)" .record) }}
+{{- else if has $recorded (list "cert-manager" "helm") }}
+{{- $recorded }}
+{{- else }}
+{{- $legacy := "" }}
+{{- range $s := list .router .ca }}
+{{- if and $s (not $legacy) }}
+{{- if hasKey (dig "metadata" "annotations" (dict) $s) "cert-manager.io/certificate-name" }}
+{{- $legacy = "cert-manager" }}
+{{- else if eq (dig "metadata" "labels" "app.kubernetes.io/managed-by" "" $s) "Helm" }}
+{{- $legacy = "helm" }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and (eq $legacy "cert-manager") (not .certManager) }}
+{{- fail (printf "tls.provider=auto: this release gets its certificates from cert-manager (its Secrets say so), but the cluster does not serve cert-manager.io/v1. auto never switches the source on its own: install cert-manager's CRDs again, or set tls.provider=helm to move to the chart's own CA (a new CA and new certificates)") }}
+{{- else if $legacy }}
+{{- $legacy }}
+{{- else if .certManager }}
 {{- "cert-manager" }}
 {{- else }}
 {{- "helm" }}
 {{- end }}
-{{- else }}
-{{- $t.provider }}
 {{- end }}
+{{- end }}
+
+{{- define "kvgrid.tlsSourceName" -}}
+{{- include "kvgrid.componentName" (dict "root" . "suffix" "tls-source") }}
 {{- end }}
 
 {{/* The DNS SAN identity of a role (tls.provider=helm); call with (dict "root" $ "role" "agent"). */}}

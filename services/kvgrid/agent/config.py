@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvgrid.common.config import ByteSize, GiB, check_choices
+from kvgrid.common.rpc import check_plaintext_listen
 from kvgrid.common.tls import TlsSettings
 
 __all__ = ["AgentConfig", "EvictionPolicyName", "LogLevel", "PromotionMode", "Switch"]
@@ -35,11 +36,24 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
         ),
     ] = "/run/kvgrid/agent.sock"
     tcp_host: Annotated[
-        str, _d("Address the TCP AgentService listens on (peers, controller snapshot pulls)")
-    ] = "0.0.0.0"
+        str,
+        _d(
+            "Address the TCP AgentService and the peer data plane listen on (peers, controller snapshot "
+            "pulls); empty = 0.0.0.0 with TLS (or insecure_plaintext_on_network), else 127.0.0.1. "
+            "Without TLS a non-loopback address is refused unless insecure_plaintext_on_network is set"
+        ),
+    ] = ""
     tcp_port: Annotated[
         int, _d("TCP port of the AgentService; 0 picks a free port, -1 disables TCP"), msgspec.Meta(ge=-1)
     ] = 50062
+    insecure_plaintext_on_network: Annotated[
+        bool,
+        _d(
+            "INSECURE: without TLS, listen on the network anyway (tcp_host empty = 0.0.0.0): anyone who "
+            "reaches the TCP port lists every cached chunk key (Snapshot) and reads KV (FetchChunks). "
+            "Only for isolated networks; configure tls_cert_file, tls_key_file and tls_ca_file instead"
+        ),
+    ] = False
     advertise_address: Annotated[
         str,
         _d(
@@ -300,6 +314,14 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         check_choices(self)
         self.check_tls()
+        if self.tcp_port >= 0:
+            check_plaintext_listen(
+                "tcp_host",
+                self.tcp_host,
+                self.listen_host,
+                tls=self.tls is not None,
+                insecure=self.insecure_plaintext_on_network,
+            )
         if self.low_watermark > self.high_watermark:
             raise ValueError(
                 f"low_watermark={self.low_watermark} > high_watermark={self.high_watermark}: "
@@ -368,3 +390,11 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
     @property
     def pin_memory(self) -> bool | None:
         return {"auto": None, "on": True, "off": False}[self.l1_pin_memory]
+
+    @property
+    def listen_host(self) -> str:
+        """The host the TCP listeners bind: tcp_host, or when empty 0.0.0.0 with TLS (or
+        insecure_plaintext_on_network) and 127.0.0.1 without."""
+        if self.tcp_host:
+            return self.tcp_host
+        return "0.0.0.0" if self.tls is not None or self.insecure_plaintext_on_network else "127.0.0.1"

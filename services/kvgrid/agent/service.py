@@ -10,7 +10,9 @@ serves every RPC; the TCP port serves only :data:`TCP_POLICY`'s methods -- Fetch
 identities (peers) and Snapshot to the controller identity -- and answers every engine method with
 UNIMPLEMENTED naming the Unix socket. With TLS files configured the TCP port requires mTLS and the
 toolkit checks each caller's certificate identity against :data:`TCP_POLICY`; without them it is
-plaintext, serves those two methods to anyone, and logs a loud warning at start.
+plaintext, serves those two methods to anyone, and logs a loud warning at start; it (and the peer
+data plane) then binds loopback unless ``insecure_plaintext_on_network`` is set
+(:attr:`AgentConfig.listen_host`).
 
 :class:`AgentServicer` converts protobuf to :class:`~kvgrid.agent.core.AgentCore` calls and back;
 the shared server toolkit (:mod:`kvgrid.common.rpc`) serves it: it parses requests (a malformed
@@ -43,7 +45,7 @@ from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2
 from kvgrid.common.authz import Authorizer, Policy
 from kvgrid.common.errors import InvalidArgument, client_input
 from kvgrid.common.identity import PodIdentity
-from kvgrid.common.rpc import RpcMetrics, RpcServer, ServerOptions
+from kvgrid.common.rpc import RpcMetrics, RpcServer, ServerOptions, is_loopback_host
 from kvgrid.common.tls import ClientTls, server_credentials
 from kvgrid.common.wire import engine_group_infos_from_proto, key_namespace_from_proto, pod_identity_to_proto
 
@@ -232,8 +234,11 @@ def _advertise(config: AgentConfig, tcp_port: int | None) -> str:
         return config.advertise_address
     if tcp_port is None:
         return ""
-    host = os.environ.get("POD_IP") or socket.gethostname()
-    return f"{host}:{tcp_port}"
+    host = os.environ.get("POD_IP")
+    if not host and is_loopback_host(config.listen_host):
+        # Listening on loopback only: the host name may resolve to an address nothing listens on.
+        host = f"[{config.listen_host}]" if ":" in config.listen_host else config.listen_host
+    return f"{host or socket.gethostname()}:{tcp_port}"
 
 
 class AgentServer:
@@ -276,12 +281,13 @@ class AgentServer:
         servers: list[RpcServer] = []
         tcp_servers: set[int] = set()
         if cfg.tcp_port >= 0:
-            authz = Authorizer(TCP_POLICY, cfg.tls_trust_domain) if tls is not None else None
+            authz = Authorizer.for_settings(TCP_POLICY, cfg) if tls is not None else None
             tcp = server(cfg.tcp_grpc_workers, "kvgrid-agent-tcp", authz)
             creds = server_credentials(tls) if tls is not None else None
-            port = tcp.bind(f"{cfg.tcp_host}:{cfg.tcp_port}", creds)
+            host = f"[{cfg.listen_host}]" if ":" in cfg.listen_host else cfg.listen_host  # IPv6
+            port = tcp.bind(f"{host}:{cfg.tcp_port}", creds)
             if port == 0:
-                raise ValueError(f"tcp_host/tcp_port {cfg.tcp_host}:{cfg.tcp_port}: cannot bind")
+                raise ValueError(f"tcp_host/tcp_port {host}:{cfg.tcp_port}: cannot bind")
             self.tcp_port = port
             tcp_servers.add(id(tcp))
             servers.append(tcp)
@@ -304,7 +310,9 @@ class AgentServer:
                 peer_metrics.served_bytes.add(nbytes)
                 peer_metrics.stats.add(served=1)
 
-            self.data_plane = DataPlaneServer(cfg.tcp_host, cfg.peer_data_port, tls=tls, on_sent=sent).start()
+            self.data_plane = DataPlaneServer(
+                cfg.listen_host, cfg.peer_data_port, tls=tls, on_sent=sent
+            ).start()
         servicer = AgentServicer(self.core, self.events, self.data_plane)
         if self.uds_path:
             hot = hot_path_of(self.uds_path)

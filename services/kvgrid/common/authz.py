@@ -25,6 +25,13 @@ Invariants:
 - A caller outside the trust domain, without a kvgrid identity, or whose role the method's
   :class:`Policy` entry does not list is PERMISSION_DENIED with a text naming the method, the roles
   it needs and the caller's URI. A method absent from the policy is refused for everyone.
+- The trust domain is not a tenant boundary (a shared issuer or corporate CA signs many
+  namespaces): a caller is also PERMISSION_DENIED, whatever the method, unless its identity's
+  Kubernetes namespace is one the :class:`Authorizer` accepts, with a text naming the method, the
+  caller's namespace and the accepted ones. A service's authorizer (:meth:`Authorizer.for_settings`)
+  accepts ``tls_allowed_namespaces``, or when that is empty the namespace(s) of the service's own
+  certificate identity (a certificate without one is a config error at start); ``*`` accepts every
+  namespace of the trust domain.
 - :func:`caller` is the identity of the call the current thread serves (set by the server toolkit,
   :mod:`kvgrid.common.rpc`, for the duration of a call); None on a listener without TLS.
 """
@@ -32,15 +39,19 @@ Invariants:
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Mapping
+import logging
+from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import Literal, get_args
 
 import grpc
 import msgspec
 
 from kvgrid.common.errors import PermissionDenied
+from kvgrid.common.tls import ANY_NAMESPACE, TlsSettings, certificate_sans
 
 __all__ = [
+    "ANY_NAMESPACE",
     "ANY_ROLE",
     "Authorizer",
     "Identity",
@@ -51,6 +62,8 @@ __all__ = [
     "parse_identity",
     "set_caller",
 ]
+
+log = logging.getLogger(__name__)
 
 Role = Literal["agent", "controller", "router"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -130,14 +143,70 @@ def _roles(roles: frozenset[Role]) -> str:
     return " or ".join(sorted(roles)) or "no"
 
 
-class Authorizer:
-    """Checks one call: identity from the TLS auth context, then the policy's roles."""
+def _namespaces(namespaces: Collection[str]) -> str:
+    return ", ".join(repr(n) for n in sorted(namespaces))
 
-    def __init__(self, policy: Policy, trust_domain: str) -> None:
+
+class Authorizer:
+    """Checks one call: identity from the TLS auth context (trust domain, then namespace), then the
+    policy's roles.
+
+    ``namespaces``: the Kubernetes namespaces whose identities are accepted (``*``: any); the default
+    accepts every namespace, as a bare toolkit server does -- services build theirs with
+    :meth:`for_settings`, which defaults to their own namespace.
+    """
+
+    def __init__(
+        self, policy: Policy, trust_domain: str, namespaces: Collection[str] = (ANY_NAMESPACE,)
+    ) -> None:
+        if not namespaces:
+            raise ValueError("namespaces=(): expected at least one namespace (or '*' for any)")
         self.policy = policy
         self.trust_domain = trust_domain
+        self.namespaces: frozenset[str] | None = (
+            None if ANY_NAMESPACE in namespaces else frozenset(namespaces)
+        )
+        """The accepted namespaces; None = every namespace of the trust domain."""
 
-    def identify(self, context: grpc.ServicerContext) -> Identity:
+    @classmethod
+    def for_settings(cls, policy: Policy, settings: TlsSettings) -> Authorizer:
+        """The authorizer of a service with mTLS on: its ``tls_trust_domain``, and the namespaces of
+        ``tls_allowed_namespaces`` or, when that is empty, of its own certificate's kvgrid identities
+        in that trust domain (read from ``tls_cert_file`` now). ValueError naming the settings when
+        neither tells a namespace."""
+        td = settings.tls_trust_domain
+        namespaces = list(settings.tls_allowed_namespaces)
+        source = "tls_allowed_namespaces"
+        if not namespaces:
+            path = settings.tls_cert_file
+            try:
+                uris, names = certificate_sans(Path(path).read_bytes())
+            except (OSError, ValueError) as e:
+                raise ValueError(
+                    f"tls_cert_file={path!r}: cannot read its identity ({e}), which names the namespace "
+                    f"whose callers are accepted when tls_allowed_namespaces is empty"
+                ) from None
+            ids = [i for i in map(parse_identity, uris) if i is not None]
+            ids += [i for i in map(parse_dns_identity, names) if i is not None]
+            namespaces = sorted({i.namespace for i in ids if i.trust_domain == td})
+            if not namespaces:
+                raise ValueError(
+                    f"tls_cert_file={path!r} carries no kvgrid identity of trust domain {td!r} (URI SANs: "
+                    f"{uris or 'none'}; DNS SANs: {names or 'none'}), so its namespace is unknown: set "
+                    f"tls_allowed_namespaces to the namespaces whose callers are accepted"
+                )
+            source = "this service's certificate"
+        log.info(
+            "authorizing callers of trust domain %r, namespaces %s (from %s)",
+            td,
+            ", ".join(namespaces),
+            source,
+        )
+        return cls(policy, td, namespaces)
+
+    def identify(self, context: grpc.ServicerContext, method: str = "") -> Identity:
+        """The caller's identity, if it is of our trust domain and an accepted namespace; else
+        PermissionDenied (``method`` names the call in the text)."""
         auth = context.auth_context()
         uris, names = _sans(auth, "peer_uri"), _sans(auth, "peer_dns")
         by_uri = [i for i in map(parse_identity, uris) if i is not None]
@@ -156,11 +225,18 @@ class Authorizer:
             raise PermissionDenied(
                 f"client identity {ids[0].uri!r} is outside trust domain {self.trust_domain!r}"
             )
-        return max(ours, key=lambda i: bool(i.pod_uid))
+        ident = max(ours, key=lambda i: bool(i.pod_uid))
+        if self.namespaces is not None and ident.namespace not in self.namespaces:
+            raise PermissionDenied(
+                f"{method or 'this call'}: the caller {ident.uri!r} is of namespace {ident.namespace!r}; "
+                f"this server accepts callers of namespace {_namespaces(self.namespaces)} only "
+                f"(tls_allowed_namespaces; empty = the namespace of the server's own certificate)"
+            )
+        return ident
 
     def check(self, method: str, context: grpc.ServicerContext) -> Identity:
-        """The caller's identity if its role may call ``method``; else PermissionDenied."""
-        ident = self.identify(context)
+        """The caller's identity if it is accepted and its role may call ``method``; else PermissionDenied."""
+        ident = self.identify(context, method)
         roles = self.policy.allowed.get(method, frozenset())
         if ident.role not in roles:
             raise PermissionDenied(

@@ -5,8 +5,9 @@
   callers from starving another's runs one ``RpcServer`` per listener, sharing one
   :class:`RpcMetrics`), binds addresses (:meth:`RpcServer.bind` is the one place a port is added:
   with server credentials (:mod:`kvgrid.common.tls`) it is mTLS, without them a TCP address is
-  plaintext and says so loudly in the log), and on :meth:`RpcServer.start` adds the standard health
-  service (SERVING for ``""`` and every added service) and reflection.
+  plaintext and says so loudly in the log, louder still on a non-loopback host), and on
+  :meth:`RpcServer.start` adds the standard health service (SERVING for ``""`` and every added
+  service) and reflection.
 - Authorization (:mod:`kvgrid.common.authz`): a server made with an ``authorizer`` checks every
   call of an added service before the method runs (the caller's certificate identity against the
   method's roles; PERMISSION_DENIED naming both) and exposes the identity to the method through
@@ -16,6 +17,9 @@
   method per RPC, named like it, taking the parsed request (and for client-streaming RPCs an
   iterator of them) and returning the response (or an iterable of them). Requests are parsed here,
   so a malformed message is INVALID_ARGUMENT naming its type (grpcio's deserializer says INTERNAL).
+- Plaintext stays on this machine unless asked otherwise (docs/security.md): a service config calls
+  :func:`check_plaintext_listen` for each TCP listen host, which refuses a non-loopback host when
+  TLS is off unless ``insecure_plaintext_on_network`` is set (:data:`INSECURE_PLAINTEXT_FIELD`).
 - :func:`status_of` is the one mapping from exceptions to status codes: a
   :class:`~kvgrid.common.errors.KvgridError` becomes its ``status`` with its text; anything else is
   INTERNAL with a one-line ``method failed: Type: text`` (the traceback goes to the log).
@@ -34,6 +38,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -57,18 +62,54 @@ from kvgrid.common.errors import InvalidArgument, KvgridError, Unimplemented
 from kvgrid.common.tracing import server_span
 
 __all__ = [
+    "INSECURE_PLAINTEXT_FIELD",
     "RPC_CALLS",
     "RPC_DURATION",
     "RpcMetrics",
     "RpcServer",
     "ServerOptions",
     "after_reply",
+    "check_plaintext_listen",
     "deferring",
+    "is_loopback_host",
     "run_deferred",
     "status_of",
 ]
 
 log = logging.getLogger(__name__)
+
+INSECURE_PLAINTEXT_FIELD = "insecure_plaintext_on_network"
+"""The config field (flag ``--insecure-plaintext-on-network``, env
+``KVGRID_INSECURE_PLAINTEXT_ON_NETWORK``) that lets a service without TLS listen on a network address."""
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a listen host only this machine reaches: ``localhost``, 127.0.0.0/8, ``::1``
+    (brackets allowed). Any other name counts as a network address: it may resolve to one."""
+    h = host.strip().strip("[]")
+    if h.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def check_plaintext_listen(field: str, value: str, host: str, *, tls: bool, insecure: bool) -> None:
+    """ValueError naming ``field=value`` and the two ways out when a listener without TLS would take
+    connections from the network (``host`` not loopback) and ``insecure`` was not set explicitly."""
+    if tls or insecure or is_loopback_host(host):
+        return
+    raise ValueError(
+        f"{field}={value!r} is not a loopback address and TLS is off: a plaintext listener there lets "
+        "anyone on the network call it unauthenticated (see which chunks are cached where; on an "
+        "agent, list every chunk key and read the KV). "
+        "Either turn on mTLS (tls_cert_file, tls_key_file and tls_ca_file: --tls-cert-file, "
+        "--tls-key-file, --tls-ca-file or KVGRID_TLS_*; docs/security.md), or listen on 127.0.0.1, "
+        f"or accept plaintext on the network explicitly with {INSECURE_PLAINTEXT_FIELD}=true "
+        "(--insecure-plaintext-on-network, env KVGRID_INSECURE_PLAINTEXT_ON_NETWORK=true)"
+    )
+
 
 RPC_CALLS = "kvgrid_rpc_server_calls"
 RPC_DURATION = "kvgrid_rpc_server_duration"
@@ -357,10 +398,19 @@ class RpcServer:
         try:
             if credentials is not None:
                 return int(self.server.add_secure_port(address, credentials))
-            if not address.startswith("unix:"):
+            if not address.startswith("unix:") and is_loopback_host(address.rpartition(":")[0]):
                 log.warning(
                     "%s: serving %s WITHOUT TLS: no client is authenticated, every caller may call "
                     "every method; set tls_cert_file, tls_key_file and tls_ca_file for mTLS",
+                    self.options.thread_name_prefix,
+                    address,
+                )
+            elif not address.startswith("unix:"):
+                log.warning(
+                    "%s: INSECURE: serving %s WITHOUT TLS ON A NETWORK ADDRESS: anyone who can reach "
+                    "this port is unauthenticated and may call every method it serves (an agent's "
+                    "Snapshot lists every cached chunk key, its FetchChunks returns KV); set "
+                    "tls_cert_file, tls_key_file and tls_ca_file for mTLS, or listen on 127.0.0.1",
                     self.options.thread_name_prefix,
                     address,
                 )

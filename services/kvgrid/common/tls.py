@@ -17,12 +17,19 @@ Invariants:
   changes when the files change; callers that keep channels (:class:`Channels`) rebuild them on the
   next call after a change.
 - A file that cannot be read or parsed during a reload keeps the previous credentials (logged).
+- Callers are accepted from one trust domain (``tls_trust_domain``) and, within it, from the
+  Kubernetes namespaces ``tls_allowed_namespaces`` lists; empty (the default) means the namespace(s)
+  of this service's own certificate identity, read by :func:`certificate_sans` (the check itself is
+  :class:`kvgrid.common.authz.Authorizer`).
 """
 
 from __future__ import annotations
 
+import base64
 import logging
+import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -31,11 +38,13 @@ import msgspec
 
 __all__ = [
     "AGENT_SERVER_NAME",
+    "ANY_NAMESPACE",
     "CONTROLLER_SERVER_NAME",
     "Channels",
     "ClientTls",
     "TlsFiles",
     "TlsSettings",
+    "certificate_sans",
     "make_channel",
     "server_credentials",
     "tls_files",
@@ -47,6 +56,11 @@ CONTROLLER_SERVER_NAME = "kvgrid-controller"
 """The DNS SAN a controller's certificate carries and its clients verify."""
 AGENT_SERVER_NAME = "kvgrid-agent"
 """The DNS SAN every agent's certificate carries and its clients (peers, the controller) verify."""
+
+
+ANY_NAMESPACE = "*"
+"""In ``tls_allowed_namespaces``: callers of every namespace of the trust domain are accepted."""
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class TlsFiles(msgspec.Struct, frozen=True):
@@ -99,6 +113,14 @@ class TlsSettings(msgspec.Struct, frozen=True, kw_only=True):
             "SANs or <role>.<ns>.kvgrid-id.<domain> DNS SANs (docs/security.md)"
         ),
     ] = "cluster.local"
+    tls_allowed_namespaces: Annotated[
+        list[str],
+        msgspec.Meta(
+            description="Kubernetes namespaces whose identities (of tls_trust_domain) may call this "
+            "service, comma-separated; empty = only the namespace of this service's own certificate "
+            "identity; * = every namespace of the trust domain (docs/security.md)"
+        ),
+    ] = msgspec.field(default_factory=list)
 
     def check_tls(self) -> None:
         """ValueError naming the field when the TLS settings are inconsistent (call from __post_init__)."""
@@ -107,11 +129,75 @@ class TlsSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"tls_trust_domain={self.tls_trust_domain!r}: expected a domain such as cluster.local"
             )
+        bad = [n for n in self.tls_allowed_namespaces if n != ANY_NAMESPACE and not _NAMESPACE.fullmatch(n)]
+        if bad:
+            raise ValueError(
+                f"tls_allowed_namespaces={self.tls_allowed_namespaces!r}: {bad[0]!r} is not a Kubernetes "
+                f"namespace name (lowercase letters, digits and '-', at most 63) nor {ANY_NAMESPACE!r}"
+            )
 
     @property
     def tls(self) -> TlsFiles | None:
         """The mTLS files, None when TLS is off."""
         return tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+
+
+def _tlv(der: bytes, i: int, end: int) -> tuple[int, int, int]:
+    """(tag, content start, content end) of the DER element at ``i``; ValueError when it overruns ``end``."""
+    if i + 2 > end:
+        raise ValueError("truncated DER")
+    tag, n, i = der[i], der[i + 1], i + 2
+    if n & 0x80:
+        k = n & 0x7F
+        if not 0 < k <= 4 or i + k > end:
+            raise ValueError("bad DER length")
+        n, i = int.from_bytes(der[i : i + k], "big"), i + k
+    if i + n > end:
+        raise ValueError("truncated DER")
+    return tag, i, i + n
+
+
+def _children(der: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    while start < end:
+        tag, s, e = _tlv(der, start, end)
+        yield tag, s, e
+        start = e
+
+
+_SAN_OID = bytes.fromhex("551d11")  # 2.5.29.17 subjectAltName
+_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----(.+?)-----END CERTIFICATE-----", re.S)
+
+
+def certificate_sans(pem: bytes) -> tuple[list[str], list[str]]:
+    """(URI SANs, DNS SANs) of the first (leaf) certificate of a PEM chain; ValueError when there is
+    no parsable certificate. A small DER walk: the runtime needs no X.509 library for this."""
+    m = _PEM_CERT.search(pem)
+    if m is None:
+        raise ValueError("no PEM certificate")
+    try:
+        der = base64.b64decode(b"".join(m.group(1).split()), validate=True)
+    except ValueError:
+        raise ValueError("PEM certificate is not base64") from None
+    uris: list[str] = []
+    names: list[str] = []
+    _, cs, ce = _tlv(der, 0, len(der))  # Certificate ::= SEQUENCE { tbsCertificate, ... }
+    _, ts, te = _tlv(der, cs, ce)  # TBSCertificate ::= SEQUENCE { ..., [3] extensions }
+    for tag, s, e in _children(der, ts, te):
+        if tag != 0xA3:
+            continue
+        _, xs, xe = _tlv(der, s, e)  # SEQUENCE OF Extension { extnID, critical?, extnValue }
+        for _, es, ee in _children(der, xs, xe):
+            parts = list(_children(der, es, ee))
+            if len(parts) < 2 or parts[0][0] != 0x06 or der[parts[0][1] : parts[0][2]] != _SAN_OID:
+                continue
+            _, vs, ve = parts[-1]  # OCTET STRING holding GeneralNames ::= SEQUENCE OF GeneralName
+            _, gs, ge = _tlv(der, vs, ve)
+            for gtag, ns, ne in _children(der, gs, ge):
+                if gtag == 0x86:  # [6] uniformResourceIdentifier
+                    uris.append(der[ns:ne].decode("ascii", errors="replace"))
+                elif gtag == 0x82:  # [2] dNSName
+                    names.append(der[ns:ne].decode("ascii", errors="replace"))
+    return uris, names
 
 
 _Stamp = tuple[tuple[int, int, int], ...]

@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from kvgrid.common.config import add_config_arguments, config_from_args
+from kvgrid.common.config import ConfigError, add_config_arguments, config_from_args
 from kvgrid.controller.config import ControllerConfig
 
 __all__ = ["add_arguments", "run"]
@@ -23,7 +23,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    cfg = config_from_args(ControllerConfig, args)
+    try:
+        cfg = config_from_args(ControllerConfig, args)
+    except ConfigError as e:
+        print(f"kvgrid controller: {e}", file=sys.stderr)
+        return 2
     from kvgrid.common.telemetry import setup_telemetry
     from kvgrid.controller.service import serve
 

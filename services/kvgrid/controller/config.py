@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvgrid.common.hashing import KeyNamespace
+from kvgrid.common.rpc import check_plaintext_listen
 from kvgrid.common.tls import TlsSettings
 
 __all__ = ["ControllerConfig", "VllmEventSource"]
@@ -28,8 +29,21 @@ class VllmEventSource(msgspec.Struct, frozen=True):
 
 class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
     listen: Annotated[
-        str, msgspec.Meta(description="gRPC listen address host:port (port 0 = any free port)")
+        str,
+        msgspec.Meta(
+            description="gRPC listen address host:port (port 0 = any free port); without TLS a "
+            "non-loopback host (e.g. 0.0.0.0) is refused unless insecure_plaintext_on_network is set"
+        ),
     ] = "127.0.0.1:50061"
+    insecure_plaintext_on_network: Annotated[
+        bool,
+        msgspec.Meta(
+            description="INSECURE: without TLS, allow a non-loopback listen host anyway: anyone who "
+            "reaches the port is unauthenticated and may call every method (read the index, publish "
+            "events as any pod). Only for isolated networks; configure tls_cert_file, tls_key_file and "
+            "tls_ca_file instead"
+        ),
+    ] = False
     index_backend: Annotated[
         Literal["memory", "redis"], msgspec.Meta(description="chunk index backend: memory or redis")
     ] = "memory"
@@ -200,3 +214,6 @@ class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
         if not sep or not host or not port.isdigit():
             raise ValueError(f"listen={self.listen!r}: expected host:port, e.g. 0.0.0.0:50061")
         self.check_tls()
+        check_plaintext_listen(
+            "listen", self.listen, host, tls=self.tls is not None, insecure=self.insecure_plaintext_on_network
+        )

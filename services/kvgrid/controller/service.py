@@ -304,7 +304,7 @@ def serve(
             thread_name_prefix="kvgrid-controller",
         ),
         telemetry.meter if telemetry is not None else None,
-        authorizer=Authorizer(POLICY, cfg.tls_trust_domain) if tls is not None else None,
+        authorizer=Authorizer.for_settings(POLICY, cfg) if tls is not None else None,
         tracer=tracer,
     )
     servicer = ControllerServicer(ctl, tracer)
