@@ -150,3 +150,34 @@ class SnapshotAgent:
 
     def stop(self) -> None:
         self.server.stop(0).wait()
+
+
+NS_ID = "0123456789abcdef0123456789abcdef"
+"""The tenant namespace id the security tests store and publish chunks under."""
+
+
+def publish_admit(stub: Any, pod_uid: str, keys: list[bytes], epoch: int = 1) -> list[Any]:
+    """One PublishEvents stream of one L1 admit of ``keys`` by ``pod_uid``; the replies."""
+    from kvgrid.api.v1 import common_pb2, controller_pb2
+
+    req = controller_pb2.PublishEventsRequest(
+        pod=common_pb2.PodIdentity(pod_uid=pod_uid, epoch=epoch),
+        events=[
+            controller_pb2.ChunkEvent(
+                sequence=1, kind=controller_pb2.EVENT_KIND_ADMIT, tier=common_pb2.TIER_L1,
+                chunk_keys=keys, namespace=NS_ID,
+            )
+        ],
+    )  # fmt: skip
+    return list(stub.PublishEvents(iter([req]), timeout=5))
+
+
+def put_chunks(server: Any, keys: list[bytes], nbytes: int = 4096) -> None:
+    """Store ``keys`` (known bytes) straight into an agent server's L1, under :data:`NS_ID`."""
+    import torch
+
+    assert server.core is not None
+    res = server.core.cache.reserve_store(keys, namespace_id=NS_ID, layout_id="L", nbytes=nbytes)
+    for _, chunk in res.new_chunks:
+        chunk.buffer.copy_(torch.arange(nbytes, dtype=torch.int32).to(torch.uint8))
+    server.core.cache.commit(res)

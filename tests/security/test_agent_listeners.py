@@ -8,7 +8,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.config import AgentConfig
@@ -16,10 +15,9 @@ from kvgrid.agent.service import TCP_POLICY, AgentServer
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.identity import PodIdentity
 from kvgrid.common.tls import AGENT_SERVER_NAME, ClientTls, TlsFiles
-from tests.security.conftest import Pki, channel_as, tls_flags
+from tests.security.conftest import NS_ID, Pki, channel_as, put_chunks, tls_flags
 from tests.security.pki import spiffe
 
-NS_ID = "0123456789abcdef0123456789abcdef"
 ENGINE_METHODS = (
     "RegisterKVCaches",
     "UnregisterKVCaches",
@@ -44,14 +42,6 @@ def tls_agent(tmp_path: Path, pki: Pki) -> Iterator[AgentServer]:
     server = _agent(tmp_path, pki.agent("pod-srv"))
     yield server
     server.stop(0)
-
-
-def _put(server: AgentServer, keys: list[bytes], nbytes: int = 4096) -> None:
-    assert server.core is not None
-    res = server.core.cache.reserve_store(keys, namespace_id=NS_ID, layout_id="L", nbytes=nbytes)
-    for _, chunk in res.new_chunks:
-        chunk.buffer.copy_(torch.arange(nbytes, dtype=torch.int32).to(torch.uint8))
-    server.core.cache.commit(res)
 
 
 def _fetch(ch: grpc.Channel, keys: list[bytes]) -> list[agent_pb2.FetchChunksResponse]:
@@ -114,7 +104,7 @@ def test_plaintext_and_foreign_clients_are_refused_at_the_handshake(tls_agent: A
 
 def test_fetch_chunks_only_for_agent_identities(tls_agent: AgentServer, pki: Pki) -> None:
     keys = [bytes([3]) * 16]
-    _put(tls_agent, keys)
+    put_chunks(tls_agent, keys)
     address = f"127.0.0.1:{tls_agent.tcp_port}"
     for who, role in ((pki.router(), "router"), (pki.controller(), "controller")):
         with channel_as(address, who, AGENT_SERVER_NAME) as ch, pytest.raises(grpc.RpcError) as err:
@@ -129,7 +119,7 @@ def test_fetch_chunks_only_for_agent_identities(tls_agent: AgentServer, pki: Pki
 
 
 def test_snapshot_only_for_the_controller_identity(tls_agent: AgentServer, pki: Pki) -> None:
-    _put(tls_agent, [bytes([4]) * 16])
+    put_chunks(tls_agent, [bytes([4]) * 16])
     address = f"127.0.0.1:{tls_agent.tcp_port}"
     for who in (pki.router(), pki.agent("pod-peer")):
         with channel_as(address, who, AGENT_SERVER_NAME) as ch, pytest.raises(grpc.RpcError) as err:

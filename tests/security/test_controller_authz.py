@@ -20,12 +20,11 @@ from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.identity import MAX_EPOCH
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.service import POLICY, SERVICE_NAME, Server, serve
-from tests.security.conftest import Pki, SnapshotAgent, channel_as, tls_flags
+from tests.security.conftest import NS_ID, Pki, SnapshotAgent, channel_as, publish_admit, tls_flags
 from tests.security.pki import spiffe
 
 Stub = controller_pb2_grpc.ControllerServiceStub
 StubAs = Callable[[Path | None], Stub]
-NS_ID = "0123456789abcdef0123456789abcdef"
 
 
 def _register(
@@ -37,21 +36,6 @@ def _register(
         ),
         timeout=5,
     )
-
-
-def _publish(
-    stub: Stub, pod_uid: str, epoch: int, keys: list[bytes]
-) -> list[controller_pb2.PublishEventsResponse]:
-    req = controller_pb2.PublishEventsRequest(
-        pod=common_pb2.PodIdentity(pod_uid=pod_uid, epoch=epoch),
-        events=[
-            controller_pb2.ChunkEvent(
-                sequence=1, kind=controller_pb2.EVENT_KIND_ADMIT, tier=common_pb2.TIER_L1,
-                chunk_keys=keys, namespace=NS_ID,
-            )
-        ],
-    )  # fmt: skip
-    return list(stub.PublishEvents(iter([req]), timeout=5))
 
 
 def _match(stub: Stub, keys: list[bytes]) -> controller_pb2.MatchPrefixResponse:
@@ -136,7 +120,7 @@ def test_a_router_reads_but_cannot_write(controller_as: StubAs, pki: Pki) -> Non
     router.ListAgents(controller_pb2.ListAgentsRequest(), timeout=5)
     for attempt in (
         lambda: _register(router, "pod-router", 1),
-        lambda: _publish(router, "pod-router", 1, keys),
+        lambda: publish_admit(router, "pod-router", epoch=1, keys=keys),
         lambda: router.Heartbeat(controller_pb2.HeartbeatRequest(pod_uid="pod-router", epoch=1), timeout=5),
     ):
         code, text = _code(attempt)
@@ -153,7 +137,7 @@ def test_a_per_pod_agent_certificate_acts_only_for_its_pod(controller_as: StubAs
     assert "pod-b1" in text and "pod-a1" in text  # names both
     for attempt in (
         lambda: a.Heartbeat(controller_pb2.HeartbeatRequest(pod_uid="pod-b1", epoch=1), timeout=5),
-        lambda: _publish(a, "pod-b1", 1, [bytes([1]) * 16]),
+        lambda: publish_admit(a, "pod-b1", epoch=1, keys=[bytes([1]) * 16]),
     ):
         code, text = _code(attempt)
         assert code == grpc.StatusCode.PERMISSION_DENIED and "pod-b1" in text
@@ -174,7 +158,7 @@ def test_a_forged_newer_epoch_from_another_identity_cannot_take_over_a_pod(
     forger = controller_as(pki.agent())  # a real agent certificate, but the shared one: not pod-v's
     for attempt in (
         lambda: _register(forger, "pod-v", MAX_EPOCH),
-        lambda: _publish(forger, "pod-v", MAX_EPOCH, keys),
+        lambda: publish_admit(forger, "pod-v", epoch=MAX_EPOCH, keys=keys),
         lambda: forger.Heartbeat(controller_pb2.HeartbeatRequest(pod_uid="pod-v", epoch=5), timeout=5),
     ):
         code, text = _code(attempt)
@@ -244,7 +228,7 @@ def test_a_pod_registered_by_its_event_stream_belongs_to_that_identity(
 ) -> None:
     """PublishEvents registers an unknown pod implicitly (e.g. after a controller restart): the
     stream's identity owns it as a RegisterAgent's would."""
-    _publish(controller_as(pki.agent("pod-w")), "pod-w", 3, [bytes([5]) * 16])
+    publish_admit(controller_as(pki.agent("pod-w")), "pod-w", epoch=3, keys=[bytes([5]) * 16])
     assert tls_controller.controller.registry.get("pod-w") is not None
     code, text = _code(lambda: _register(controller_as(pki.agent()), "pod-w", MAX_EPOCH))
     assert code == grpc.StatusCode.PERMISSION_DENIED and spiffe("agent", "pod-w") in text

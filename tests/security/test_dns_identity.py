@@ -185,7 +185,8 @@ def test_the_agent_port_authorizes_dns_identities(tmp_path: Path, pki: Pki) -> N
     """An agent serving with a DNS-only certificate: a DNS agent fetches chunks, a DNS router may not,
     and only the DNS controller may pull its snapshot."""
     from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
-    from tests.security.test_agent_listeners import _agent, _fetch, _put
+    from tests.security.conftest import put_chunks as _put
+    from tests.security.test_agent_listeners import _agent, _fetch
 
     server = _agent(tmp_path, _dir(pki, "agent-srv", dns_id("agent"), AGENT_SERVER_NAME))
     try:

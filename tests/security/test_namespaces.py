@@ -16,7 +16,6 @@ from typing import Any
 
 import grpc
 import pytest
-import torch
 
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.config import AgentConfig
@@ -27,11 +26,10 @@ from kvgrid.common.identity import PodIdentity
 from kvgrid.common.tls import AGENT_SERVER_NAME, CONTROLLER_SERVER_NAME, ClientTls, TlsFiles, certificate_sans
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.service import Server, serve
-from tests.security.conftest import Pki, channel_as, tls_flags
+from tests.security.conftest import NS_ID, Pki, channel_as, publish_admit, put_chunks, tls_flags
 from tests.security.pki import NAMESPACE, TestCA, spiffe
 
 Stub = controller_pb2_grpc.ControllerServiceStub
-NS_ID = "0123456789abcdef0123456789abcdef"
 OURS = NAMESPACE  # namespace A: every server below runs with a certificate of it
 THEIRS = "team-b"  # namespace B: the same CA, the same trust domain
 
@@ -79,19 +77,6 @@ def _register(stub: Stub, pod_uid: str) -> controller_pb2.RegisterAgentResponse:
     return stub.RegisterAgent(controller_pb2.RegisterAgentRequest(pod=pod, namespaces=[NS_ID]), timeout=5)
 
 
-def _publish(stub: Stub, pod_uid: str, keys: list[bytes]) -> list[controller_pb2.PublishEventsResponse]:
-    req = controller_pb2.PublishEventsRequest(
-        pod=common_pb2.PodIdentity(pod_uid=pod_uid, epoch=1),
-        events=[
-            controller_pb2.ChunkEvent(
-                sequence=1, kind=controller_pb2.EVENT_KIND_ADMIT, tier=common_pb2.TIER_L1,
-                chunk_keys=keys, namespace=NS_ID,
-            )
-        ],
-    )  # fmt: skip
-    return list(stub.PublishEvents(iter([req]), timeout=5))
-
-
 def _match(stub: Stub, keys: list[bytes]) -> controller_pb2.MatchPrefixResponse:
     req = controller_pb2.MatchPrefixRequest(chunk_keys=common_pb2.ChunkKeys(keys=keys), namespace_id=NS_ID)
     return stub.MatchPrefix(req, timeout=5)
@@ -110,7 +95,7 @@ def test_an_agent_of_another_namespace_cannot_write_the_controller(
         ):
             theirs = stub_to(server, who)
             _refused_for_namespace(lambda: _register(theirs, "pod-b"), "RegisterAgent")  # noqa: B023
-            _refused_for_namespace(lambda: _publish(theirs, "pod-b", keys), "PublishEvents")  # noqa: B023
+            _refused_for_namespace(lambda: publish_admit(theirs, "pod-b", keys), "PublishEvents")  # noqa: B023
             _refused_for_namespace(
                 lambda: theirs.Heartbeat(  # noqa: B023
                     controller_pb2.HeartbeatRequest(pod_uid="pod-b", epoch=1), timeout=5
@@ -128,7 +113,7 @@ def test_an_agent_of_another_namespace_cannot_write_the_controller(
         # The same identities of our namespace still work.
         ours = stub_to(server, pki.in_namespace(OURS, "agent", dns_form=dns_form))
         assert _register(ours, "pod-a").lease_ttl_ms > 0
-        _publish(ours, "pod-a", keys)
+        publish_admit(ours, "pod-a", keys)
         assert server.controller.registry.get("pod-a") is not None
         router_a = stub_to(server, pki.in_namespace(OURS, "router", dns_form=dns_form))
         assert router_a.GetStats(controller_pb2.GetStatsRequest(), timeout=5).num_agents == 1
@@ -154,7 +139,7 @@ def test_allowed_namespaces_admit_the_listed_ones(pki: Pki, stub_to: Callable[[S
     try:
         theirs = stub_to(server, pki.in_namespace(THEIRS, "agent"))
         assert _register(theirs, "pod-b3").lease_ttl_ms > 0
-        _publish(theirs, "pod-b3", [bytes([5]) * 16])
+        publish_admit(theirs, "pod-b3", [bytes([5]) * 16])
         assert _register(stub_to(server, pki.agent()), "pod-a3").lease_ttl_ms > 0
         # The list is exact: a third namespace is still refused, naming both accepted ones.
         code, text = _code(lambda: _register(stub_to(server, pki.in_namespace("team-c", "agent")), "pod-c"))
@@ -204,14 +189,6 @@ def _agent(tmp_path: Path, who: Path, **flags: Any) -> AgentServer:
     return AgentServer(cfg, pod=PodIdentity(pod_uid="pod-srv", epoch=1)).start()
 
 
-def _put(server: AgentServer, keys: list[bytes], nbytes: int = 4096) -> None:
-    assert server.core is not None
-    res = server.core.cache.reserve_store(keys, namespace_id=NS_ID, layout_id="L", nbytes=nbytes)
-    for _, chunk in res.new_chunks:
-        chunk.buffer.copy_(torch.arange(nbytes, dtype=torch.int32).to(torch.uint8))
-    server.core.cache.commit(res)
-
-
 def _fetch(address: str, who: Path, keys: list[bytes]) -> list[agent_pb2.FetchChunksResponse]:
     req = agent_pb2.FetchChunksRequest(chunk_keys=keys, layout_id="L", namespace_id=NS_ID)
     with channel_as(address, who, AGENT_SERVER_NAME) as ch:
@@ -234,7 +211,7 @@ def agent_a(tmp_path: Path, pki: Pki) -> Iterator[AgentServer]:
 
 def test_another_namespace_cannot_fetch_chunks_or_pull_a_snapshot(agent_a: AgentServer, pki: Pki) -> None:
     keys = [bytes([6]) * 16]
-    _put(agent_a, keys)
+    put_chunks(agent_a, keys)
     address = f"127.0.0.1:{agent_a.tcp_port}"
     for who in (
         pki.in_namespace(THEIRS, "agent"),
@@ -262,7 +239,7 @@ def test_an_agent_allowing_another_namespace_serves_it(tmp_path: Path, pki: Pki)
     server = _agent(tmp_path, pki.agent("pod-srv"), tls_allowed_namespaces=[OURS, THEIRS])
     try:
         keys = [bytes([8]) * 16]
-        _put(server, keys)
+        put_chunks(server, keys)
         address = f"127.0.0.1:{server.tcp_port}"
         assert _fetch(address, pki.in_namespace(THEIRS, "agent"), keys)[0].num_chunks == 1
         assert keys[0] in _snapshot(address, pki.in_namespace(THEIRS, "controller")).chunk_keys
@@ -282,7 +259,7 @@ def test_plaintext_listeners_keep_serving_without_identities(tmp_path: Path) -> 
     server = AgentServer(cfg, pod=PodIdentity(pod_uid="pod-plain", epoch=1)).start()
     try:
         keys = [bytes([2]) * 16]
-        _put(server, keys)
+        put_chunks(server, keys)
         req = agent_pb2.FetchChunksRequest(chunk_keys=keys, layout_id="L", namespace_id=NS_ID)
         with grpc.insecure_channel(f"127.0.0.1:{server.tcp_port}") as ch:
             parts = list(agent_pb2_grpc.AgentServiceStub(ch).FetchChunks(req, timeout=5))
