@@ -42,7 +42,7 @@ if ((ttft)); then
     for copies in engine agent; do
         python3 -m kvgrid.cli bench ttft --device cuda --copies "$copies"
     done 2>&1 | tee "$out/bench-ttft.txt"
-    # Tensor parallelism 2 (issue 16): one rank process per GPU, NCCL with NVLink multicast off, one agent per rank.
+    # Tensor parallelism 2: one rank process per GPU, NCCL with NVLink multicast off, one agent per rank.
     if (($(nvidia-smi -L | wc -l) >= 2)); then
         NCCL_NVLS_ENABLE=0 python3 -m kvgrid.cli bench ttft --device cuda --tp 2 --prompts 8192 2>&1 \
             | tee "$out/bench-ttft-tp2.txt"

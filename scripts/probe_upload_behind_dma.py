@@ -6,9 +6,9 @@ A side stream queues ``--stages`` stages of 31 pinned host-to-GPU copies of 6 Mi
 layer-wise load's DMAs at 8k tokens); the default stream queues one small operation and a matmul,
 either before the first stage ("engine_first") or right after it, the other stages queued after it
 ("dma_first"). Printed: when the engine's work and the DMA train ended, ms after the start. On the
-H200 (docs/benchmarks.md, session 12) only a pinned upload queued after the first stage waits for
-the whole train, stages queued after it included: the reason the connector's loads must start
-after the step's inputs are uploaded (vLLM's order).
+H200 (docs/benchmarks.md, *a pinned upload behind a DMA train*) only a pinned upload queued after
+the first stage waits for the whole train, stages queued after it included: the reason the
+connector's loads must start after the step's inputs are uploaded (vLLM's order).
 """
 
 from __future__ import annotations

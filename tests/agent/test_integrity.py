@@ -1,4 +1,4 @@
-"""Chunk integrity (issue 12, item 4): the checksum recorded at store, carried by FetchChunks and
+"""Chunk integrity: the checksum recorded at store, carried by FetchChunks and
 verified by the fetching agent before a fetched chunk becomes visible.
 
 The attack: a malicious peer (a real gRPC server on loopback) answers FetchChunks with chunks of

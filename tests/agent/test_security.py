@@ -1,4 +1,4 @@
-"""Attacks on the agent (issue 12, items 3, 5 and 6, agent side), each against a real agent process
+"""Attacks on the agent (tenant isolation, bounded resources, statuses), each against a real agent process
 over real gRPC, each refused.
 
 - Tenant isolation: a chunk another namespace stored under the same key is never served (Lookup,
@@ -225,7 +225,7 @@ def test_block_id_list_count_must_match_engine_groups(agent: AgentProc, tmp_path
 
 def test_snapshot_still_lists_every_namespace(agent: AgentProc, tmp_path: Path) -> None:
     """Snapshot's content is unchanged (the controller's resync needs every key); who may call it is
-    the identity part of issue 12 (mTLS), not enforced here."""
+    the caller's mTLS identity (the controller only, docs/security.md), not checked here."""
     c, _, _, _ = _engines(agent, tmp_path)
     assert c.store("v", keys_for(19, 1), block_ids(0, 1)).num_stored_chunks == 1
     assert (

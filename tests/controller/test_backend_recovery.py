@@ -1,4 +1,4 @@
-"""Redis/Valkey restarted empty or flushed under a running controller (issue 12, item 6).
+"""Redis/Valkey restarted empty or flushed under a running controller.
 
 The failure: the index lived only in Valkey; when Valkey came back empty nothing noticed, so
 MatchPrefix answered "nobody" while the agents still held their chunks, and during the outage

@@ -1,4 +1,4 @@
-"""Bounded controller state: one registrant cannot grow the index without end (issue 12, item 5).
+"""Bounded controller state: one registrant cannot grow the index without end.
 
 The attack: an agent (or anyone who can open a PublishEvents stream) admits more and more chunk
 keys; each one used to become an index entry (~60-80 B of controller memory) with no cap. Now

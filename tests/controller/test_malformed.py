@@ -1,4 +1,4 @@
-"""Malformed protobuf sent to any ControllerService method is INVALID_ARGUMENT (issue 12, item 6).
+"""Malformed protobuf sent to any ControllerService method is INVALID_ARGUMENT.
 
 grpcio's own deserializer answers INTERNAL ("Exception deserializing request!"); the server toolkit
 (:mod:`kvgrid.common.rpc`) parses requests itself. This loops over every method of the service

@@ -1,4 +1,4 @@
-"""Three controller replicas sharing one Valkey (index and agent registry) answer alike (issue 15, item 1).
+"""Three controller replicas sharing one Valkey (index and agent registry) answer alike.
 
 Before: each replica kept its own agent registry, so an agent connected to replica A was unknown
 to B and C (no ListAgents row, its entries unanswerable or answered without load or namespaces),

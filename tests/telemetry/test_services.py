@@ -71,7 +71,7 @@ def agent(
 
 
 BAD_SETTINGS = {
-    # The regression of issue 13: this made the agent exit with rc 2 and the controller drop /metrics.
+    # A regression: this made the agent exit with rc 2 and the controller drop /metrics.
     "http-to-unreachable": {
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",

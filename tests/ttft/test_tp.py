@@ -1,6 +1,6 @@
 """The TTFT harness with tensor parallelism 2 on the CPU (gloo): two rank processes, one agent each.
 
-What must hold (issue 16): every rank stores and loads its own shard under its own keys through
+What must hold: every rank stores and loads its own shard under its own keys through
 its own agent; the scheduler's lookup is the minimum over the ranks; a hit's first-token logits
 equal a tail prefill over the KV the ranks computed themselves bit for bit, and a miss's a full
 prefill's (same kernels, same shapes; the all-reduce of two ranks is one rounding of the same two

@@ -119,8 +119,8 @@ def test_a_step_uploads_its_inputs_before_the_connector_starts_loads(
 ) -> None:
     """vLLM's runner uploads a step's inputs (``_prepare_inputs``) before the connector's context
     starts loads; the harness must too. On CUDA a pinned upload queued after a load's first DMA waits
-    on the copy engine behind every DMA of the load (docs/benchmarks.md, session 12), which made the
-    harness's layer-wise hits wait for the whole load."""
+    on the copy engine behind every DMA of the load (docs/benchmarks.md, *a pinned upload behind a
+    DMA train*), which made the harness's layer-wise hits wait for the whole load."""
     import kvgrid.ttft.engine as engine_mod
 
     directory = Path(agent.uds_path).parent

@@ -24,7 +24,7 @@ on), registers a one-layer CPU KV cache and times each flow, median over ``--ite
 and, as the limit in the same run, a bare Unix-socket echo between this process and a child process
 (no framing, no agent work): its round trip times the flow's round trips (one-way sends not
 counted). Printed: microseconds per request and per call, and per flow the limit over its time.
-Issue 11's goal: <= 100 us per request on the hot path.
+The goal: <= 100 us per request on the hot path.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ over its own KV tensors, and per load:
 3. once the copy landed a completer thread sends Release, which ends the lease.
 
 Layer-wise loads (:meth:`EngineCopier.scatter_staged`) copy the layers in ``stages`` stages of
-consecutive layers, in order, and let each layer wait only for its own stage (seed 002's layer-wise
+consecutive layers, in order, and let each layer wait only for its own stage (a layer-wise
 pipeline: loading stage s+1 overlaps the compute of stage s's layers). A stage is moved by plans over
 just its layers (the chunk layout keeps each kernel group's layers contiguous, so a stage's bytes of
 a chunk are one contiguous slice of it). On CUDA a stage moves by DMA into one of two GPU buffers
@@ -220,8 +220,8 @@ class _StagePipeline:
     buffer is scattered. What makes that work: the scatter's tables (chunk offsets, block ids) are
     uploaded on the DMA stream just after its DMA (:meth:`TransferPlan.prepare_retrieve`), so a scatter
     is kernels only. (With its own upload, a scatter's few bytes queued on the copy engine behind the
-    next DMA, and stages landed in pairs on the H200; the fix of session 9, one buffer and each DMA
-    waiting for the scatter before it, left the copy engine idle ~0.35 ms per stage.)
+    next DMA, and stages landed in pairs on the H200; one buffer with each DMA waiting for the
+    scatter before it avoids that but leaves the copy engine idle ~0.35 ms per stage.)
 
     Why just in time: a stream that waits on the GPU stalls every stream mapped to the same
     hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``, default 8, which vLLM keeps). Queued all at
@@ -229,7 +229,7 @@ class _StagePipeline:
     stream shared the engine stream's queue the compute waited for the whole load (H200, 8k: a hit
     of 40.6 ms; 27.1 ms with 32 queues). Queued just in time, what is queued after a wait needs
     that stage anyway. The step's own pinned uploads go first (vLLM's order): one queued after a
-    DMA waits for the whole DMA train (docs/benchmarks.md, session 12).
+    DMA waits for the whole DMA train (docs/benchmarks.md, *a pinned upload behind a DMA train*).
 
     Invariants: a buffer is rewritten only after the scatter that last read it (``freed``); the
     first stage of a load waits for the load's fence; a load's lease is released (on the completer

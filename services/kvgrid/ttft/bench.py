@@ -27,16 +27,16 @@ limits; the first round warms up, figures are medians of the rest), so all see t
 
 Two ratios say what storing costs, against two denominators:
 
-* ``store +%`` (``store_overhead``) = miss / prefill - 1 (issue 11's goal: <= 3 %): ``prefill`` is
+* ``store +%`` (``store_overhead``) = miss / prefill - 1 (the goal: <= 3 %): ``prefill`` is
   the bare model forward, no vLLM scheduler and no connector, so this charges kvgrid with vLLM's
   own per-request host work as well as the connector's (its scheduler half's lookup and metadata,
   the worker half's calls, the store);
 * ``kvgrid +%`` (``kvgrid_overhead``) = miss / plain miss - 1: both sides run vLLM's scheduler and
   the same runner order, so the difference is the connector alone (its scheduler half's lookup and
   metadata, the worker half's calls, issuing the store, and waiting for it with ``--store sync``)
-  -- issue 11's "storing adds <= 3 % to the miss" read as what kvgrid adds to vLLM.
+  -- the goal "storing adds <= 3 % to the miss" read as what kvgrid adds to vLLM.
 
-Other ratios: ``speed-up`` = prefill / hit, ``ceiling`` = prefill / copy (issue 11's definition),
+Other ratios: ``speed-up`` = prefill / hit, ``ceiling`` = prefill / copy,
 ``limit`` = prefill / (copy + tail) (what a hit can reach at the copy limit, tail included), and
 ``of ceiling`` = speed-up / ceiling (goal >= 0.8 at 8k and 32k). ``stored`` is the miss's time
 until its stores landed in the agent: with asynchronous stores (``--store async``, the default on

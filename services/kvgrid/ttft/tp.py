@@ -1,6 +1,6 @@
 """The TTFT harness with tensor parallelism: one process per rank, one ``kvgrid agent`` per rank.
 
-Why: issue 16 asks for time to first token with TP=2 through ``KVGridConnector`` as vLLM runs it --
+Why: to measure time to first token with TP=2 through ``KVGridConnector`` as vLLM runs it --
 every rank stores and loads its own shard of the KV (its KV heads) through its own agent, the
 scheduler's lookup takes the minimum over the ranks' agents, and the results stay bit-exact.
 
