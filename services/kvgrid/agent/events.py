@@ -21,6 +21,14 @@ the controller then sees a gap in the sequence numbers and pulls a snapshot from
 ``Snapshot`` RPC, which is the recovery path for every inconsistency (the agent is the source of
 truth for its pod).
 
+Entries the controller refused: admits past one of its index-entry caps (per pod, per identity,
+total) are acknowledged but not indexed, and the ack says how many (``refused_entries``, by cap in
+``refused``). They are never resent (the controller would refuse them again, and a resend would
+not be ordered after later evicts): the chunks stay cached here and routers miss them until a later
+snapshot fits. The publisher counts them (:attr:`EventPublisher.refused_entries`, metric
+``kvgrid_agent_controller_refused_entries`` by cap) and logs a warning at most every
+:data:`REFUSED_LOG_INTERVAL_S`.
+
 Connection state (``EventPublisher.state``, exported as ``kvgrid_agent_controller_connection_state``):
 ``disconnected`` (no session: before the first attempt, or backing off after a failure) ->
 ``registering`` (channel open, RegisterAgent in flight) -> ``connected`` (registered, event stream
@@ -33,6 +41,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -71,6 +80,12 @@ MESSAGE_KEYS = 65_536
 defaults to 1,048,576)."""
 
 CONNECTION_STATES = ("disconnected", "registering", "connected")
+
+REFUSED_CAPS = ("pod", "identity", "total")
+"""The controller's index-entry caps, as ``PublishEventsResponse.refused`` names them."""
+
+REFUSED_LOG_INTERVAL_S = 60.0
+"""Most one warning per this many seconds about entries the controller refused."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +262,10 @@ class EventPublisher:
         self.state = "disconnected"
         self.reconnects = 0
         self._sessions = 0
+        self.refused_entries: dict[str, int] = dict.fromkeys(REFUSED_CAPS, 0)
+        """Chunk keys the controller acknowledged but did not index, by the cap that refused them."""
+        self._refused_unlogged: dict[str, int] = dict.fromkeys(REFUSED_CAPS, 0)
+        self._refused_logged_at: float | None = None
         if meter is not None:
             self._instruments(meter)
 
@@ -267,6 +286,37 @@ class EventPublisher:
             [lambda _opts: [Observation(self.reconnects)]],
             unit="{reconnect}",
             description="Sessions with the controller started after an earlier one ended or failed",
+        )
+        meter.create_observable_counter(
+            "kvgrid_agent_controller_refused_entries",
+            [lambda _opts: [Observation(n, {"cap": cap}) for cap, n in self.refused_entries.items()]],
+            unit="{entry}",
+            description="Chunk keys the controller acknowledged but did not index because an index-entry "
+            "cap was reached (cap: pod, identity, total); routers do not see these chunks",
+        )
+
+    def _note_refused(self, ack: controller_pb2.PublishEventsResponse) -> None:
+        """Count the keys an ack says were refused; warn at most every REFUSED_LOG_INTERVAL_S."""
+        r = ack.refused
+        counts = {"pod": r.pod_cap, "identity": r.identity_cap, "total": r.total_cap}
+        if not any(counts.values()):  # a controller that sends only the total
+            counts["total"] = ack.refused_entries
+        for cap, n in counts.items():
+            self.refused_entries[cap] += n
+            self._refused_unlogged[cap] += n
+        now = time.monotonic()
+        if self._refused_logged_at is not None and now - self._refused_logged_at < REFUSED_LOG_INTERVAL_S:
+            return
+        self._refused_logged_at = now
+        pending = ", ".join(f"{n} by its {cap} cap" for cap, n in self._refused_unlogged.items() if n)
+        self._refused_unlogged = dict.fromkeys(REFUSED_CAPS, 0)
+        log.warning(
+            "controller %s did not index chunk keys of pod %s: %s (controller settings "
+            "max_entries_per_pod / max_entries_per_identity / max_index_entries); the chunks stay "
+            "cached but routers will not see them until a later snapshot fits",
+            self.address,
+            self.pod.holder_id,
+            pending,
         )
 
     def start(self) -> None:
@@ -341,6 +391,8 @@ class EventPublisher:
                         self.resyncs_requested += 1
                     if ack.l2_listing_requested:
                         self.log.relist_l2()
+                    if ack.refused_entries:
+                        self._note_refused(ack)
             except grpc.RpcError as e:
                 if not (self._reconnect.is_set() and e.code() == grpc.StatusCode.CANCELLED):
                     raise

@@ -108,6 +108,25 @@ class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
             "the default is ~0.6 GiB); agent admits and snapshots beyond it are not indexed",
         ),
     ] = 1 << 23
+    max_entries_per_identity: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="most (chunk, tier) index entries of all pods registered by one mTLS identity "
+            "together (0 = max_index_entries // 2, so one identity cannot fill the index for the others; "
+            "with the chart's shared agent certificate every agent is one identity: size it for the "
+            "fleet). Plaintext callers have no identity and no identity cap",
+        ),
+    ] = 0
+    max_pods_per_identity: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="most live pods one mTLS identity may register (0 = no bound); a registration "
+            "or event stream of one more pod is RESOURCE_EXHAUSTED. A per-pod certificate registers one "
+            "pod anyway; with a shared agent certificate set it to the fleet size plus rollout surge",
+        ),
+    ] = 1024
     backend_check_interval_ms: Annotated[
         int,
         msgspec.Meta(
@@ -199,6 +218,11 @@ class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
             "OTEL_EXPORTER_OTLP_ENDPOINT, if set)"
         ),
     ] = ""
+
+    @property
+    def identity_entry_cap(self) -> int:
+        """The effective ``max_entries_per_identity`` (0 resolved to half the total cap)."""
+        return self.max_entries_per_identity or max(1, self.max_index_entries // 2)
 
     def __post_init__(self) -> None:
         if self.index_backend not in ("memory", "redis"):

@@ -16,7 +16,11 @@ namespace) is resolved into :class:`Query` (chunk keys, namespace id, sizes) onc
 arrive as :class:`PackedQueries` (one key buffer for the whole batch).
 
 Bounded state: agent admits and snapshots go through :class:`~kvgrid.controller.limits.EntryCaps`
-(``max_entries_per_pod``, ``max_index_entries``). Backend data loss: a watcher reads the index's
+(``max_entries_per_pod``, ``max_entries_per_identity``, ``max_index_entries``); what a cap refused is
+told to the pod in its next :class:`PublishAck`. An mTLS identity registers at most
+``max_pods_per_identity`` live pods (``ResourceExhausted`` beyond).
+
+Backend data loss: a watcher reads the index's
 :meth:`~kvgrid.controller.index.base.ChunkIndex.data_generation` every ``backend_check_interval_ms``;
 when it changes (a Redis/Valkey restarted empty or flushed) every registered agent is resynced and
 the vLLM GPU entries are rewritten, so the index is rebuilt from its sources of truth. While the
@@ -35,6 +39,7 @@ import numpy as np
 
 from kvgrid.common.errors import (
     InvalidArgument,
+    ResourceExhausted,
     Unavailable,
     check_namespace_id,
     client_input,
@@ -48,13 +53,14 @@ from kvgrid.controller.index import BatchView, ChunkIndex, IndexTier, MaskView, 
 from kvgrid.controller.index.base import WordsView
 from kvgrid.controller.index.instrumented import InstrumentedIndex
 from kvgrid.controller.ingest import AgentSnapshot, ChunkEvent, Ingestor, SnapshotFn, check_events
-from kvgrid.controller.limits import EntryCaps
+from kvgrid.controller.limits import NONE_REFUSED, EntryCaps, Refused
 from kvgrid.controller.matching import BatchMatch, match_batch, match_words
 from kvgrid.controller.metrics import ControllerMetrics, StatsSource
 from kvgrid.controller.registry import (
     AgentLoad,
     AgentRecord,
     AgentRegistry,
+    RegisterOutcome,
     StaleEpochError,
     UnknownPodError,
     make_registry,
@@ -157,6 +163,8 @@ class PublishAck(msgspec.Struct, frozen=True):
     resync_started: bool
     l2_listing_requested: bool = False
     """The agent is to send its lower tiers' listing again (:mod:`kvgrid.controller.ingest`)."""
+    refused: Refused = NONE_REFUSED
+    """Keys of the pod not indexed since the previous answer, by cap (:mod:`kvgrid.controller.limits`)."""
 
 
 class HolderSnapshot(msgspec.Struct, frozen=True):
@@ -223,7 +231,11 @@ class Controller:
         index = index if index is not None else make_index(cfg)
         self.index = InstrumentedIndex(index, telemetry.meter) if telemetry is not None else index
         self.registry = registry if registry is not None else make_registry(cfg)
-        self.caps = EntryCaps(self.index, cfg.max_entries_per_pod, cfg.max_index_entries)
+        self.caps = EntryCaps(
+            self.index, cfg.max_entries_per_pod, cfg.max_index_entries, cfg.identity_entry_cap
+        )
+        # A pod-count check of an identity and the registration it allows are one step.
+        self._owners_lock = threading.Lock()
         self.ingest = Ingestor(
             self.index,
             snapshots,
@@ -265,6 +277,8 @@ class Controller:
                     expired_leases=lambda: self.registry.expired_total,
                     rejected_entries=lambda: self.caps.rejected_entries,
                     over_quota_pods=lambda: len(self.caps.over_quota),
+                    over_quota_identities=lambda: len(self.caps.over_quota_identities),
+                    refused_by_cap=lambda: dict(self.caps.refused_by_cap),
                     backend_losses=lambda: self.backend_losses,
                 ),
             )
@@ -397,8 +411,9 @@ class Controller:
         self, pod: PodIdentity, namespaces: Sequence[str], l1_capacity_bytes: int, *, owner: str | None = None
     ) -> Registration:
         """Register ``pod``; ``owner`` (the caller's mTLS identity) is checked and recorded in the
-        same step (PermissionDenied when another identity owns the live pod)."""
-        out = self.registry.register(pod, list(namespaces), l1_capacity_bytes, owner=owner)
+        same step (PermissionDenied when another identity owns the live pod, ResourceExhausted when
+        it would own more than ``max_pods_per_identity``)."""
+        out = self._register_owned(pod, namespaces, l1_capacity_bytes, owner)
         if out.replaced is not None:
             log.info("pod %s: epoch %d replaces %d", pod.pod_uid, pod.epoch, out.replaced.pod.epoch)
             self._drop(out.replaced)
@@ -410,6 +425,40 @@ class Controller:
             if pod.agent_address:
                 self.ingest.request_resync(out.record)
         return Registration(self.cfg.lease_ttl_ms, snapshot_requested=out.is_new and bool(pod.agent_address))
+
+    def _register_owned(
+        self, pod: PodIdentity, namespaces: Sequence[str], l1_capacity_bytes: int, owner: str | None
+    ) -> RegisterOutcome:
+        """:meth:`AgentRegistry.register`, within ``owner``'s pod bound; the new holder's entries
+        count toward ``owner``'s identity cap. Without an owner (no TLS) neither applies."""
+        if owner is None:
+            return self.registry.register(pod, list(namespaces), l1_capacity_bytes, owner=owner)
+        with self._owners_lock:
+            self._check_pod_bound(pod.pod_uid, owner)
+            out = self.registry.register(pod, list(namespaces), l1_capacity_bytes, owner=owner)
+            self.caps.bind(out.record.holder, owner)
+            return out
+
+    def _bind_owner(self, rec: AgentRecord, owner: str) -> None:
+        """A stream of ``owner`` for a pod registered elsewhere (another replica, a registration
+        that predates this stream): count it toward ``owner``'s bounds here too."""
+        if self.caps.identity_of(rec.holder) == owner:
+            return
+        with self._owners_lock:
+            self._check_pod_bound(rec.pod.pod_uid, owner)
+            self.caps.bind(rec.holder, owner)
+
+    def _check_pod_bound(self, pod_uid: str, owner: str) -> None:
+        bound = self.cfg.max_pods_per_identity
+        if not bound:
+            return
+        pods = self.caps.pods_of(owner)
+        if pod_uid not in pods and len(pods) >= bound:
+            raise ResourceExhausted(
+                f"pod {pod_uid!r}: identity {owner!r} already has {len(pods)} live pods registered, "
+                f"max_pods_per_identity={bound}; a pod counts until its lease lapses (use per-pod "
+                "certificates, or raise max_pods_per_identity to the fleet size plus rollout surge)"
+            )
 
     def heartbeat(self, pod_uid: str, epoch: int, load: AgentLoad | None) -> Lease:
         if not pod_uid:
@@ -445,18 +494,25 @@ class Controller:
             if current is None:
                 # Unknown pod or newer epoch (e.g. this controller restarted): register implicitly;
                 # the snapshot pull brings the entries and the namespaces.
-                out = self.registry.register(pod, (), 0, owner=owner)
+                out = self._register_owned(pod, (), 0, owner)
                 if out.replaced is not None:
                     self._drop(out.replaced)
                 self._refresh_holders()
                 current = out.record
             elif rec is not None and current is not rec:
                 raise StaleEpochError(f"pod {pod.holder_id!r} was re-registered while this stream was open")
+            elif owner is not None and rec is None:
+                self._bind_owner(current, owner)
             rec = current
             check_events(msg.events, rec.namespaces, self.cfg.max_event_keys)
             acked, resync = self.ingest.publish(rec, msg.events, new_stream=first)
             first = False
-            yield PublishAck(acked, resync, self.ingest.take_l2_listing_request(rec.holder))
+            yield PublishAck(
+                acked,
+                resync,
+                self.ingest.take_l2_listing_request(rec.holder),
+                self.caps.take_refused(rec.holder),
+            )
 
     def snapshot_index(self, pod_uid: str, tier: IndexTier) -> HolderSnapshot:
         rec = self.registry.get(pod_uid)

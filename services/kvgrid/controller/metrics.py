@@ -37,6 +37,8 @@ class StatsSource:
         rejected_entries: Callable[[], int] = lambda: 0,
         over_quota_pods: Callable[[], int] = lambda: 0,
         backend_losses: Callable[[], int] = lambda: 0,
+        over_quota_identities: Callable[[], int] = lambda: 0,
+        refused_by_cap: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self.agents = agents
         self.events_ingested = events_ingested
@@ -47,6 +49,8 @@ class StatsSource:
         self.rejected_entries = rejected_entries
         self.over_quota_pods = over_quota_pods
         self.backend_losses = backend_losses
+        self.over_quota_identities = over_quota_identities
+        self.refused_by_cap = refused_by_cap
 
 
 def observe(read: Callable[[], int], what: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
@@ -79,6 +83,12 @@ class ControllerMetrics:
                 "pods with index entries refused by max_entries_per_pod / max_index_entries",
                 stats.over_quota_pods,
             ),
+            (
+                "kvgrid_controller_over_quota_identities",
+                "{identity}",
+                "mTLS identities with index entries refused by max_entries_per_identity",
+                stats.over_quota_identities,
+            ),
         ):
             meter.create_observable_gauge(name, [observe(read, name)], unit=unit, description=desc)
         counters = (
@@ -110,7 +120,8 @@ class ControllerMetrics:
             (
                 "kvgrid_controller_rejected_entries",
                 "{entry}",
-                "agent chunk keys not indexed because of max_entries_per_pod / max_index_entries",
+                "agent chunk keys not indexed because of an index-entry cap (by cap: "
+                "kvgrid_controller_refused_entries)",
                 stats.rejected_entries,
             ),
             (
@@ -122,6 +133,17 @@ class ControllerMetrics:
         )
         for name, unit, desc, read in counters:
             meter.create_observable_counter(name, [observe(read, name)], unit=unit, description=desc)
+
+        def by_cap(_options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(n, {"cap": cap}) for cap, n in stats.refused_by_cap().items()]
+
+        meter.create_observable_counter(
+            "kvgrid_controller_refused_entries",
+            [by_cap],
+            unit="{entry}",
+            description="agent chunk keys not indexed, by the cap that refused them (cap: pod = "
+            "max_entries_per_pod, identity = max_entries_per_identity, total = max_index_entries)",
+        )
         self._attrs: dict[MatchRpc, dict[str, str]] = {}
 
     def answered(self, rpc: MatchRpc, queries: int) -> None:

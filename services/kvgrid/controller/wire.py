@@ -163,11 +163,18 @@ def event_messages_from_proto(msgs: Iterable[controller_pb2.PublishEventsRequest
 
 
 def publish_ack_to_proto(a: PublishAck) -> controller_pb2.PublishEventsResponse:
-    return controller_pb2.PublishEventsResponse(
+    resp = controller_pb2.PublishEventsResponse(
         acked_sequence=a.acked_sequence,
         resync_started=a.resync_started,
         l2_listing_requested=a.l2_listing_requested,
     )
+    r = a.refused
+    if r.entries:  # absent otherwise: an answer without refusals is the bytes it always was
+        resp.refused_entries = r.entries
+        resp.refused.pod_cap = r.pod
+        resp.refused.identity_cap = r.identity
+        resp.refused.total_cap = r.total
+    return resp
 
 
 def tier_from_proto(tier: common_pb2.Tier.ValueType) -> IndexTier:

@@ -245,6 +245,8 @@ class PublishEventsResponse(_message.Message):
     ACKED_SEQUENCE_FIELD_NUMBER: _builtins.int
     RESYNC_STARTED_FIELD_NUMBER: _builtins.int
     L2_LISTING_REQUESTED_FIELD_NUMBER: _builtins.int
+    REFUSED_ENTRIES_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
     acked_sequence: _builtins.int
     """Highest sequence applied."""
     resync_started: _builtins.bool
@@ -253,20 +255,62 @@ class PublishEventsResponse(_message.Message):
     """The controller resynced this pod from a snapshot that lists L1 only: send the lower tiers'
     listing again as new events (a TIER_L2 CLEAR, then TIER_L2 ADMITs of every key they hold).
     """
+    refused_entries: _builtins.int
+    """Chunk keys of this pod that were NOT indexed since the previous answer of this stream (admits
+    of the messages applied since, and a snapshot installed meanwhile), because an entry cap was
+    reached. They are acknowledged (never resend them): the agent keeps the chunks, routers just do
+    not see them until a later snapshot of the pod fits. 0 when every key was indexed.
+    """
+    @_builtins.property
+    def refused(self) -> Global___RefusedEntries:
+        """refused_entries by the cap that refused them (absent when refused_entries is 0)."""
+
     def __init__(
         self,
         *,
         acked_sequence: _builtins.int = ...,
         resync_started: _builtins.bool = ...,
         l2_listing_requested: _builtins.bool = ...,
+        refused_entries: _builtins.int = ...,
+        refused: Global___RefusedEntries | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["refused", b"refused"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_sequence", b"acked_sequence", "l2_listing_requested", b"l2_listing_requested", "resync_started", b"resync_started"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_sequence", b"acked_sequence", "l2_listing_requested", b"l2_listing_requested", "refused", b"refused", "refused_entries", b"refused_entries", "resync_started", b"resync_started"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PublishEventsResponse: _TypeAlias = PublishEventsResponse  # noqa: Y015
+
+@_typing.final
+class RefusedEntries(_message.Message):
+    """Chunk keys refused by each index-entry cap of the controller (docs/controller.md "Bounded state")."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POD_CAP_FIELD_NUMBER: _builtins.int
+    IDENTITY_CAP_FIELD_NUMBER: _builtins.int
+    TOTAL_CAP_FIELD_NUMBER: _builtins.int
+    pod_cap: _builtins.int
+    """max_entries_per_pod: the entries of this pod."""
+    identity_cap: _builtins.int
+    """max_entries_per_identity: the entries of every pod registered by the caller's mTLS identity."""
+    total_cap: _builtins.int
+    """max_index_entries: the entries of the whole index."""
+    def __init__(
+        self,
+        *,
+        pod_cap: _builtins.int = ...,
+        identity_cap: _builtins.int = ...,
+        total_cap: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity_cap", b"identity_cap", "pod_cap", b"pod_cap", "total_cap", b"total_cap"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RefusedEntries: _TypeAlias = RefusedEntries  # noqa: Y015
 
 @_typing.final
 class SnapshotIndexRequest(_message.Message):
