@@ -55,10 +55,13 @@ unit: $(STAMP) $(HELM)
 
 test: lint typecheck unit
 
-# The stateful index tests with a long, randomised budget (CI runs a fixed, derandomised one).
+# Long, randomised budgets (CI runs fixed, short ones): the stateful index tests, and the wire fuzzers
+# against real agent and controller processes (messages per service; about 25 minutes at 100,000).
 FUZZ_EXAMPLES ?= 2000
+FUZZ_MESSAGES ?= 100000
 fuzz: $(STAMP)
 	KVGRID_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider --timeout=0 tests/controller/test_index_stateful.py
+	KVGRID_FUZZ_MESSAGES=$(FUZZ_MESSAGES) $(PY) -m pytest -q -p no:cacheprovider --timeout=0 tests/fuzz
 
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py

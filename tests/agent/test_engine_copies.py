@@ -229,7 +229,7 @@ def test_a_repeated_block_id_is_refused_before_any_stage_copies(
             client.release_all("e9", "req-r")
             calls.append(1)  # noqa: B023
 
-        with pytest.raises(ValueError, match=r"block_ids_per_info\[0\] repeats a block id"):
+        with pytest.raises(ValueError, match=r"repeats block id \d+: a retrieve writes each block once"):
             scatter(res.chunk_offsets, dst, 0, fence=None, release=release)
         assert calls == [1] and client.health().num_leased_chunks == 0
         assert all(torch.equal(a, b) for a, b in zip(blocks_of(tensors, dst), before, strict=True))

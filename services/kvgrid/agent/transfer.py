@@ -281,5 +281,14 @@ def chunk_block_ids(
                 + np.arange(bpc)[None, :] * kg.tokens_per_block
             )
             rows[first_token + kg.tokens_per_block <= skip_first_n_tokens] = -1
+        if allow_holes:  # a retrieve writes each block once (the kernel plan refuses repeats too)
+            written = rows[rows >= 0]
+            values, counts = np.unique(written, return_counts=True)
+            if (counts > 1).any():
+                raise InvalidArgument(
+                    f"block_ids for info {info} (engine group {kg.engine_group_idx}) repeats block id "
+                    f"{int(values[np.argmax(counts > 1)])}: a retrieve writes each block once; expected "
+                    f"distinct ids"
+                )
         out.append(list(rows))
     return out

@@ -283,6 +283,10 @@ def to_proto(infos: Iterable[EngineGroupInfo]) -> list[common_pb2.EngineGroupInf
     return out
 
 
+MAX_ENGINE_GROUPS = 1 << 12
+"""Engine group ids a request may name (vLLM's models have a handful of KV cache groups)."""
+
+
 def from_proto(msgs: Iterable[common_pb2.EngineGroupInfo]) -> list[EngineGroupInfo]:
     """Inverse of :func:`to_proto`; an absent ``sw_size_tokens`` is -1. Validates every info
     (ValueError naming the bad value)."""
@@ -301,4 +305,11 @@ def from_proto(msgs: Iterable[common_pb2.EngineGroupInfo]) -> list[EngineGroupIn
             )
         except ValueError as e:
             raise ValueError(f"engine_groups[{i}]: {e}") from None
+    # Lists are sized by the largest engine group id (vLLM numbers its KV cache groups from 0, a
+    # handful per model): an id past any engine's is refused, not allocated.
+    for i, info in enumerate(out):
+        if info.engine_group_id >= MAX_ENGINE_GROUPS:
+            raise ValueError(
+                f"engine_groups[{i}]: engine_group_id={info.engine_group_id}; expected < {MAX_ENGINE_GROUPS}"
+            )
     return out
