@@ -59,7 +59,7 @@ from kvgrid.common.config import add_config_arguments, config_from_args
 from kvgrid.ttft.bench import PRESETS
 from kvgrid.ttft.engine import AgentProcess, EngineOptions
 from kvgrid.ttft.model import ModelShape, PagedLlama
-from kvgrid.ttft.serve_engine import RowSpan, ServeEngine, pack_batch
+from kvgrid.ttft.serve_engine import GRAPH_SIZES, RowSpan, ServeEngine, pack_batch
 from kvgrid.ttft.workloads import ChatConfig, ChatWorkload, QAConfig, QAWorkload, Workload
 
 __all__ = ["ServeBenchConfig", "add_arguments", "measure", "plot", "run"]
@@ -231,9 +231,10 @@ def _options(cfg: ServeBenchConfig, r: _Resolved, name: Config, num_blocks: int)
 def warm_graphs(model: PagedLlama, kv_list: list[torch.Tensor], block_size: int, batched: int) -> None:
     """Capture every graph size a step can take (and compile the attention kernel) before any timing:
     one forward per size over blocks 1.. of a cache no request uses yet."""
-    if not model.cuda_graphs:
-        return
-    for n in (1, 2, 4, 8, *range(16, min(model.graph_max_tokens, batched) + 1, 16)):
+    sizes = [n for n in GRAPH_SIZES if n <= min(model.graph_max_tokens, batched)]
+    if not model.cuda_graphs or set(sizes) <= set(model.graph_sizes):
+        return  # nothing to capture (an earlier run captured them all)
+    for n in sizes:
         blocks = list(range(1, -(-n // block_size) + 1))
         model.forward_batch(pack_batch([RowSpan([1] * n, blocks, 0, n)], block_size, model), kv_list)
     torch.cuda.synchronize()

@@ -41,20 +41,16 @@ import torch
 from kvgrid.ttft.engine import EngineOptions, RankWorker
 from kvgrid.ttft.model import PackedBatch, PagedLlama
 
-__all__ = ["RowSpan", "ServeEngine", "StepEvents", "graph_size", "pack_batch"]
+__all__ = ["GRAPH_SIZES", "RowSpan", "ServeEngine", "StepEvents", "graph_size", "pack_batch"]
 
-_GRAPH_SIZES = (1, 2, 4, 8, *range(16, 513, 16))
+GRAPH_SIZES = (1, 2, 4, 8, *range(16, 513, 16))
 """Token counts whose piecewise graphs are captured (vLLM pads a batch to the next capture size)."""
 
 
 def graph_size(n: int, limit: int) -> int:
     """The captured size a batch of ``n`` rows is padded to, or ``n`` past ``limit`` (eager)."""
-    if n > limit:
-        return n
-    for size in _GRAPH_SIZES:
-        if size >= n:
-            return min(size, limit) if size <= limit else n
-    return n
+    size = next((size for size in GRAPH_SIZES if size >= n), n)
+    return size if size <= limit else n
 
 
 @dataclass(frozen=True)
@@ -138,7 +134,6 @@ class StepEvents:
     """Request id -> its computed tokens when first scheduled (its prefix hit, GPU cache and kvgrid)."""
     first_external: dict[str, int] = field(default_factory=dict)
     """Request id -> of those, the tokens the connector supplied (kvgrid's hit)."""
-    scheduled_tokens: int = 0
     preempted: int = 0
     logits: dict[str, torch.Tensor] = field(default_factory=dict)
     """With ``ServeEngine.keep_logits``: each sampled request's logits (float32, on the CPU)."""
@@ -170,7 +165,7 @@ class ServeEngine:
         )
         cfg = self.rank.vllm_config
         self.scheduler = Scheduler(
-            cfg, self.rank.kv_config, StructuredOutputManager(cfg), block_size=opts.block_size, log_stats=True
+            cfg, self.rank.kv_config, StructuredOutputManager(cfg), block_size=opts.block_size
         )
         hash_fn = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -192,10 +187,6 @@ class ServeEngine:
         self.keep_logits = False
         """Return each sampled request's logits in :attr:`StepEvents.logits` (the bench's checks)."""
 
-    @property
-    def num_blocks(self) -> int:
-        return int(self.rank.kv_config.num_blocks)
-
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int) -> None:
         """Queue a request: greedy, exactly ``max_tokens`` tokens (no stop token)."""
         from vllm import SamplingParams
@@ -208,10 +199,6 @@ class ServeEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
-
-    def stats(self) -> Any:
-        """vLLM's ``SchedulerStats`` since the last call (prefix-cache and connector hit counters)."""
-        return self.scheduler.make_stats()
 
     def step(self) -> StepEvents:
         """One scheduler step over every scheduled request (module docstring)."""
@@ -238,7 +225,6 @@ class ServeEngine:
         computed = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         req_ids = list(out.num_scheduled_tokens)
-        events.scheduled_tokens = out.total_num_scheduled_tokens
         if out.kv_cache_block_copies:
             self._copy_blocks([(c.src_block_id, c.dst_block_id) for c in out.kv_cache_block_copies])
         batch, samplers = self._pack(req_ids, computed, out.num_scheduled_tokens)
