@@ -105,9 +105,9 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
         bool | None,
         _d(
             "wait_for_save returns at once and the step's stores land in the background (the first "
-            "token is not held up by the copy); the next step waits only for stores of requests whose "
-            "blocks vLLM freed. Unset: on for CUDA engines, off for CPU ones (tests see a stored "
-            "prefix at once)"
+            "token is not held up by the copy); vLLM keeps a finished request's blocks until its "
+            "stores landed (no step waits), and a step waits only for stores of preempted requests. "
+            "Unset: on for CUDA engines, off for CPU ones (tests see a stored prefix at once)"
         ),
     ] = None
     engine_copies: Annotated[
@@ -151,6 +151,10 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     def engine_copies_on(self, cuda: bool) -> bool:
         """Whether the workers copy loads themselves: ``engine_copies``, or when unset, on CUDA."""
         return cuda if self.engine_copies is None else self.engine_copies
+
+    def async_store_on(self, cuda: bool) -> bool:
+        """Whether stores land in the background: ``async_store``, or when unset, on CUDA."""
+        return cuda if self.async_store is None else self.async_store
 
 
 def parse_connector_config(extra: Mapping[str, Any] | None) -> KVGridConnectorConfig:

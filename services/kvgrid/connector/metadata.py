@@ -65,6 +65,10 @@ class KVGridConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadOrder] = field(default_factory=list)
     stores: list[StoreOrder] = field(default_factory=list)
     flush_stores: list[str] = field(default_factory=list)
-    """Requests with stores ordered whose blocks vLLM freed since the last step (finished or
-    preempted): their freed blocks may be written by this step, so the worker waits for their stores
-    still in flight before the step touches any block (``handle_preemptions``)."""
+    """Requests with stores ordered whose blocks vLLM freed since the last step (preempted, or
+    finished with stores synchronous): their freed blocks may be written by this step, so the worker
+    waits for their stores still in flight before the step touches any block (``handle_preemptions``)."""
+    sending: list[str] = field(default_factory=list)
+    """Requests that finished since the last step with asynchronous stores ordered: vLLM keeps their
+    blocks (``request_finished`` answered delay-free) until every worker reports them in
+    ``finished_sending``, which each does once its stores of the request landed. No step waits."""

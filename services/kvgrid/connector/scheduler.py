@@ -20,7 +20,10 @@ Per request, in vLLM's order:
     their KV is complete: tokens scheduled in a step may be speculative and rolled back, tokens
     computed before it are final.
 ``finished`` (``request_finished_all_groups``)
-    drops the request's state and pins.
+    drops the request's state and pins. With asynchronous stores in flight it asks vLLM to keep the
+    request's blocks (delay-free) and names it in the next step's ``sending``; the workers report it
+    in ``finished_sending`` once its stores landed, and vLLM frees the blocks then: no step waits
+    for a store.
 
 ``take_events``
     with vLLM's KV events enabled, every store order is announced as a ``BlockStored`` event with
@@ -38,8 +41,11 @@ is stored at most once per request; every pin taken is released by retrieve, by 
 load (by id, once its bytes landed), by the request's next Lookup (by id), or by ``after_alloc``
 (unused hit) or ``finished`` (the whole request); a Lookup waits for a whole-request Release of its
 request still queued, so that Release never ends the new lease; a request with stores ordered is
-named once in ``flush_stores`` after vLLM frees its blocks (finished or preempted), in the next
-step's metadata, so the worker can wait for its stores before the freed blocks are written again.
+named once, in the next step's metadata, either in ``sending`` (finished, asynchronous stores, no
+load in flight: vLLM holds its blocks until the workers report its stores) or in ``flush_stores``
+(preempted, or finished otherwise: vLLM freed its blocks, so the worker waits for its stores before
+the step writes any block). A request is never both delay-freed by kvgrid and waiting for a load
+(vLLM frees those blocks itself when the load is reported).
 """
 
 from __future__ import annotations
@@ -161,10 +167,13 @@ class ConnectorScheduler:
         is_producer: bool,
         event_block_size: int = 0,
         lease_at_lookup: bool = False,
+        async_stores: bool = False,
     ) -> None:
         """``event_block_size``: tokens per vLLM block hash when vLLM's KV events are on (0: off).
         ``lease_at_lookup``: the workers copy loads themselves (engine copies), so each Lookup asks
-        its agent to lease the hits at once, and the load needs no Retrieve round trip."""
+        its agent to lease the hits at once, and the load needs no Retrieve round trip.
+        ``async_stores``: the workers store in the background (``async_store``), so a finished
+        request's blocks are held until its stores are reported sent."""
         self.identity = identity
         self.config = config
         self.is_consumer = is_consumer
@@ -184,6 +193,9 @@ class ConnectorScheduler:
         """Requests whose load order build_meta has yet to emit (after_alloc queues them)."""
         self._freed_with_stores: set[str] = set()
         """Finished or preempted requests with stores ordered, not yet named in a step's flush_stores."""
+        self.async_stores = async_stores
+        self._sending: set[str] = set()
+        """Finished requests whose blocks vLLM holds for their stores, not yet named in ``sending``."""
         # Layer-wise loads run inside the step; vLLM maps a failed synchronous load back to its
         # request only with one KV cache group, so hybrid models keep asynchronous loads.
         self.in_step_loads = config.layerwise and len(identity.tokens_per_block) == 1
@@ -342,6 +354,7 @@ class ConnectorScheduler:
             if (preempted := self._requests.get(rid)) is not None and preempted.stores_ordered:
                 self._freed_with_stores.add(rid)
         meta.flush_stores, self._freed_with_stores = sorted(self._freed_with_stores), set()
+        meta.sending, self._sending = sorted(self._sending), set()
         scheduled = scheduler_output.num_scheduled_tokens
         progress: list[tuple[_RequestState, int, int]] = []  # (state, computed before, after the step)
         for new in scheduler_output.scheduled_new_reqs:
@@ -450,10 +463,11 @@ class ConnectorScheduler:
         self._load_failed |= failed & self._requests.keys()
 
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Drop the request's state and pins. The blocks may be freed as vLLM sees fit (False): an
-        in-flight load holds them through vLLM's own ``WAITING_FOR_REMOTE_KVS`` bookkeeping, and a
-        store still in flight is waited for by the next step's ``handle_preemptions`` before anything
-        writes the freed blocks (``KVGridConnectorMetadata.flush_stores``)."""
+        """Drop the request's state and pins, and say whether vLLM must keep its blocks (module
+        docstring): True only for asynchronous stores with no load in flight (an in-flight load
+        holds the blocks through vLLM's own ``WAITING_FOR_REMOTE_KVS`` bookkeeping, which frees them
+        when the load is reported); synchronous stores are waited for by the next step's
+        ``handle_preemptions`` before anything writes the freed blocks."""
         rid = request.request_id
         self._keys.pop(rid, None)
         self._load_failed.discard(rid)
@@ -461,13 +475,15 @@ class ConnectorScheduler:
         state = self._requests.pop(rid, None)
         if (state is not None and state.pinned) or (found is not None and found.pinned):
             self._release(rid)
+        hold = False
         if state is not None and state.stores_ordered:
-            self._freed_with_stores.add(rid)
+            hold = self.async_stores and not state.loading
+            (self._sending if hold else self._freed_with_stores).add(rid)
         if state is not None and state.num_stored_chunks and self.is_producer:
             peers = self._peer_addresses()
             if peers:
-                return False, {PEERS_PARAM: peers}  # where a consumer engine finds this prefix
-        return False, None
+                return hold, {PEERS_PARAM: peers}  # where a consumer engine finds this prefix
+        return hold, None
 
     def _peer_addresses(self) -> list[str] | None:
         """Every rank's agent's peer address (None while one has none). Asked on the scheduler's

@@ -139,6 +139,7 @@ class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
                 # a copier after all Retrieves the chunks and ends the lease.
                 lease_at_lookup=self.config.lease_at_lookup
                 and self.config.engine_copies_on(vllm_config.device_config.device_type == "cuda"),
+                async_stores=self.config.async_store_on(vllm_config.device_config.device_type == "cuda"),
             )
         else:
             self._worker = ConnectorWorker(self.identity, self.config)
@@ -246,12 +247,19 @@ class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.store(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        finished, failed = self.worker.transfer_results()
-        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+        sent, finished, failed = self._transfer_results()
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=finished, failed_recving=failed
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        finished, _ = self.worker.transfer_results()
-        return None, finished or None
+        sent, finished, _ = self._transfer_results()
+        return sent or None, finished or None
+
+    def _transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVGridConnectorMetadata)
+        return self.worker.transfer_results(meta.sending)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()

@@ -14,8 +14,11 @@
 ``store``
     issues the step's Stores after the forward (``wait_for_save``); best effort, a failure is a
     future miss. With ``async_store`` (the default on CUDA) it returns at once: the Stores run on a
-    background thread, and ``flush_stores`` (vLLM's ``handle_preemptions``, before the next step
-    writes any block) waits for those of the requests whose blocks vLLM freed.
+    background thread. vLLM keeps a finished request's blocks until ``transfer_results`` reports it
+    in ``finished_sending``, which it does once the request's stores landed (the metadata's
+    ``sending`` names such requests); ``flush_stores`` (vLLM's ``handle_preemptions``, before the
+    next step writes any block) waits only for those of requests whose blocks vLLM freed
+    (preempted).
 Fences (CUDA)
     the agent copies on its own stream in another process, blind to the engine's queued kernels.
     At registration the worker sends the IPC handle of an interprocess CUDA event; before a
@@ -48,7 +51,8 @@ Agent restarts
 Invariants: vLLM frees the blocks of a request with a load in flight only after the load is
 reported, so no load writes into freed blocks (the thread never outlives its report). A store
 reads its blocks before anything else writes them: the blocks of a running request are not
-rewritten (stored chunks are full), and freed blocks are written only by a later step, whose
+rewritten (stored chunks are full), a finished request's blocks are freed only once it is
+reported sent (after its stores), and other freed blocks are written only by a later step, whose
 ``handle_preemptions`` waits for the stores of the requests that held them.
 """
 
@@ -128,6 +132,8 @@ class WorkerStats:
     """Store orders dropped while the agent was away (registration stale)."""
     flushed_requests: int = 0
     """Requests ``handle_preemptions`` named (vLLM freed their blocks with stores ordered)."""
+    requests_sent: int = 0
+    """Finished requests reported in ``finished_sending`` (vLLM held their blocks for their stores)."""
     chunks_engine_copied: int = 0
     """Chunks loaded by the engine's own kernels over the agent's shared L1 (engine_copies)."""
     loads_staged: int = 0
@@ -171,6 +177,8 @@ class ConnectorWorker:
         self._loaded: torch.cuda.Event | None = None
         self._stores_in_flight: dict[str, Future[None]] = {}
         """Request id -> the latest background store covering it (async_store)."""
+        self._sending: set[str] = set()
+        """Finished requests whose blocks vLLM holds until reported sent (their stores landed)."""
         self._copier: EngineCopier | None = None
         """Engine-side loads over the agent's shared L1 (None: the agent copies)."""
         self._stage_of: dict[str, int] = {}
@@ -439,11 +447,21 @@ class ConnectorWorker:
         the same request (another thread's Retrieve, unordered with this frame at the agent)."""
         end_lease(self.agent, self.identity.instance_id, request_id, lease_id)
 
-    def transfer_results(self) -> tuple[set[str], set[str]]:
-        """(finished_recving, failed_recving) of the loads that ended since the last call."""
+    def transfer_results(self, sending: Sequence[str] = ()) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving): the finished requests held for
+        their stores (``sending``, this step's and earlier ones) whose stores landed, and the loads
+        that ended since the last call."""
         with self._lock:
+            self._sending.update(sending)
+            sent = {r for r in self._sending if (f := self._stores_in_flight.get(r)) is None or f.done()}
+            self._sending -= sent
+            self.stats.requests_sent += len(sent)
+            stored = [f for r in sent if (f := self._stores_in_flight.pop(r, None)) is not None]
             done = [rid for rid, f in self._loading.items() if f.done()]
             outcomes = [self._loading.pop(rid).result() for rid in done]
+        for f in stored:
+            if (e := f.exception()) is not None:  # a bug: stores are best effort, the engine goes on
+                log.error("kvgrid background store raised", exc_info=e)
         if outcomes:
             self._wait_loaded()  # before the next step computes on the loaded blocks
         finished: set[str] = set()
@@ -452,7 +470,7 @@ class ConnectorWorker:
             finished.add(out.order.request_id)
             if self._settle(out):
                 failed.add(out.order.request_id)
-        return finished, failed
+        return sent, finished, failed
 
     def _settle(self, out: LoadOutcome) -> bool:
         """Count a load that ended and report the blocks it missed (one KV cache group). True when

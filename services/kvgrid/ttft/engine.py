@@ -606,8 +606,10 @@ class TTFTEngine:
         blocks: list[int] = []
         logits: torch.Tensor | None = None
         loaded = steps = 0
-        # Until vLLM accepts the first token: a load that failed inside the step makes it discard
-        # the step's token and recompute from the failed blocks.
+        # Until vLLM accepts the first token (a load that failed inside the step makes it discard
+        # the step's token and recompute from the failed blocks), then until vLLM freed the
+        # request's blocks: with asynchronous stores they are held until the stores are reported.
+        ttft = stored = 0.0
         while request_id in sched.requests:
             steps += 1
             out = sched.schedule()
@@ -657,11 +659,12 @@ class TTFTEngine:
                     kv_connector_output=res.kv_output,
                 ),
             )
-            if not req_ids:
+            if not ttft and ((r := sched.requests.get(request_id)) is None or r.is_finished()):
+                ttft = time.perf_counter() - t0
+                self._flush_stores()
+                stored = time.perf_counter() - t0
+            elif not req_ids:
                 time.sleep(0)  # an asynchronous load in flight: let the loader thread run
-        ttft = time.perf_counter() - t0
-        self._flush_stores()
-        stored = time.perf_counter() - t0
         if logits is None:
             raise RuntimeError(f"request {request_id!r} finished without computing its last prompt token")
         return RunResult(logits.cpu(), ttft, loaded, steps, stored)

@@ -225,6 +225,7 @@ def _options(cfg: ServeBenchConfig, r: _Resolved, name: Config, num_blocks: int)
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=r.batched_tokens,
         prefix_caching=name != "vllm-nocache",
         kv_role="kv_consumer" if name == "kvgrid-lookup-only" else "kv_both",
+        async_store=True,  # the CUDA default, on the CPU too: CI runs the path the GPU runs
     )  # fmt: skip
 
 

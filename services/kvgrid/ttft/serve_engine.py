@@ -31,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,7 +231,8 @@ class ServeEngine:
         batch, samplers = self._pack(req_ids, computed, out.num_scheduled_tokens)
 
         def forward() -> list[int]:
-            if batch is None:
+            if batch is None:  # nothing runnable (loads or stores in flight): let their threads run
+                time.sleep(0)
                 return []
             logits = self.model.forward_batch(batch, self.rank.kv_list, self.rank.hooks)
             if self.keep_logits:
