@@ -16,7 +16,15 @@ to first token). Invariants:
   answer lists the pods it ranked first, then any other known pod in fallback order, so a pod
   without an agent (or one the controller has not seen yet) is still a failover target.
 
-Thread-safe; one instance per process is enough (one gRPC channel, reconnecting by itself).
+- Transport: ``Score`` and ``ListAgents`` go to the controller's lean lookup listener when
+  ``lookup_address`` is given (the same protobuf messages as length-prefixed frames,
+  :mod:`kvgrid.controller.lookup_server`; mTLS with the same ``tls_*`` files, checking the same
+  ``tls_server_name``), else over gRPC to ``controller``. Never both: with a lookup address a
+  listener failure is a controller error like any other (fallback order, reason in ``error``),
+  never a silent switch to gRPC, so what is configured is what is measured.
+
+Thread-safe; one instance per process is enough (one gRPC channel reconnecting by itself, or a
+pool of listener connections, one per concurrent caller).
 """
 
 from __future__ import annotations
@@ -35,8 +43,15 @@ import msgspec
 from kvgrid.api.client import controller_channel
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.hashing import KeyNamespace
-from kvgrid.common.tls import CONTROLLER_SERVER_NAME
+from kvgrid.common.tls import CONTROLLER_SERVER_NAME, tls_files
 from kvgrid.common.wire import key_namespace_to_proto
+from kvgrid.controller.lookup_server import (
+    METHOD_LIST_AGENTS,
+    METHOD_SCORE,
+    LookupFailed,
+    LookupPool,
+    LookupUnavailable,
+)
 
 __all__ = ["KnownPod", "PodRanker", "RankedPod", "Ranking"]
 
@@ -90,11 +105,13 @@ class PodRanker:
         static_pods: Sequence[str] = (),
         agents_refresh_s: float = 5.0,
         retry_s: float = 1.0,
+        lookup_address: str = "",
     ) -> None:
         """``namespace``: the engines' key namespace with an empty cache salt and LoRA (set per
         request in :meth:`rank`). ``reserve``: ask Score to record a speculative entry for the best
         pod. ``static_pods``: pod UIDs known without the controller. ``retry_s``: after a controller
-        error, how long requests take the fallback order without asking."""
+        error, how long requests take the fallback order without asking. ``lookup_address``: host:port
+        of the controller's lookup listener (its ``lookup_port``); "" = gRPC to ``controller``."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: expected a positive number of seconds")
         self.namespace = namespace
@@ -110,6 +127,15 @@ class PodRanker:
             server_name=tls_server_name,
         )
         self._stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
+        self.lookup_address = lookup_address
+        self._lookups: LookupPool | None = None
+        if lookup_address:
+            self._lookups = LookupPool(
+                lookup_address,
+                tls=tls_files(tls_cert_file, tls_key_file, tls_ca_file),
+                server_name=tls_server_name,
+                timeout_s=timeout_s,
+            )
         self._lock = threading.Lock()
         self._static = {uid: KnownPod(uid) for uid in static_pods}
         self._agents: dict[str, KnownPod] = {}
@@ -127,9 +153,9 @@ class PodRanker:
         if now - self._agents_at >= self.agents_refresh_s:
             self._agents_at = now
             try:
-                resp = self._stub.ListAgents(controller_pb2.ListAgentsRequest(), timeout=self.timeout_s)
-            except grpc.RpcError as e:
-                self._note_outage(e)
+                resp = self._list_agents()
+            except (grpc.RpcError, LookupFailed) as e:
+                self._note_outage(self._describe(e))
             else:
                 agents = {
                     a.pod.pod_uid: KnownPod(a.pod.pod_uid, a.pod.pod_name, a.pod.agent_address)
@@ -192,9 +218,9 @@ class PodRanker:
             error = f"{waiting} (asked again within {self.retry_s:g} s)"
             return Ranking(tuple(RankedPod(p) for p in self.fallback_order(known)), "fallback", error=error)
         try:
-            resp = self._stub.Score(req, timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            error = self._note_outage(e)
+            resp = self._score(req)
+        except (grpc.RpcError, LookupFailed) as e:
+            error = self._note_outage(self._describe(e))
             return Ranking(tuple(RankedPod(p) for p in self.fallback_order(known)), "fallback", error=error)
         except ValueError as e:  # a token id outside u32: the prompt, not the controller, is wrong
             raise ValueError(f"token ids: {e}") from None
@@ -217,8 +243,26 @@ class PodRanker:
         with self._lock:
             return self._outage
 
-    def _note_outage(self, e: grpc.RpcError) -> str:
-        error = f"controller {e.code().name}: {e.details()}"
+    def _score(self, req: controller_pb2.ScoreRequest) -> controller_pb2.ScoreResponse:
+        if self._lookups is None:
+            return self._stub.Score(req, timeout=self.timeout_s)
+        return controller_pb2.ScoreResponse.FromString(
+            self._lookups.call_raw(METHOD_SCORE, req.SerializeToString())
+        )
+
+    def _list_agents(self) -> controller_pb2.ListAgentsResponse:
+        if self._lookups is None:
+            return self._stub.ListAgents(controller_pb2.ListAgentsRequest(), timeout=self.timeout_s)
+        return controller_pb2.ListAgentsResponse.FromString(self._lookups.call_raw(METHOD_LIST_AGENTS, b""))
+
+    def _describe(self, e: grpc.RpcError | LookupFailed) -> str:
+        if isinstance(e, LookupFailed):
+            if isinstance(e, LookupUnavailable):  # its text names the listener's address
+                return f"controller {e.code_name}: {e.detail}"
+            return f"controller {e.code_name} (lookup listener {self.lookup_address}): {e.detail}"
+        return f"controller {e.code().name}: {e.details()}"
+
+    def _note_outage(self, error: str) -> str:
         with self._lock:
             first = not self._outage
             self._outage = error
@@ -235,3 +279,5 @@ class PodRanker:
 
     def close(self) -> None:
         self._channel.close()
+        if self._lookups is not None:
+            self._lookups.close()

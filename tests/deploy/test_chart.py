@@ -250,7 +250,8 @@ def test_controller_args_build_a_real_controller_config(helm: list[str], tmp_pat
     assert cfg.prefill_tokens_per_s == 20000.0
     assert cfg.prometheus_port == 9400
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": 50061, "metrics": 9400, "health": 50071}
+    assert ports == {"grpc": 50061, "metrics": 9400, "health": 50071, "lookup": 50070}
+    assert cfg.lookup_port == 50070  # the lean lookup listener, on the listen host (mTLS: TLS is on)
     # TLS is on: the kubelet's gRPC probes use the plaintext health-only listener; liveness is a TCP
     # connect (health is NOT_SERVING while the index backend is down, which a restart would not fix).
     assert cfg.health_port == 50071
@@ -260,7 +261,11 @@ def test_controller_args_build_a_real_controller_config(helm: list[str], tmp_pat
     # A shared (redis) index needs no settle time; the deadline for snapshot pulls is the chart's.
     assert (cfg.readiness_settle_ms, cfg.readiness_max_wait_ms) == (0, 30000)
     service = _find(docs, "Service", name)
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 50061, "metrics": 9400}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "grpc": 50061,
+        "metrics": 9400,
+        "lookup": 50070,
+    }
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
     assert "team=llm" in env["OTEL_RESOURCE_ATTRIBUTES"].split(",")
 

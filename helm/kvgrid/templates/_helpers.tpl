@@ -479,6 +479,8 @@ capabilities:
 {{- /* Without TLS a non-loopback --listen is refused unless said explicitly (docs/security.md). */}}
 - "--insecure-plaintext-on-network"
 {{- end }}
+{{- /* The lookup listener binds the --listen host; it is mTLS with TLS on, else plaintext like gRPC. */}}
+- {{ printf "--lookup-port=%d" (int .Values.controller.lookupPort) | quote }}
 {{- $r := .Values.controller.readiness }}
 {{- $settle := ternary 10000 0 (eq .Values.controller.index.backend "memory") }}
 {{- if not (kindIs "invalid" $r.settleMs) }}
@@ -514,9 +516,9 @@ capabilities:
 {{- if and $c.enabled (eq $c.index.backend "redis") (not $c.index.redis.url) (not $c.index.redis.existingSecret) }}
 {{- fail "controller.index.backend=redis needs controller.index.redis.url (e.g. redis://valkey:6379/0) or controller.index.redis.existingSecret naming a Secret that holds the URL" }}
 {{- end }}
-{{- range $key := list "listen" "index_backend" "redis_url" "redis_prefix" "redis_cluster" "lease_ttl_ms" "grpc_workers" "prometheus_port" "health_port" "readiness_settle_ms" "readiness_max_wait_ms" "tls_cert_file" "tls_key_file" "tls_ca_file" "tls_trust_domain" }}
+{{- range $key := list "listen" "index_backend" "redis_url" "redis_prefix" "redis_cluster" "lease_ttl_ms" "grpc_workers" "prometheus_port" "health_port" "lookup_port" "readiness_settle_ms" "readiness_max_wait_ms" "tls_cert_file" "tls_key_file" "tls_ca_file" "tls_trust_domain" }}
 {{- if hasKey $c.config $key }}
-{{- fail (printf "controller.config.%s is set by the chart (a flag wins over the config file); use the dedicated value instead (see values.yaml: controller.port, controller.index.*, controller.leaseTtlMs, controller.grpcWorkers, controller.metricsPort, controller.healthPort, controller.readiness.*, tls.*)" $key) }}
+{{- fail (printf "controller.config.%s is set by the chart (a flag wins over the config file); use the dedicated value instead (see values.yaml: controller.port, controller.index.*, controller.leaseTtlMs, controller.grpcWorkers, controller.metricsPort, controller.healthPort, controller.lookupPort, controller.readiness.*, tls.*)" $key) }}
 {{- end }}
 {{- end }}
 {{- $n := int .Values.agent.sidecarsPerPod }}
@@ -581,5 +583,9 @@ capabilities:
 {{- end }}
 {{- if or (eq (int $c.healthPort) (int $c.port)) (and .Values.metrics.enabled (eq (int $c.healthPort) (int $c.metricsPort))) }}
 {{- fail (printf "controller.healthPort=%d equals controller.port or controller.metricsPort: expected its own port" (int $c.healthPort)) }}
+{{- end }}
+{{- $lp := int $c.lookupPort }}
+{{- if and (gt $lp 0) (or (eq $lp (int $c.port)) (eq $lp (int $c.healthPort)) (and .Values.metrics.enabled (eq $lp (int $c.metricsPort)))) }}
+{{- fail (printf "controller.lookupPort=%d equals controller.port, controller.healthPort or controller.metricsPort: expected its own port (or 0: no lookup listener)" $lp) }}
 {{- end }}
 {{- end }}

@@ -194,6 +194,18 @@ class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
             "cannot do mTLS), on the listen host; 0 = none",
         ),
     ] = 0
+    lookup_port: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            le=65535,
+            description="port of the lean lookup listener (MatchPrefix, BatchMatchPrefix, Score and "
+            "ListAgents as length-prefixed protobuf frames: a router's per-request call without gRPC's "
+            "cost; docs/controller.md) on the listen host; 0 = off. With TLS it requires mTLS with the "
+            "tls_* files and authorizes like the gRPC methods; without TLS it is plaintext, loopback "
+            "unless insecure_plaintext_on_network",
+        ),
+    ] = 0
     readiness_settle_ms: Annotated[
         int,
         msgspec.Meta(
@@ -237,6 +249,13 @@ class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"listen={self.listen!r}: expected host:port, e.g. 0.0.0.0:50061")
+        taken = {"listen": int(port), "health_port": self.health_port}
+        for other, value in taken.items():
+            if self.lookup_port and value == self.lookup_port:
+                raise ValueError(
+                    f"lookup_port={self.lookup_port}: the same port as {other} ({value}); expected "
+                    "another port (or 0: no lookup listener)"
+                )
         self.check_tls()
         check_plaintext_listen(
             "listen", self.listen, host, tls=self.tls is not None, insecure=self.insecure_plaintext_on_network

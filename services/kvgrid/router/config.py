@@ -29,6 +29,14 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     host: Annotated[str, _d("HTTP listen address")] = "0.0.0.0"
     port: Annotated[int, _d("HTTP listen port (0 = any free port)"), msgspec.Meta(ge=0, le=65535)] = 8080
     controller: Annotated[str, _d("kvgrid controller host:port (gRPC)")] = "127.0.0.1:50061"
+    lookup_address: Annotated[
+        str,
+        _d(
+            "host:port of the controller's lean lookup listener (its lookup_port): Score and ListAgents "
+            "go there instead of gRPC (same answers, less per-call cost), with the same tls_* files and "
+            "tls_server_name; empty = over gRPC to controller"
+        ),
+    ] = ""
     tls_cert_file: Annotated[
         str,
         _d(
@@ -98,6 +106,15 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tensor_parallel_size: Annotated[int, _d("engines' --tensor-parallel-size"), msgspec.Meta(ge=1)] = 1
     pipeline_parallel_size: Annotated[int, _d("engines' --pipeline-parallel-size"), msgspec.Meta(ge=1)] = 1
     kv_identity_extra: Annotated[str, _d("the connector's kv_identity (extra text)")] = ""
+
+    def __post_init__(self) -> None:
+        if self.lookup_address:
+            host, sep, port = self.lookup_address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(
+                    f"lookup_address={self.lookup_address!r}: expected host:port of the controller's "
+                    "lookup listener, e.g. kvgrid-controller.llm:50062 (or empty: gRPC to controller)"
+                )
 
     def namespace(self, model: str) -> KeyNamespace:
         """Rank 0's key namespace for ``model`` (used when ``model_name`` is empty); salt and LoRA
