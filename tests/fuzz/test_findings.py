@@ -43,17 +43,6 @@ def _peak_mib(pid: int) -> int:
         return next(int(line.split()[1]) >> 10 for line in f if line.startswith("VmHWM:"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "finding 2: BatchScore builds every answer before anything checks its size "
-        "(controller/service.py:252-254, core.py:697 score_batch; top_k=0 lists every eligible pod): "
-        "a 238 KB request (4,096 queries) with 200 pods registered cost 8 s of CPU and 435 MiB of "
-        "peak RSS for a 22.5 MB answer grpc then refused to send (RESOURCE_EXHAUSTED 'SERVER: Sent "
-        "message larger than max'). Fix: bound queries x answer pods (top_k or eligible pods) "
-        "against max_message_bytes before scoring and refuse early, naming top_k"
-    ),
-)
 def test_batch_score_refuses_an_answer_over_the_limit_before_building_it(free_port: object) -> None:
     address = f"127.0.0.1:{free_port()}"  # type: ignore[operator]
     proc = start_controller(address, "--max-message-bytes", str(1 << 20), "--log-level", "ERROR")
@@ -75,6 +64,11 @@ def test_batch_score_refuses_an_answer_over_the_limit_before_building_it(free_po
             with pytest.raises(grpc.RpcError) as err:
                 stub.BatchScore(req, timeout=60)
             took, grew = time.monotonic() - t0, _peak_mib(proc.pid) - peak0
+            # The bound is no tighter than the answer: the same queries asking for one pod each fit.
+            for one_pod in req.requests:
+                one_pod.top_k = 1
+            answered = stub.BatchScore(req, timeout=60)
+            assert [len(r.scores) for r in answered.responses] == [1] * 4096
     finally:
         proc.terminate()
         proc.wait(10)

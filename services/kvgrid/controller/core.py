@@ -211,6 +211,11 @@ def _no_snapshots(record: AgentRecord, timeout_s: float) -> AgentSnapshot:
     raise Unavailable(f"pod {record.pod.pod_uid!r}: this controller has no way to pull agent snapshots")
 
 
+_SCORE_ENTRY_MIN_BYTES = 6
+"""The fewest bytes one pod's ``PodScore`` takes in a Score answer besides its pod UID and name (the
+entry's, its match's and the UID's tags and lengths; every number omitted as zero)."""
+
+
 class Controller:
     """The controller's state and operations (thread-safe).
 
@@ -703,7 +708,42 @@ class Controller:
                 self.check_score(sq)
             with within(f"requests[{i}].match"):
                 qs.append(self.resolve(sq.match))
+        self._check_answer_size(sqs, qs)
         return [self._score(sq, q) for sq, q in zip(sqs, qs, strict=True)]
+
+    def _check_answer_size(self, sqs: Sequence[ScoreQuery], qs: Sequence[Query]) -> None:
+        """ResourceExhausted, before anything is scored, when the answer cannot fit one message: a
+        query lists at least every eligible agent of this replica (or its candidates), up to
+        ``top_k``, so the smallest such entries give a lower bound of the answer's size."""
+        holders = list(self._holders.values())
+        by_namespace: dict[str, list[int]] = {}  # entry sizes, smallest first, of queries without candidates
+
+        def entry_sizes(q: Query) -> list[int]:
+            if not q.candidates and q.namespace_id in by_namespace:
+                return by_namespace[q.namespace_id]
+            known = {
+                r.pod.pod_uid: len(r.pod.pod_uid) + len(r.pod.pod_name)
+                for r in holders
+                if (not q.candidates or r.pod.pod_uid in q.candidates)
+                and (not r.namespaces or q.namespace_id in r.namespaces)
+            }
+            known.update((uid, len(uid)) for uid in q.candidates - known.keys())
+            sizes = sorted(_SCORE_ENTRY_MIN_BYTES + n for n in known.values())
+            if not q.candidates:
+                by_namespace[q.namespace_id] = sizes
+            return sizes
+
+        least = 0
+        for i, (sq, q) in enumerate(zip(sqs, qs, strict=True)):
+            sizes = entry_sizes(q)
+            least += sum(sizes[: sq.top_k] if sq.top_k else sizes)
+            if least > self.cfg.max_message_bytes:
+                raise ResourceExhausted(
+                    f"BatchScore: the answer to {len(sqs)} queries would take more than "
+                    f"max_message_bytes={self.cfg.max_message_bytes} bytes (already past it at "
+                    f"requests[{i}], whose answer lists {len(sizes)} pods with top_k={sq.top_k}); ask for "
+                    "fewer pods per query with top_k, or send fewer queries per batch"
+                )
 
     def _score(self, sq: ScoreQuery, q: Query) -> ScoreResult:
         r = self.match_queries([q])
