@@ -47,9 +47,9 @@ if TYPE_CHECKING:
 Mode = Literal["auto", "staged", "direct", "torch"]
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 
-# Measured on an H200 (docs/benchmarks.md): each extra DMA costs ~4 us, the gather ~0.7 us/MiB, so
-# the pipeline starts with a small lead piece (store; the small piece is last on retrieve) and moves
-# the rest in pieces as large as possible.
+# Measured on an H200 (docs/kernels.md, "Why `staged`"): each extra DMA costs ~4 us, the gather
+# ~0.7 us/MiB, so the pipeline starts with a small lead piece (store; the small piece is last on
+# retrieve) and moves the rest in pieces as large as possible.
 DEFAULT_PIPELINE_BYTES = 32 << 20
 DEFAULT_LEAD_BYTES = 2 << 20
 DEFAULT_STAGING_SLOTS = 2

@@ -1,5 +1,7 @@
 """``kvgrid bench lookup`` at a tiny size: its structure, and that it checks its answers (it stops
-when kvgrid's paths, or a peer's answers, disagree). Speed is never asserted here."""
+when kvgrid's paths, or a peer's answers, disagree); the same for ``--transports`` (gRPC, the lean
+listener in plaintext and with mTLS: answers byte-identical before anything is timed). Speed is
+never asserted here."""
 
 from __future__ import annotations
 
@@ -82,3 +84,55 @@ def test_bench_stops_when_answers_disagree(monkeypatch: pytest.MonkeyPatch) -> N
     )
     with pytest.raises(AssertionError, match="kvgrid answers differ between gRPC, the lean listener"):
         bench.run(_args())
+
+
+TRANSPORTS = "grpc,listener,listener-mtls"
+
+
+def test_transports_run_small(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_args("--transports", TRANSPORTS)) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["args"]["transports"] == TRANSPORTS.split(",") and "memory" not in out
+    rows = out["transports"]
+    assert set(rows) == {f"{t}, c={c}" for t in TRANSPORTS.split(",") for c in (1, 2)}
+    for r in rows.values():
+        assert r["queries_s"]["median"] > 0 and r["p50_ms"]["median"] <= r["p99_ms"]["median"]
+        assert r["server_cpu_us_per_query"]["median"] > 0
+    ratios = out["ratios_to_grpc"]
+    assert set(ratios) == {f"{t}, c={c}" for t in ("listener", "listener-mtls") for c in (1, 2)}
+    for r in ratios.values():
+        assert all(r[k] > 0 for k in ("p50_ms", "p99_ms", "server_cpu_us_per_query"))
+        assert r["queries_s"]["median"] > 0
+
+
+def test_transports_stop_when_one_answers_differently(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the mTLS listener alone answers one byte longer: the bench stops before timing anything
+    from kvgrid.controller import lookup_server
+
+    answer = lookup_server.LookupServer._answer
+
+    def planted(self: lookup_server.LookupServer, method: int, body: bytes, denied: dict[int, str]) -> bytes:
+        out = answer(self, method, body, denied)
+        return lookup_server._frame(out[4], out[5:] + b"\x00") if self.tls else out
+
+    monkeypatch.setattr(lookup_server.LookupServer, "_answer", planted)
+    with pytest.raises(AssertionError, match="listener-mtls's differ from the gRPC port's on 256 of 256"):
+        bench.run(_args("--transports", TRANSPORTS))
+
+
+def test_transports_refused_without_cryptography_or_with_peers(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert bench.run(_args("--transports", "grpc", "--peers")) == 2
+    assert "--peers does not apply with --transports" in capsys.readouterr().err
+    find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(
+        bench.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "cryptography" else find_spec(name, *a),
+    )
+    assert bench.run(_args("--transports", "grpc,listener-mtls")) == 2
+    assert "cryptography package, which is not installed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _args("--transports", "grpc,quic")
+    assert "expected distinct names from grpc, listener, listener-mtls" in capsys.readouterr().err

@@ -67,7 +67,7 @@ def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
     worst s. Weights falling by one per stage (``stages - 1 - s + stages // 2``, the last stage
     excepted) keep that sum nearly even across stages (docs/benchmarks.md, "Stages queued just in
     time"). A large first stage also covers the engine's thread reaching layer 0 and queueing the
-    next DMAs: 1 or 2 layers first measured slower ("A DMA engine that never waits")."""
+    next DMAs: 1 or 2 layers first measured slower (same section)."""
     n = max(1, min(stages, num_layers))
     if n < 3 or num_layers == n:
         sizes = [num_layers // n + (s < num_layers % n) for s in range(n)]
@@ -209,7 +209,7 @@ class _Landing:
 
 class _StagePipeline:
     """CUDA layer-wise loads of one copier, queued just in time (docs/benchmarks.md, "Stages queued
-    just in time" and "A DMA engine that never waits").
+    just in time").
 
     Jobs are (load, stage) pairs in the order the engine needs them: by stage, then by the order the
     loads arrived. A job moves by DMA (``cuMemcpyAsync`` per chunk, no SM work) from L1 into one of two

@@ -26,6 +26,14 @@ What is measured, in this order:
    [min-max] over the rounds, kvgrid/Dynamo ratios per round, server CPU per query (from /proc of
    the serving process), client CPU, and the machine's load average at start and end.
 
+``--transports`` replaces steps 2-4 with a comparison of the ways a router reaches the controller
+for one query (one packed query per call, compact answer), on the same ingested index: the gRPC
+port, the lean listener in plaintext, and the listener with mTLS and authorization as ``kvgrid
+controller --lookup-port`` starts it with the ``tls_*`` files (a throwaway CA and certificates made
+in the run: :func:`_throwaway_certificates`). Their answers must be byte-identical to the gRPC
+port's before anything is timed; then ``--rounds`` interleaved rounds at each ``--concurrency``,
+each transport's queries/s, p50, p99 and server CPU per query, and each as a ratio to gRPC's.
+
 Peers (``--peers``) run in ``--peers-python`` (an environment with ``ai-dynamo-runtime``; its pins
 conflict with kvgrid's environment) through :mod:`kvgrid.controller.bench_peers`; a peer that is
 not installed is reported as absent with the reason. Clients are Python in every case (gRPC's,
@@ -38,7 +46,9 @@ import argparse
 import contextlib
 import ctypes
 import datetime
+import functools
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -55,14 +65,21 @@ import grpc
 import msgspec
 
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.common.authz import Authorizer
+from kvgrid.common.tls import CONTROLLER_SERVER_NAME
 from kvgrid.controller import bench_clients as clients
 from kvgrid.controller.bench_workload import QUERY_MIX, Query, Workload
 from kvgrid.controller.compact import read_compact
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.core import PrefixQuery
 from kvgrid.controller.index import IndexTier, MemoryIndex
-from kvgrid.controller.lookup_server import METHOD_BATCH_MATCH, LookupClient, LookupServer
-from kvgrid.controller.service import serve
+from kvgrid.controller.lookup_server import (
+    METHOD_BATCH_MATCH,
+    LookupClient,
+    LookupServer,
+    server_ssl_context,
+)
+from kvgrid.controller.service import POLICY, serve
 
 __all__ = ["add_arguments", "run"]
 
@@ -72,6 +89,25 @@ BATCH_MATCH = "/kvgrid.v1.ControllerService/BatchMatchPrefix"
 QUERIES = 4096  # distinct pre-built queries each measurement cycles through
 CHECKED = 256  # queries whose answers are compared across paths and systems
 GOAL_INGEST_KEYS_S = 500_000.0
+TRANSPORTS = {  # --transports: name -> what it is (the --help text)
+    "grpc": "the controller's gRPC port, plaintext",
+    "listener": "the lean lookup listener (--lookup-port) in plaintext",
+    "listener-mtls": (
+        "the listener with mTLS and authorization, as `kvgrid controller --lookup-port` starts it with "
+        "the tls_* files (a throwaway CA and certificates made in the run; needs the cryptography "
+        "package, which kvgrid's test extra installs)"
+    ),
+}
+
+
+def _transport_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TRANSPORTS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected distinct names from {', '.join(TRANSPORTS)}, comma-separated"
+        )
+    return names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +130,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peers-python",
         default=os.environ.get("KVGRID_PEERS_PYTHON", sys.executable),
         help="Python with ai-dynamo-runtime, pyzmq and msgspec installed (env KVGRID_PEERS_PYTHON)",
+    )
+    parser.add_argument(
+        "--transports",
+        type=_transport_list,
+        metavar="T[,T...]",
+        help=(
+            "instead of the memory, in-process, batch and peer measurements, compare one packed query "
+            "per call (compact answer) over these transports at each --concurrency, on the same "
+            "ingested index: "
+            + "; ".join(f"{k} = {v}" for k, v in TRANSPORTS.items())
+            + ". Answers must be byte-identical to the gRPC port's first; prints queries/s, p50, p99 "
+            "and server CPU per query of each, and each as a ratio to grpc's (when grpc is listed)"
+        ),
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -274,18 +323,33 @@ def _inproc(fn: Any, items: list[Any], seconds: float) -> dict[str, float]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    say = (lambda *a: None) if args.json else print
-    load_start = os.getloadavg()
-    w = Workload(args.pods, args.chunks, args.prompts, args.prompt_chunks, args.turns, args.turn_chunks)
-    queries = w.queries(QUERIES)
-    kinds = {k: sum(q.kind == k for q in queries) for k, _ in QUERY_MIX}
-    say(
+def _workload_line(args: argparse.Namespace, w: Workload, queries: list[Query], kinds: dict[str, int]) -> str:
+    return (
         f"workload: {args.pods} pods, {args.prompts} system prompts x {args.prompt_chunks} chunks, "
         f"{len(w.convs):,} conversations x {args.turns} turns x {args.turn_chunks} chunks; queries: "
         + ", ".join(f"{k} {v}" for k, v in kinds.items())
         + f" (mean {statistics.mean(len(q.keys) for q in queries):.0f} chunks)"
     )
+
+
+def _ingest_line(args: argparse.Namespace, ingest: dict[str, float]) -> str:
+    return (
+        f"ingest through PublishEvents ({args.events_per_message} events/message, "
+        f"{args.streams} streams): "
+        f"{ingest['messages_s']:,.0f} messages/s = {ingest['events_s']:,.0f} events/s = "
+        f"{ingest['keys_s']:,.0f} keys/s; controller CPU {ingest['server_cpu_us_per_key']:.2f} us/key"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "transports", None):
+        return _run_transports(args)
+    say = (lambda *a: None) if args.json else print
+    load_start = os.getloadavg()
+    w = Workload(args.pods, args.chunks, args.prompts, args.prompt_chunks, args.turns, args.turn_chunks)
+    queries = w.queries(QUERIES)
+    kinds = {k: sum(q.kind == k for q in queries) for k, _ in QUERY_MIX}
+    say(_workload_line(args, w, queries, kinds))
     peers: _Peers | None = None
     peer_info: dict[str, Any] = {}
     tmp = tempfile.TemporaryDirectory(prefix="kvgrid-bench-")
@@ -323,12 +387,7 @@ def run(args: argparse.Namespace) -> int:
             "built_rss_per_entry": built / entries,
             "built_rss_per_pair": built / pairs,
         }
-        say(
-            f"ingest through PublishEvents ({args.events_per_message} events/message, "
-            f"{args.streams} streams): "
-            f"{ingest['messages_s']:,.0f} messages/s = {ingest['events_s']:,.0f} events/s = "
-            f"{ingest['keys_s']:,.0f} keys/s; controller CPU {ingest['server_cpu_us_per_key']:.2f} us/key"
-        )
+        say(_ingest_line(args, ingest))
         say(
             f"index: {chunks:,} chunks, {entries:,} (chunk, pod, tier) entries, "
             f"{pairs:,} (chunk, pod) pairs; "
@@ -517,7 +576,7 @@ def run(args: argparse.Namespace) -> int:
         "args": {
             k: v
             for k, v in vars(args).items()
-            if k not in ("json", "func", "peers_python") and not callable(v)  # the subcommand's handler
+            if k not in ("json", "func", "peers_python", "transports") and not callable(v)  # the handler
         },
         "query_kinds": kinds,
         "ingest": ingest,
@@ -561,4 +620,231 @@ def run(args: argparse.Namespace) -> int:
         f"ingest goal (>= {GOAL_INGEST_KEYS_S:,.0f} keys/s through PublishEvents): "
         f"ratio {result['ingest_goal_ratio']:.2f}"
     )
+    return 0
+
+
+# --- --transports: the ways a router reaches the controller for one query -----------------------
+
+
+def _throwaway_certificates(directory: Path) -> tuple[str, str]:
+    """A throwaway CA and two leaves it signs, made as tests/security/pki.py makes them (EC P-256,
+    a URI SAN with the kvgrid identity, server and client authentication, valid for a day): the
+    controller's (also the DNS SAN routers verify, ``kvgrid-controller``) and a router's, each
+    written as ``tls.crt``, ``tls.key`` and ``ca.crt`` into a directory of its own under
+    ``directory``. Returns (controller directory, router directory). Needs ``cryptography``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(
+        subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name | None, signer: Any, ca: bool
+    ) -> x509.Certificate:
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject[-60:])])
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(issuer or name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+        if ca:
+            b = b.add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        else:
+            sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(subject)]
+            if "/role/controller" in subject:
+                sans.append(x509.DNSName(CONTROLLER_SERVER_NAME))
+            eku = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            b = b.add_extension(x509.ExtendedKeyUsage(eku), critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    pem = serialization.Encoding.PEM
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = cert("kvgrid bench CA", ca_key, None, ca_key, ca=True)
+    out = []
+    for role in ("controller", "router"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        leaf = cert(f"spiffe://cluster.local/ns/kvgrid-bench/role/{role}", key, ca.subject, ca_key, ca=False)
+        d = directory / role
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "tls.key").write_bytes(
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
+        (d / "tls.crt").write_bytes(leaf.public_bytes(pem))
+        (d / "ca.crt").write_bytes(ca.public_bytes(pem))
+        out.append(str(d))
+    return out[0], out[1]
+
+
+def _run_transports(args: argparse.Namespace) -> int:
+    """``--transports``: ingest as in :func:`run`, check that every transport's answers are the gRPC
+    port's byte for byte, then time one packed query per call over each (module docstring)."""
+    say = (lambda *a: None) if args.json else print
+    transports: list[str] = args.transports
+    if args.peers:
+        print("kvgrid bench lookup: --peers does not apply with --transports", file=sys.stderr)
+        return 2
+    if "listener-mtls" in transports and importlib.util.find_spec("cryptography") is None:
+        print(
+            "kvgrid bench lookup: --transports listener-mtls makes throwaway certificates with the "
+            "cryptography package, which is not installed: it comes with kvgrid's test extra "
+            "(pip install -e '.[test]') or pip install cryptography",
+            file=sys.stderr,
+        )
+        return 2
+    load_start = os.getloadavg()
+    w = Workload(args.pods, args.chunks, args.prompts, args.prompt_chunks, args.turns, args.turn_chunks)
+    queries = w.queries(QUERIES)
+    kinds = {k: sum(q.kind == k for q in queries) for k, _ in QUERY_MIX}
+    say(_workload_line(args, w, queries, kinds))
+    tmp = tempfile.TemporaryDirectory(prefix="kvgrid-bench-")
+    cfg = ControllerConfig(listen="127.0.0.1:0", max_batch=4096, grpc_workers=16, lease_ttl_ms=3_600_000)
+    srv = serve(cfg)
+    listeners: list[LookupServer] = []
+    rows: dict[str, list[dict[str, float]]] = {}
+    conc = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    try:
+        ingest = _ingest(srv.address, w, args)
+        ctl = srv.controller
+        entries = ctl.index.num_entries()
+        if entries != ingest["keys"]:
+            raise AssertionError(
+                f"index incomplete after ingest: {entries} entries, {ingest['keys']} admitted"
+            )
+        say(_ingest_line(args, ingest))
+        # name -> (caller run in its own process, address, method, tls_dir for the answers check)
+        targets: dict[str, tuple[Any, str, Any, str | None]] = {}
+        for name in transports:
+            if name == "grpc":
+                targets[name] = (clients.grpc_caller, srv.address, BATCH_MATCH, None)
+            elif name == "listener":
+                listeners.append(LookupServer(ctl, "127.0.0.1:0"))
+                targets[name] = (clients.lean_caller, listeners[-1].address, METHOD_BATCH_MATCH, None)
+            else:
+                ctl_dir, router_dir = _throwaway_certificates(Path(tmp.name))
+                tls_cfg = ControllerConfig(
+                    tls_cert_file=f"{ctl_dir}/tls.crt",
+                    tls_key_file=f"{ctl_dir}/tls.key",
+                    tls_ca_file=f"{ctl_dir}/ca.crt",
+                )
+                assert tls_cfg.tls is not None
+                listeners.append(
+                    LookupServer(
+                        ctl,
+                        "127.0.0.1:0",
+                        ssl_context=server_ssl_context(tls_cfg.tls),
+                        authorizer=Authorizer.for_settings(POLICY, tls_cfg),
+                    )
+                )
+                caller = functools.partial(clients.lean_caller, tls_dir=router_dir)
+                targets[name] = (caller, listeners[-1].address, METHOD_BATCH_MATCH, router_dir)
+
+        # answers: byte-identical to the gRPC port's, before anything is timed
+        packed1 = [_packed([q]) for q in queries]  # one query per call, packed request, compact answer
+        with grpc.insecure_channel(srv.address) as ch:
+            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(BATCH_MATCH)
+            want = [call(b, timeout=10) for b in packed1[:CHECKED]]
+        for name, (_, addr, method, tls_dir) in targets.items():
+            if name == "grpc":
+                got = want
+            else:
+                lc = clients.lean_client(addr, tls_dir)
+                got = [lc.call_raw(method, b) for b in packed1[:CHECKED]]
+                lc.close()
+            bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+            if bad:
+                i = bad[0]
+                raise AssertionError(
+                    f"answers differ between transports: {name}'s differ from the gRPC port's on "
+                    f"{len(bad)} of {CHECKED} queries (first: query {i}, {queries[i].kind}: "
+                    f"{len(got[i])} vs {len(want[i])} bytes)"
+                )
+        say(f"answers: {', '.join(transports)} byte-identical to the gRPC port's on {CHECKED} queries")
+
+        me = os.getpid()
+        gc.collect()
+        gc.freeze()  # as in run(): the bench's own workload is no controller's garbage
+        for _ in range(args.rounds):
+            for c in conc:
+                for name in transports:
+                    target, addr, method, _ = targets[name]
+                    r = clients.drive(target, (addr, method, packed1, args.seconds, c), me)
+                    rows.setdefault(f"{name}, c={c}", []).append(r)
+        if ctl.index.num_entries() != entries:
+            raise AssertionError(
+                f"index changed during the run: {ctl.index.num_entries()} != {entries} entries"
+            )
+    finally:
+        for lst in listeners:
+            lst.stop()
+        srv.stop(0)
+        tmp.cleanup()
+    load_end = os.getloadavg()
+
+    table: dict[str, dict[str, Any]] = {
+        name: {
+            "queries_s": _summary([r["calls_s"] for r in rs]),
+            "p50_ms": _summary([r["p50_ms"] for r in rs]),
+            "p99_ms": _summary([r["p99_ms"] for r in rs]),
+            "server_cpu_us_per_query": _summary([r["server_cpu_us"] for r in rs]),
+            "client_cpu_us_per_query": _med(rs, "client_cpu_us"),
+        }
+        for name, rs in rows.items()
+    }
+    ratios: dict[str, dict[str, Any]] = {}  # transport / grpc at the same concurrency
+    for name, rs in rows.items():
+        base = rows.get(f"grpc, c={name.rpartition('=')[2]}")
+        if base is None or name.startswith("grpc,"):
+            continue
+        ratios[name] = {
+            "queries_s": _summary([a["calls_s"] / b["calls_s"] for a, b in zip(rs, base, strict=True)]),
+            "p50_ms": _med(rs, "p50_ms") / _med(base, "p50_ms"),
+            "p99_ms": _med(rs, "p99_ms") / _med(base, "p99_ms"),
+            "server_cpu_us_per_query": _med(rs, "server_cpu_us") / _med(base, "server_cpu_us"),
+        }
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "load_average_start_end": [load_start[0], load_end[0]],
+        "args": {
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("json", "func", "peers_python") and not callable(v)
+        },
+        "query_kinds": kinds,
+        "ingest": ingest,
+        "transports": table,
+        "ratios_to_grpc": ratios,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"load average (1 min) at start {load_start[0]:.2f}, at end {load_end[0]:.2f}")
+    print(
+        f"{'one packed query per call (' + str(args.rounds) + ' rounds: median [min-max])':<48} "
+        f"{'queries/s':>26} {'p50 ms':>8} {'p99 ms':>8} {'server CPU us/q':>16}"
+    )
+    for name, t in table.items():
+        qs, cpu = t["queries_s"], t["server_cpu_us_per_query"]
+        print(
+            f"{name:<48} {qs['median']:>10,.0f} [{qs['min']:>6,.0f}-{qs['max']:>6,.0f}] "
+            f"{t['p50_ms']['median']:>8.3f} {t['p99_ms']['median']:>8.3f} {cpu['median']:>16.1f}"
+        )
+    if ratios:
+        print(
+            "ratio to grpc at the same concurrency (queries/s: per round, median [min-max], > 1 is "
+            "faster; p50, p99, server CPU per query: of the medians, < 1 is less):"
+        )
+        for name, rat in ratios.items():
+            qr = rat["queries_s"]
+            print(
+                f"  {name}: queries/s {qr['median']:.2f} [{qr['min']:.2f}-{qr['max']:.2f}]; "
+                f"p50 {rat['p50_ms']:.2f}, p99 {rat['p99_ms']:.2f}; "
+                f"server CPU {rat['server_cpu_us_per_query']:.2f}"
+            )
     return 0

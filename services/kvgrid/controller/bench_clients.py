@@ -1,6 +1,7 @@
 """Load generators of ``kvgrid bench lookup``, each run in its own process (so the server's CPU is
-measured apart from the client's): single-query callers over gRPC, the lean lookup listener and
-HTTP/JSON (Dynamo's indexer service), and agents streaming events through ``PublishEvents``.
+measured apart from the client's): single-query callers over gRPC, the lean lookup listener (in
+plaintext or mTLS) and HTTP/JSON (Dynamo's indexer service), and agents streaming events through
+``PublishEvents``.
 
 Every caller sends pre-serialized request bytes cycling through a list and keeps ``concurrency``
 calls in flight (one thread and one connection each); it reports calls, wall time, its own CPU
@@ -24,7 +25,8 @@ from typing import Any
 import grpc
 
 from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2, controller_pb2_grpc
-from kvgrid.controller.lookup_server import LookupClient
+from kvgrid.common.tls import TlsFiles
+from kvgrid.controller.lookup_server import ClientSsl, LookupClient
 
 __all__ = [
     "cpu_seconds",
@@ -35,6 +37,7 @@ __all__ = [
     "ingest_messages",
     "json_body",
     "lean_caller",
+    "lean_client",
 ]
 
 Call = Callable[[bytes], object]
@@ -89,13 +92,31 @@ def grpc_caller(
     _loop(make, payloads, seconds, concurrency, q)
 
 
+def lean_client(addr: str, tls_dir: str | None = None) -> LookupClient:
+    """One connection to the lean lookup listener at ``addr``: plaintext, or with ``tls_dir`` (a
+    directory holding ``tls.crt``, ``tls.key`` and ``ca.crt``, a router's files) mTLS, verifying
+    the listener's certificate as a router does."""
+    if tls_dir is None:
+        return LookupClient(addr)
+    files = TlsFiles(f"{tls_dir}/tls.crt", f"{tls_dir}/tls.key", f"{tls_dir}/ca.crt")
+    return LookupClient(addr, ssl_context=ClientSsl(files).context())
+
+
 def lean_caller(
-    addr: str, method: int, payloads: list[bytes], seconds: float, concurrency: int, q: Any
+    addr: str,
+    method: int,
+    payloads: list[bytes],
+    seconds: float,
+    concurrency: int,
+    q: Any,
+    *,
+    tls_dir: str | None = None,
 ) -> None:
-    """Calls of the lean lookup listener (:mod:`kvgrid.controller.lookup_server`)."""
+    """Calls of the lean lookup listener (:mod:`kvgrid.controller.lookup_server`); with ``tls_dir``
+    over mTLS (see :func:`lean_client`; each connection's handshake is part of the warm-up)."""
 
     def make() -> Call:
-        c = LookupClient(addr)
+        c = lean_client(addr, tls_dir)
         return lambda body: c.call_raw(method, body)
 
     _loop(make, payloads, seconds, concurrency, q)
