@@ -236,7 +236,11 @@ def test_another_namespace_cannot_fetch_chunks_or_pull_a_snapshot(agent_a: Agent
 
 
 def test_an_agent_allowing_another_namespace_serves_it(tmp_path: Path, pki: Pki) -> None:
-    server = _agent(tmp_path, pki.agent("pod-srv"), tls_allowed_namespaces=[OURS, THEIRS])
+    """Accepting a namespace on the wire (tls_allowed_namespaces) lets its identities call; reading
+    this agent's chunks also needs a grant (chunk_readers; tests/security/test_tenants.py)."""
+    server = _agent(
+        tmp_path, pki.agent("pod-srv"), tls_allowed_namespaces=[OURS, THEIRS], chunk_readers=[THEIRS]
+    )
     try:
         keys = [bytes([8]) * 16]
         put_chunks(server, keys)

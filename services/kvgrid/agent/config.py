@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from kvgrid.common.authz import parse_chunk_readers
 from kvgrid.common.config import ByteSize, GiB, check_choices
 from kvgrid.common.rpc import check_plaintext_listen
 from kvgrid.common.tls import TlsSettings
@@ -244,6 +245,68 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
         _d("How long the controller's agent list (pod -> peer address) is reused before asking again (ms)"),
         msgspec.Meta(gt=0),
     ] = 5000
+    chunk_readers: Annotated[
+        list[str],
+        _d(
+            "With mTLS: namespaces of other tenants whose identities may read this agent's chunks "
+            "(FetchChunks, the data plane, Snapshot), comma-separated: <namespace> (every namespace id), "
+            "<namespace>/<namespace-id> (that one) or * (any namespace). Identities of this agent's own "
+            "namespace (its certificate's) always may; others get PERMISSION_DENIED (docs/security.md)"
+        ),
+    ] = msgspec.field(default_factory=list)
+    peer_stream_timeout_ms: Annotated[
+        int,
+        _d(
+            "Longest a FetchChunks stream is served (ms), whatever deadline its caller set: a stream "
+            "still open then is ended (DEADLINE_EXCEEDED, or cancelled when its reader stopped reading), "
+            "so unread streams give their thread and chunk references back"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 10_000
+    peer_streams_per_identity: Annotated[
+        int,
+        _d(
+            "Most FetchChunks streams one caller may have open at once on the TCP port (its certificate "
+            "identity; without TLS its IP address); one more is RESOURCE_EXHAUSTED. Below "
+            "tcp_grpc_workers, so one caller never holds every TCP thread"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 8
+    peer_data_handshake_timeout_ms: Annotated[
+        int,
+        _d(
+            "A connection to the peer data port must finish its TLS handshake and present a live ticket "
+            "within this (ms) of being accepted, else it is closed without a byte sent"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 5000
+    peer_data_idle_timeout_ms: Annotated[
+        int,
+        _d(
+            "An admitted data-plane connection whose reader takes none of the next MiB this long (ms) is "
+            "closed, giving its thread and chunk references back"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 10_000
+    peer_data_max_unauthenticated: Annotated[
+        int,
+        _d(
+            "Connections on the peer data port that have not presented a live ticket yet; one more "
+            "closes the oldest of them, so idle or slow connections cannot lock real peers out"
+        ),
+        msgspec.Meta(ge=1, le=255),
+    ] = 64
+    peer_data_retry_initial_ms: Annotated[
+        int,
+        _d(
+            "After a peer's data port could not be reached, fetches from that peer use gRPC this long "
+            "(ms) before trying its data port again; doubles per consecutive failure"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 1000
+    peer_data_retry_max_ms: Annotated[
+        int, _d("Longest wait before retrying an unreachable peer data port (ms)"), msgspec.Meta(gt=0)
+    ] = 30_000
     tier_disk_path: Annotated[
         str,
         _d(
@@ -353,11 +416,26 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
             )
         if self.peer_fetch_part_size < 1024:
             raise ValueError(f"peer_fetch_part_size={self.peer_fetch_part_size}: expected >= 1024 bytes")
+        self._check_peer_limits()
         self._check_tiers()
         if self.reconnect_max_backoff_ms < self.reconnect_initial_backoff_ms:
             raise ValueError(
                 f"reconnect_max_backoff_ms={self.reconnect_max_backoff_ms} < reconnect_initial_backoff_ms="
                 f"{self.reconnect_initial_backoff_ms}: expected max >= initial"
+            )
+
+    def _check_peer_limits(self) -> None:
+        parse_chunk_readers(self.chunk_readers)
+        if self.peer_streams_per_identity >= self.tcp_grpc_workers:
+            raise ValueError(
+                f"peer_streams_per_identity={self.peer_streams_per_identity} >= tcp_grpc_workers="
+                f"{self.tcp_grpc_workers}: expected fewer, so one caller's streams cannot hold every TCP "
+                "thread (the controller's snapshot pulls and other peers need one)"
+            )
+        if self.peer_data_retry_max_ms < self.peer_data_retry_initial_ms:
+            raise ValueError(
+                f"peer_data_retry_max_ms={self.peer_data_retry_max_ms} < peer_data_retry_initial_ms="
+                f"{self.peer_data_retry_initial_ms}: expected max >= initial"
             )
 
     def _check_tiers(self) -> None:

@@ -24,20 +24,35 @@ Protocol (one peer fetch):
    leading chunks that arrived complete and intact.
 
 Security invariants (an attacker on the pod network): the data port serves nothing without a live
-ticket, and tickets are only issued over the authorized control plane; a ticket is 256 random bits,
-single use per stream index, bound to the chunks it was issued for, and dies with its gRPC stream.
-A connection that does not present a valid HELLO within :data:`HELLO_TIMEOUT_S` is closed without
-a byte sent. With TLS configured the data socket is mutual TLS with the same certificate files as
-gRPC (the server requires a client certificate from the CA, the client checks the agent role name),
-so the bytes are as confidential as on the control plane; without TLS both planes are plaintext.
-Connections are capped (:data:`MAX_CONNECTIONS`); one over the cap is closed at once.
+ticket, and tickets are only issued over the authorized control plane (which checks the caller's
+tenant first); a ticket is 256 random bits, single use per stream index, bound to the chunks it was
+issued for and, with TLS, to the certificate identity it was issued to (another identity presenting
+it gets nothing), and dies with its gRPC stream. With TLS configured the data socket is mutual TLS
+with the same certificate files as gRPC (the server requires a client certificate from the CA, the
+client checks the agent role name), so the bytes are as confidential as on the control plane;
+without TLS both planes are plaintext.
+
+Bounded resources (a flood of idle or slow connections must not lock real peers out):
+
+- A connection must finish its TLS handshake and present a live ticket within ``handshake_timeout_s``
+  of being accepted (one deadline for the whole handshake, not per read), else it is closed without
+  a byte sent.
+- At most ``max_unauthenticated`` connections may be in that state; the next one accepted closes
+  the oldest of them (a real peer's connection authenticates within milliseconds, so the ones
+  evicted are the idle ones), and at most :data:`MAX_CONNECTIONS` are open in all (one over it is
+  closed at once).
+- An admitted connection sends in pieces of :data:`PIECE_BYTES`; a piece its reader does not take
+  within ``idle_timeout_s`` ends the connection (its chunk references are dropped).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import os
 import secrets
+import select
 import socket
 import ssl
 import struct
@@ -56,8 +71,10 @@ from kvgrid.common.tls import AGENT_SERVER_NAME, TlsFiles
 __all__ = [
     "HELLO",
     "HELLO_TIMEOUT_S",
+    "IDLE_TIMEOUT_S",
     "MAX_CONNECTIONS",
     "MAX_STREAMS",
+    "MAX_UNAUTHENTICATED",
     "TICKET_BYTES",
     "DataPlaneServer",
     "Received",
@@ -79,6 +96,11 @@ MAGIC = b"KVGD"
 HELLO = struct.Struct(f"<4s{TICKET_BYTES}sI")
 """What a fetcher sends first on each data connection: magic, ticket, stream index."""
 HELLO_TIMEOUT_S = 5.0
+"""Default of ``handshake_timeout_s`` (the agent's ``peer_data_handshake_timeout_ms``)."""
+IDLE_TIMEOUT_S = 10.0
+"""Default of ``idle_timeout_s`` (the agent's ``peer_data_idle_timeout_ms``)."""
+MAX_UNAUTHENTICATED = 64
+"""Default of ``max_unauthenticated`` (the agent's ``peer_data_max_unauthenticated``)."""
 CONNECT_TIMEOUT_S = 1.0
 PIECE_BYTES = 1 << 20
 """Hashed per piece while in cache: XXH3 runs 2-4x faster on 1 MiB than on 32 MiB (docs/benchmarks.md)."""
@@ -94,13 +116,46 @@ def stream_indices(stream: int, streams: int, num_chunks: int) -> range:
 
 def server_context(files: TlsFiles) -> ssl.SSLContext:
     """Mutual TLS for the data port: this agent's certificate, a client certificate from the CA
-    required. Built per connection, so rotated files apply to new connections."""
+    required. Rebuilt when the files change (``_ServerContexts``), so rotated files apply to new
+    connections."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(files.cert_file, files.key_file)
     ctx.load_verify_locations(files.ca_file)
     ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
+
+
+class _ServerContexts:
+    """The data port's server context, rebuilt only when a TLS file changed (its mtime, size or
+    inode, as :mod:`kvgrid.common.tls` checks): loading the certificate and CA costs milliseconds of
+    CPU, which a flood of connections must not be able to make the agent spend per connection.
+    A file that cannot be read keeps the previous context (logged). Thread-safe."""
+
+    def __init__(self, files: TlsFiles) -> None:
+        self.files = files
+        self._lock = threading.Lock()
+        self._stamp = self._read_stamp()
+        self._ctx = server_context(files)
+
+    def _read_stamp(self) -> tuple[tuple[int, int, int], ...]:
+        out = []
+        for path in (self.files.cert_file, self.files.key_file, self.files.ca_file):
+            st = os.stat(path)
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(out)
+
+    def get(self) -> ssl.SSLContext:
+        with self._lock:
+            try:
+                stamp = self._read_stamp()
+                if stamp != self._stamp:
+                    self._ctx, self._stamp = server_context(self.files), stamp
+            except (OSError, ssl.SSLError) as e:
+                log.warning(
+                    "data plane: TLS files changed but cannot be reloaded (keeping the previous): %s", e
+                )
+            return self._ctx
 
 
 def client_context(files: TlsFiles) -> ssl.SSLContext:
@@ -154,8 +209,10 @@ class Ticket:
     while a socket reads from it. :attr:`finished` is set once nothing more will be sent.
     """
 
-    def __init__(self, cache: ChunkCache, chunks: Sequence[Chunk], streams: int) -> None:
+    def __init__(self, cache: ChunkCache, chunks: Sequence[Chunk], streams: int, identity: str = "") -> None:
         self.secret = secrets.token_bytes(TICKET_BYTES)
+        self.identity = identity
+        """The certificate identity (its SAN) the ticket was issued to; "" without TLS."""
         self.cache = cache
         self.streams = streams
         self.num_chunks = len(chunks)
@@ -219,10 +276,34 @@ class Ticket:
             self.finished.set()
 
 
+class _Unauthenticated:
+    """A connection that has not presented a live ticket yet (its socket's file descriptor stays
+    open while it is registered: its thread deregisters it before closing it)."""
+
+    __slots__ = ("fd", "peer")
+
+    def __init__(self, fd: int, peer: object) -> None:
+        self.fd, self.peer = fd, peer
+
+
+def _peer_sans(conn: socket.socket) -> list[str]:
+    """URI and DNS SANs of a TLS connection's verified client certificate."""
+    if not isinstance(conn, ssl.SSLSocket):
+        return []
+    cert = conn.getpeercert() or {}
+    sans = cert.get("subjectAltName", ())
+    out: list[str] = []
+    for entry in sans if isinstance(sans, tuple) else ():
+        if isinstance(entry, tuple) and len(entry) == 2 and entry[0] in ("URI", "DNS"):
+            out.append(str(entry[1]))
+    return out
+
+
 class DataPlaneServer:
     """The data port: accepts connections, admits those with a live ticket, sends their chunks.
 
-    One thread accepts; each admitted connection gets a thread (at most :data:`MAX_CONNECTIONS`).
+    One thread accepts; each connection gets a thread (at most :data:`MAX_CONNECTIONS`, at most
+    ``max_unauthenticated`` of them before their ticket is checked: see the module's invariants).
     """
 
     def __init__(
@@ -232,16 +313,33 @@ class DataPlaneServer:
         *,
         tls: TlsFiles | None,
         on_sent: Callable[[int], None] | None = None,
+        handshake_timeout_s: float = HELLO_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_unauthenticated: int = MAX_UNAUTHENTICATED,
     ) -> None:
+        if not 0 < max_unauthenticated < MAX_CONNECTIONS:
+            raise ValueError(
+                f"max_unauthenticated={max_unauthenticated}: expected 1..{MAX_CONNECTIONS - 1} "
+                f"(below the {MAX_CONNECTIONS} connections in all)"
+            )
         self.tls = tls
+        self._contexts = _ServerContexts(tls) if tls is not None else None
         self.on_sent = on_sent
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_unauthenticated = max_unauthenticated
         self._lock = threading.Lock()
         self._tickets: dict[bytes, Ticket] = {}
         self._connections = 0
+        self._unauthenticated: dict[int, _Unauthenticated] = {}  # by accept order (oldest first)
+        self._ids = itertools.count()
         self.refused = 0
-        """Connections closed without data: bad HELLO, unknown ticket, stream claimed, over the cap."""
+        """Connections closed without data: bad HELLO, unknown ticket, stream claimed, another
+        identity's ticket, over the cap, evicted or timed out before their HELLO."""
         self.admitted = 0
         """Connections that presented a live ticket."""
+        self.evicted = 0
+        """Unauthenticated connections closed to make room for a newer one."""
         self._sock = socket.create_server((host, port), backlog=128)
         self.port: int = self._sock.getsockname()[1]
         self._stopping = False
@@ -251,8 +349,16 @@ class DataPlaneServer:
         self._thread.start()
         return self
 
-    def issue(self, cache: ChunkCache, chunks: Sequence[Chunk], streams: int) -> Ticket:
-        ticket = Ticket(cache, chunks, streams)
+    @property
+    def unauthenticated(self) -> int:
+        """Connections accepted that have not presented a live ticket yet."""
+        with self._lock:
+            return len(self._unauthenticated)
+
+    def issue(self, cache: ChunkCache, chunks: Sequence[Chunk], streams: int, identity: str = "") -> Ticket:
+        """A ticket for ``chunks``; with ``identity`` (the caller's certificate SAN) only a TLS
+        connection whose client certificate carries it may claim its streams."""
+        ticket = Ticket(cache, chunks, streams, identity)
         with self._lock:
             self._tickets[ticket.secret] = ticket
         return ticket
@@ -285,44 +391,98 @@ class DataPlaneServer:
                 conn, peer = self._sock.accept()
             except OSError:
                 return  # stopped
+            accepted = time.monotonic()
+            evict: _Unauthenticated | None = None
             with self._lock:
                 over = self._connections >= MAX_CONNECTIONS
                 if not over:
                     self._connections += 1
+                    if len(self._unauthenticated) >= self.max_unauthenticated:
+                        evict = self._unauthenticated.pop(next(iter(self._unauthenticated)))
+                        self._shut(evict.fd)  # under the lock: its thread has not closed it yet
+                        self.evicted += 1
+                    key = next(self._ids)
+                    self._unauthenticated[key] = _Unauthenticated(conn.fileno(), peer)
+            if evict is not None:
+                log.info(
+                    "data plane: %s closed before its hello: %d connections without a ticket (the limit, "
+                    "peer_data_max_unauthenticated)",
+                    evict.peer,
+                    self.max_unauthenticated,
+                )
             if over:
                 self.refused += 1
                 log.warning("data plane: %s refused: %d connections open", peer, MAX_CONNECTIONS)
                 conn.close()
                 continue
             threading.Thread(
-                target=self._serve, args=(conn, peer), name="kvgrid-dataplane-conn", daemon=True
+                target=self._serve,
+                args=(conn, peer, key, accepted + self.handshake_timeout_s),
+                name="kvgrid-dataplane-conn",
+                daemon=True,
             ).start()
 
-    def _serve(self, conn: socket.socket, peer: object) -> None:
+    @staticmethod
+    def _shut(fd: int) -> None:
+        """Shut a connection down by its descriptor (wakes the thread blocked in its handshake)."""
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            return
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.detach()
+
+    def _authenticated(self, key: int) -> None:
+        with self._lock:
+            self._unauthenticated.pop(key, None)
+
+    def _serve(self, conn: socket.socket, peer: object, key: int, deadline: float) -> None:
         ticket: Ticket | None = None
         try:
-            conn.settimeout(HELLO_TIMEOUT_S)
             _tune(conn)
-            if self.tls is not None:
-                conn = server_context(self.tls).wrap_socket(conn, server_side=True)
+            if self._contexts is not None:
+                conn = self._contexts.get().wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                _handshake_until(conn, deadline)
             hello = bytearray(HELLO.size)
-            recv_exact_into(conn, memoryview(hello))
+            _recv_until(conn, memoryview(hello), deadline)
             magic, secret, stream = HELLO.unpack(hello)
             with self._lock:
                 ticket = self._tickets.get(secret) if magic == MAGIC else None
+            if ticket is not None and ticket.identity and ticket.identity not in _peer_sans(conn):
+                self.refused += 1
+                log.warning(
+                    "data plane: %s refused: its ticket was issued to %r, the connection's certificate "
+                    "names %s",
+                    peer,
+                    ticket.identity,
+                    _peer_sans(conn) or "nothing",
+                )
+                ticket = None
+                return
             if ticket is None or not ticket.claim(stream):
                 ticket = None
                 self.refused += 1
                 log.warning("data plane: %s refused: no live ticket for stream %d", peer, stream)
                 return
+            self._authenticated(key)
             self.admitted += 1
-            conn.settimeout(None)  # the fetcher's deadline governs from here; close() unblocks
+            # From here a piece the reader does not take within the idle timeout ends it.
+            conn.settimeout(self.idle_timeout_s)
             self._send(conn, ticket, stream)
+        except TimeoutError as e:
+            if ticket is None:
+                self.refused += 1
+            log.info("data plane: connection from %s timed out: %s", peer, e)
         except (OSError, ssl.SSLError, ConnectionError) as e:
             log.info("data plane: connection from %s ended: %s", peer, e)
         finally:
             if ticket is not None:
                 ticket.stream_ended()
+            self._authenticated(key)  # before the close: the descriptor must not be shut once reused
             conn.close()
             with self._lock:
                 self._connections -= 1
@@ -334,21 +494,59 @@ class DataPlaneServer:
                 return  # ticket closed (gRPC stream gone): the fetcher sees the hang-up
             try:
                 data = chunk.buffer.numpy()[: chunk.nbytes].data
-                if chunk.checksum:
-                    conn.sendall(data)
-                else:
-                    # Computed when first needed (as on the gRPC path), piece by piece as sent.
-                    hasher = xxhash.xxh3_128()
-                    for off in range(0, len(data), PIECE_BYTES):
-                        piece = data[off : off + PIECE_BYTES]
+                # In pieces: the idle timeout bounds each piece, not the whole chunk. The checksum
+                # is computed when first needed (as on the gRPC path), piece by piece as sent.
+                hasher = None if chunk.checksum else xxhash.xxh3_128()
+                for off in range(0, len(data), PIECE_BYTES):
+                    piece = data[off : off + PIECE_BYTES]
+                    if hasher is not None:
                         hasher.update(piece)
-                        conn.sendall(piece)
+                    conn.sendall(piece)
+                if hasher is not None:
                     chunk.checksum = hasher.digest()
                 conn.sendall(chunk.checksum)
             finally:
                 ticket.sent(index)
             if self.on_sent is not None:
                 self.on_sent(chunk.nbytes)
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline``; TimeoutError once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no hello within the handshake timeout")
+    return left
+
+
+def _handshake_until(conn: ssl.SSLSocket, deadline: float) -> None:
+    """The server side of the TLS handshake, done before ``deadline`` however slowly the client's
+    bytes come (each wait is for the time left, not a fresh timeout per read); TimeoutError after."""
+    conn.setblocking(False)
+    try:
+        while True:
+            try:
+                conn.do_handshake()
+                return
+            except ssl.SSLWantReadError:
+                select.select([conn], [], [], _left(deadline))
+            except ssl.SSLWantWriteError:
+                select.select([], [conn], [], _left(deadline))
+            _left(deadline)
+    finally:
+        conn.setblocking(True)
+
+
+def _recv_until(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill ``view`` before ``deadline`` (``time.monotonic()``): TimeoutError after it, however the
+    bytes trickle in; ``ConnectionError`` when the peer hangs up first."""
+    got = 0
+    while got < len(view):
+        sock.settimeout(_left(deadline))
+        n = sock.recv_into(view[got:], len(view) - got)
+        if n == 0:
+            raise ConnectionError(f"peer closed the data connection after {got} of {len(view)} bytes")
+        got += n
 
 
 class StreamFailure(Exception):

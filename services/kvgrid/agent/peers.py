@@ -18,9 +18,15 @@ goes to the controller as usual). Everything runs under one deadline; any failur
 was, plus the chunks that arrived complete and intact.
 
 Data plane (``peer_data_plane=socket``, :mod:`kvgrid.agent.p2p`): the fetcher asks for
-``data_streams``; a sender with a data plane answers with one ticket message and moves the bytes on
-its data port (the gRPC stream stays open until they are out, holding the chunks' references); a
-sender without one streams them as above, so either side may have it off.
+``data_streams``; a sender with a data plane answers with one ticket message (bound to the caller's
+certificate identity) and moves the bytes on its data port (the gRPC stream stays open until they
+are out, holding the chunks' references); a sender without one streams them as above, so either side
+may have it off. A data port the fetcher cannot reach is retried over gRPC at once, and that peer's
+fetches use gRPC until a backoff passes (:class:`DataPlaneBackoff`, ``peer_data_retry_*_ms``); then
+its data port is tried again -- never given up for good.
+
+Serving deadline: a stream still sending at its ``deadline`` (the agent's ``peer_stream_timeout_ms``)
+fails with DEADLINE_EXCEEDED; a data-plane ticket lives at most until then.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from kvgrid.agent.cache import ChunkCache, MissCause
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import Chunk
 from kvgrid.agent.p2p import DataPlaneServer, Ticket, client_context, fetch_streams, ticket_streams
+from kvgrid.agent.peer_guard import ServingDeadlineExceeded
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.checksum import ChecksumMismatch, chunk_checksum, verify_checksum
 from kvgrid.common.errors import FailedPrecondition, InvalidArgument, check_namespace_id, client_input
@@ -53,6 +60,7 @@ from kvgrid.common.tracing import traced_channel
 __all__ = [
     "MIN_PART_BYTES",
     "ChunkSender",
+    "DataPlaneBackoff",
     "LayoutMismatchError",
     "PeerCandidate",
     "PeerError",
@@ -186,7 +194,13 @@ class ChunkSender:
         metrics: PeerMetrics | None = None,
         data_plane: DataPlaneServer | None = None,
         ticket_ttl_s: float = 2.0,
+        deadline: float | None = None,
+        caller: str = "",
+        on_close: Callable[[], None] | None = None,
     ) -> None:
+        """``deadline`` (``time.monotonic()``): the stream fails with DEADLINE_EXCEEDED when it is
+        still sending then; ``caller``: the certificate identity a data-plane ticket is bound to
+        ("" without TLS); ``on_close``: called once when the stream ends (however it ends)."""
         if not req.layout_id:
             raise InvalidArgument(
                 "layout_id is empty: expected the caller's RegisterKVCachesResponse.layout_id"
@@ -218,15 +232,29 @@ class ChunkSender:
         self.data_plane = data_plane if req.data_streams else None
         self.data_streams = int(req.data_streams)
         self.ticket_ttl_s = ticket_ttl_s
+        self.deadline = deadline
+        self.caller = caller
+        self._on_close = on_close
 
     def close(self) -> None:
         with self._lock:
             left, self._pending = self._pending, []
             ticket = self._ticket
+            on_close, self._on_close = self._on_close, None
         if left:
             self.cache.release(left)
         if ticket is not None:
             ticket.close()  # the call ended (client gone): wakes _iter_ticket, which retires it
+        if on_close is not None:
+            on_close()
+
+    def _check_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise ServingDeadlineExceeded(
+                f"FetchChunks: still streaming at this agent's serving deadline (peer_stream_timeout_ms) "
+                f"with {len(self._pending)} of {self.num_chunks} chunks unsent; fetch fewer chunks or read "
+                f"faster"
+            )
 
     def _peek(self) -> Chunk | None:
         with self._lock:
@@ -237,9 +265,14 @@ class ChunkSender:
         chunks went out on the data port (or the TTL passed); closing the stream retires it."""
         with self._lock:
             chunks, self._pending = self._pending, []
-        ticket = plane.issue(self.cache, chunks, ticket_streams(self.data_streams, len(chunks)))
+        ticket = plane.issue(
+            self.cache, chunks, ticket_streams(self.data_streams, len(chunks)), identity=self.caller
+        )
         with self._lock:
             self._ticket = ticket
+        ttl = self.ticket_ttl_s
+        if self.deadline is not None:
+            ttl = min(ttl, max(0.0, self.deadline - time.monotonic()))
         try:
             yield agent_pb2.FetchChunksResponse(
                 num_chunks=ticket.num_chunks,
@@ -247,7 +280,7 @@ class ChunkSender:
                 data_ticket=ticket.secret,
                 data_port=plane.port,
             )
-            ticket.finished.wait(self.ticket_ttl_s)
+            ticket.finished.wait(ttl)
         finally:
             plane.retire(ticket)
 
@@ -267,6 +300,7 @@ class ChunkSender:
                     # 32 MiB chunk in ~3 ms, against ~0.6 ms for the GPU's copy of it into L1.
                     chunk.checksum = chunk_checksum(data[:size])
                 for off in range(0, size, self.part_bytes):
+                    self._check_deadline()
                     msg = agent_pb2.FetchChunksResponse(
                         chunk_index=index,
                         chunk_bytes=size,
@@ -315,6 +349,36 @@ def choose_peers(
     ]
     cands.sort(key=lambda c: (-c.l1_chunks, -c.total_chunks, c.pod_uid))
     return cands[:limit]
+
+
+class DataPlaneBackoff:
+    """Peers whose data port could not be reached, and when to try it again: ``initial_s`` after the
+    first failure, doubling per consecutive failure up to ``max_s``; a fetch that moved its bytes on
+    the data plane forgets the peer. Never permanent: a port that comes back is used again.
+    Thread-safe."""
+
+    def __init__(self, initial_s: float, max_s: float) -> None:
+        self.initial_s, self.max_s = initial_s, max_s
+        self._lock = threading.Lock()
+        self._until: dict[str, tuple[float, int]] = {}  # address -> (retry at, consecutive failures)
+
+    def usable(self, address: str) -> bool:
+        """True unless ``address``'s data port failed and its backoff has not passed yet."""
+        with self._lock:
+            entry = self._until.get(address)
+            return entry is None or time.monotonic() >= entry[0]
+
+    def failed(self, address: str) -> float:
+        """Record a failure of ``address``'s data port; the seconds until it is tried again."""
+        with self._lock:
+            failures = self._until.get(address, (0.0, 0))[1] + 1
+            wait = min(self.max_s, self.initial_s * 2 ** min(failures - 1, 30))
+            self._until[address] = (time.monotonic() + wait, failures)
+            return wait
+
+    def succeeded(self, address: str) -> None:
+        with self._lock:
+            self._until.pop(address, None)
 
 
 class PeerDirectory:
@@ -408,9 +472,11 @@ class PeerFetcher:
         self.data_streams = config.peer_data_streams if config.peer_data_plane == "socket" else 0
         self._tls_files = config.tls
         # Background receivers of asynchronous fetches (peer_fetch_mode=async), and the peers whose
-        # data port could not be reached from one (fetched over gRPC from then on).
+        # data port could not be reached lately (fetched over gRPC until their backoff passes).
         self._landing = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvgrid-peer-land")
-        self._no_data_plane: set[str] = set()
+        self.data_plane_backoff = DataPlaneBackoff(
+            config.peer_data_retry_initial_ms / 1000, config.peer_data_retry_max_ms / 1000
+        )
 
     def _stub(self, address: str) -> agent_pb2_grpc.AgentServiceStub:
         # traced: the peer's FetchChunks span joins the Lookup's trace
@@ -546,14 +612,20 @@ class PeerFetcher:
         later; the rest of the reservation is freed."""
         got = [0, 0]  # chunks held, bytes fetched (set even when the stream fails)
         args = (cand, list(keys), namespace_id, layout_id, bytes_per_chunk, deadline, got)
-        streams = 0 if cand.address in self._no_data_plane else self.data_streams
+        streams = self.data_streams if self.data_plane_backoff.usable(cand.address) else 0
         try:
             try:
                 self._fetch_from(*args, data_streams=streams)
             except _DataPlaneUnreachable as e:
                 # A data port a firewall or NetworkPolicy blocks must not end peer fetch: the
-                # chunks come over the control connection instead (counted, so it gets fixed).
-                self._failed("data_plane_unreachable", f"peer {cand.pod_uid}: {e}; retrying over gRPC", "")
+                # chunks come over the control connection instead (counted, so it gets fixed), and
+                # so do the next fetches from this peer until its backoff passes.
+                wait = self.data_plane_backoff.failed(cand.address)
+                self._failed(
+                    "data_plane_unreachable",
+                    f"peer {cand.pod_uid}: {e}; retrying over gRPC (its data port again in {wait:.1f} s)",
+                    "",
+                )
                 self._fetch_from(*args, data_streams=0)
         except PeerError as e:
             failed = self._failed(e.reason, f"peer {cand.pod_uid} at {cand.address}: {e}", cand.pod_uid)
@@ -636,8 +708,13 @@ class PeerFetcher:
         try:
             filled = self._receive(land, {i: c.buffer.numpy() for i, c in mine.items()}, None, mine)
         except _DataPlaneUnreachable as e:
-            self._no_data_plane.add(land.cand.address)  # the next fetches from it go over gRPC
-            self._failed("data_plane_unreachable", f"peer {land.cand.pod_uid}: {e}", land.cand.pod_uid)
+            # The next fetches from it go over gRPC until the backoff passes, then try its port again.
+            wait = self.data_plane_backoff.failed(land.cand.address)
+            self._failed(
+                "data_plane_unreachable",
+                f"peer {land.cand.pod_uid}: {e} (its data port again in {wait:.1f} s)",
+                land.cand.pod_uid,
+            )
         except _PartialFetch as e:
             filled = e.filled
             self._failed(e.error.reason, f"peer {land.cand.pod_uid}: {e.error}", land.cand.pod_uid)
@@ -777,6 +854,7 @@ class PeerFetcher:
             if got.failure.reason == "unreachable" and not got.checksums:
                 raise _DataPlaneUnreachable(str(got.failure))
             raise _PartialFetch(filled, PeerError(got.failure.reason, str(got.failure)))
+        self.data_plane_backoff.succeeded(cand.address)
         return filled
 
 

@@ -14,6 +14,14 @@ plaintext, serves those two methods to anyone, and logs a loud warning at start;
 data plane) then binds loopback unless ``insecure_plaintext_on_network`` is set
 (:attr:`AgentConfig.listen_host`).
 
+The TCP port has a servicer of its own, with a :class:`~kvgrid.agent.peer_guard.TcpGuard`: with
+mTLS a caller reads only the tenants' chunks it is entitled to (FetchChunks for another tenant's
+namespace id is PERMISSION_DENIED before any chunk is referenced or any data-plane ticket issued;
+Snapshot lists only the namespace ids the caller may read), every caller has at most
+``peer_streams_per_identity`` FetchChunks streams open (RESOURCE_EXHAUSTED past it) and every stream
+ends by ``peer_stream_timeout_ms``. The Unix socket's servicer has no guard: whoever opens the socket
+is the pod's engine.
+
 :class:`AgentServicer` converts protobuf to :class:`~kvgrid.agent.core.AgentCore` calls and back;
 the shared server toolkit (:mod:`kvgrid.common.rpc`) serves it: it parses requests (a malformed
 message is INVALID_ARGUMENT naming its type), maps errors to status codes in one place (the
@@ -38,12 +46,13 @@ from kvgrid.agent.core import AgentCore
 from kvgrid.agent.events import EventLog, EventPublisher
 from kvgrid.agent.hotpath import HotPathServer, hot_path_of
 from kvgrid.agent.p2p import DataPlaneServer
+from kvgrid.agent.peer_guard import TcpGuard
 from kvgrid.agent.peers import ChunkSender
 from kvgrid.agent.tensors import SharedFileCache, dtype_name, open_ipc_event, open_layer_tensor
 from kvgrid.agent.transfer import parse_layout_hints
 from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2
-from kvgrid.common.authz import Authorizer, Policy
-from kvgrid.common.errors import InvalidArgument, client_input
+from kvgrid.common.authz import Authorizer, ChunkReaders, Policy, call_context, caller
+from kvgrid.common.errors import InvalidArgument, check_namespace_id, client_input
 from kvgrid.common.identity import PodIdentity
 from kvgrid.common.rpc import RpcMetrics, RpcServer, ServerOptions, is_loopback_host
 from kvgrid.common.tls import ClientTls, server_credentials
@@ -63,10 +72,19 @@ TCP_POLICY = Policy({"FetchChunks": frozenset({"agent"}), "Snapshot": frozenset(
 class AgentServicer:
     """Protobuf in, protobuf out; every call goes to :class:`AgentCore`."""
 
-    def __init__(self, core: AgentCore, events: EventLog, data_plane: DataPlaneServer | None = None) -> None:
+    def __init__(
+        self,
+        core: AgentCore,
+        events: EventLog,
+        data_plane: DataPlaneServer | None = None,
+        guard: TcpGuard | None = None,
+    ) -> None:
+        """``guard``: the TCP port's checks (tenants, streams per caller, serving deadline); None on
+        the Unix socket."""
         self.core = core
         self.events = events
         self.data_plane = data_plane
+        self.guard = guard
 
     def RegisterKVCaches(self, req: agent_pb2.RegisterKVCachesRequest) -> agent_pb2.RegisterKVCachesResponse:
         if not req.HasField("namespace"):
@@ -184,8 +202,12 @@ class AgentServicer:
         return agent_pb2.ReleaseResponse(released_pins=pins, released_chunks=chunks)
 
     def Snapshot(self, req: agent_pb2.SnapshotRequest) -> agent_pb2.SnapshotResponse:
+        readable = self.guard.readable("Snapshot", caller()) if self.guard is not None else None
         by_ns, last_seq = self.core.cache.snapshot()
         namespaces = sorted(set(self.core.namespaces()) | set(by_ns))
+        if readable is not None:  # another tenant's identity: only what chunk_readers grants it
+            by_ns = {ns: keys for ns, keys in by_ns.items() if ns in readable}
+            namespaces = [ns for ns in namespaces if ns in readable]
         return agent_pb2.SnapshotResponse(
             pod=pod_identity_to_proto(self.core.pod),
             chunk_keys=[k for ns in sorted(by_ns) for k in by_ns[ns]],
@@ -217,16 +239,35 @@ class AgentServicer:
 
     def FetchChunks(self, req: agent_pb2.FetchChunksRequest) -> ChunkSender:
         cfg = self.core.config
-        return ChunkSender(
-            self.core.cache,
-            req,
-            part_bytes=min(cfg.peer_fetch_part_size, cfg.max_message_bytes - 1024),
-            max_chunks=cfg.peer_fetch_max_chunks,
-            metrics=self.core.peer_metrics,
-            data_plane=self.data_plane,
-            # The fetcher gives up at its own peer_fetch_timeout_ms; ours bounds a vanished one.
-            ticket_ttl_s=cfg.peer_fetch_timeout_ms / 1000,
-        )
+        ident = caller()
+        deadline, end = None, None
+        if self.guard is not None:
+            # Checked before any chunk is referenced or ticket issued: a refusal changes nothing.
+            check_namespace_id(
+                req.namespace_id,
+                "namespace_id",
+                "of the caller's registration (chunks are served per namespace)",
+            )
+            self.guard.check_read("FetchChunks", ident, req.namespace_id)
+            deadline, end = self.guard.open_stream("FetchChunks", ident, call_context())
+        try:
+            return ChunkSender(
+                self.core.cache,
+                req,
+                part_bytes=min(cfg.peer_fetch_part_size, cfg.max_message_bytes - 1024),
+                max_chunks=cfg.peer_fetch_max_chunks,
+                metrics=self.core.peer_metrics,
+                data_plane=self.data_plane,
+                # The fetcher gives up at its own peer_fetch_timeout_ms; ours bounds a vanished one.
+                ticket_ttl_s=cfg.peer_fetch_timeout_ms / 1000,
+                deadline=deadline,
+                caller=ident.uri if ident is not None else "",
+                on_close=end,
+            )
+        except BaseException:
+            if end is not None:
+                end()
+            raise
 
 
 def _advertise(config: AgentConfig, tcp_port: int | None) -> str:
@@ -265,6 +306,9 @@ class AgentServer:
         self._reaper: threading.Thread | None = None
         self.data_plane: DataPlaneServer | None = None
         self.hot_path: HotPathServer | None = None
+        self.tcp_guard: TcpGuard | None = None
+        self.tcp_servicer: AgentServicer | None = None
+        """The TCP port's servicer (its ``data_plane`` is the one tickets name)."""
 
     def start(self) -> AgentServer:
         cfg = self.config
@@ -281,7 +325,18 @@ class AgentServer:
         servers: list[RpcServer] = []
         tcp_servers: set[int] = set()
         if cfg.tcp_port >= 0:
-            authz = Authorizer.for_settings(TCP_POLICY, cfg) if tls is not None else None
+            # Without TLS every caller is admitted unidentified; the guard still needs each call's
+            # context (serving deadline, callers told apart by address).
+            authz = (
+                Authorizer.for_settings(TCP_POLICY, cfg)
+                if tls is not None
+                else Authorizer.unauthenticated(TCP_POLICY)
+            )
+            self.tcp_guard = TcpGuard(
+                ChunkReaders.for_settings(cfg, cfg.chunk_readers) if tls is not None else None,
+                streams_per_caller=cfg.peer_streams_per_identity,
+                stream_timeout_s=cfg.peer_stream_timeout_ms / 1000,
+            )
             tcp = server(cfg.tcp_grpc_workers, "kvgrid-agent-tcp", authz)
             creds = server_credentials(tls) if tls is not None else None
             host = f"[{cfg.listen_host}]" if ":" in cfg.listen_host else cfg.listen_host  # IPv6
@@ -311,9 +366,16 @@ class AgentServer:
                 peer_metrics.stats.add(served=1)
 
             self.data_plane = DataPlaneServer(
-                cfg.listen_host, cfg.peer_data_port, tls=tls, on_sent=sent
+                cfg.listen_host,
+                cfg.peer_data_port,
+                tls=tls,
+                on_sent=sent,
+                handshake_timeout_s=cfg.peer_data_handshake_timeout_ms / 1000,
+                idle_timeout_s=cfg.peer_data_idle_timeout_ms / 1000,
+                max_unauthenticated=cfg.peer_data_max_unauthenticated,
             ).start()
         servicer = AgentServicer(self.core, self.events, self.data_plane)
+        self.tcp_servicer = AgentServicer(self.core, self.events, self.data_plane, self.tcp_guard)
         if self.uds_path:
             hot = hot_path_of(self.uds_path)
             if cfg.hot_path:
@@ -331,7 +393,7 @@ class AgentServer:
             if id(rpc) in tcp_servers:
                 rpc.add_service(
                     _SERVICE,
-                    servicer,
+                    self.tcp_servicer,
                     served=TCP_POLICY.allowed,
                     not_served="the engine API is served on the agent's Unix socket only "
                     f"(uds_path); TCP serves {', '.join(sorted(TCP_POLICY.allowed))}",
@@ -398,6 +460,8 @@ class AgentServer:
             done.wait()
         if self.data_plane is not None:
             self.data_plane.stop()
+        if self.tcp_guard is not None:
+            self.tcp_guard.stop()
         if self.uds_path:
             Path(self.uds_path).unlink(missing_ok=True)
         if self.core is not None:

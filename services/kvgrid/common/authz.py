@@ -34,30 +34,46 @@ Invariants:
   namespace of the trust domain.
 - :func:`caller` is the identity of the call the current thread serves (set by the server toolkit,
   :mod:`kvgrid.common.rpc`, for the duration of a call); None on a listener without TLS.
+  :func:`call_context` is that call's ``grpc.ServicerContext`` on a server with an authorizer (an
+  :meth:`Authorizer.unauthenticated` one on a plaintext listener), so a method can bound the call
+  (cancel it at a serving deadline, tell callers apart by address without TLS).
+- Tenants (:class:`ChunkReaders`, the agent's chunks; docs/security.md, "Tenants"): an identity's
+  tenant is its Kubernetes namespace, the only tenant a certificate names. Every chunk an agent
+  holds was stored by an engine of its own pod, or fetched for one, so it belongs to the agent's
+  namespace -- the namespace(s) of the agent's own certificate identity. Identities of that namespace
+  read every namespace id (a single-namespace install works as before); an identity of another
+  namespace reads only the namespace ids ``chunk_readers`` grants its namespace (``<ns>`` every
+  one, ``<ns>/<namespace-id>`` that one, ``*`` any namespace), else PERMISSION_DENIED naming the
+  caller, its namespace, the namespace id and this agent's tenant.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
-from collections.abc import Collection, Mapping
+import re
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Literal, get_args
 
 import grpc
 import msgspec
 
-from kvgrid.common.errors import PermissionDenied
+from kvgrid.common.errors import PermissionDenied, is_namespace_id
 from kvgrid.common.tls import ANY_NAMESPACE, TlsSettings, certificate_sans
 
 __all__ = [
     "ANY_NAMESPACE",
     "ANY_ROLE",
     "Authorizer",
+    "ChunkReaders",
     "Identity",
     "Policy",
     "Role",
+    "call_context",
     "caller",
+    "certificate_namespaces",
+    "parse_chunk_readers",
     "parse_dns_identity",
     "parse_identity",
     "set_caller",
@@ -120,11 +136,20 @@ class Policy(msgspec.Struct, frozen=True):
 
 
 _CALLER: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("kvgrid_caller", default=None)
+_CONTEXT: contextvars.ContextVar[grpc.ServicerContext | None] = contextvars.ContextVar(
+    "kvgrid_call_context", default=None
+)
 
 
 def caller() -> Identity | None:
     """The proven identity of the call being served (None when the listener runs without TLS)."""
     return _CALLER.get()
+
+
+def call_context() -> grpc.ServicerContext | None:
+    """The ``grpc.ServicerContext`` of the call being served, set when an :class:`Authorizer` admits
+    it; None on a server without one (the agent's Unix socket). Only meaningful inside a call."""
+    return _CONTEXT.get()
 
 
 def set_caller(identity: Identity | None) -> None:
@@ -147,6 +172,20 @@ def _namespaces(namespaces: Collection[str]) -> str:
     return ", ".join(repr(n) for n in sorted(namespaces))
 
 
+def certificate_namespaces(settings: TlsSettings) -> tuple[list[str], list[str], list[str]]:
+    """(namespaces, URI SANs, DNS SANs) of the service's own certificate (``tls_cert_file``): the
+    namespaces of its kvgrid identities in ``tls_trust_domain``, sorted. ValueError naming the file
+    when it cannot be read."""
+    path = settings.tls_cert_file
+    try:
+        uris, names = certificate_sans(Path(path).read_bytes())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tls_cert_file={path!r}: cannot read its identity ({e})") from None
+    ids = [i for i in map(parse_identity, uris) if i is not None]
+    ids += [i for i in map(parse_dns_identity, names) if i is not None]
+    return sorted({i.namespace for i in ids if i.trust_domain == settings.tls_trust_domain}), uris, names
+
+
 class Authorizer:
     """Checks one call: identity from the TLS auth context (trust domain, then namespace), then the
     policy's roles.
@@ -167,6 +206,16 @@ class Authorizer:
             None if ANY_NAMESPACE in namespaces else frozenset(namespaces)
         )
         """The accepted namespaces; None = every namespace of the trust domain."""
+        self.authenticates = True
+        """False for :meth:`unauthenticated`: no identity is read, every call is admitted."""
+
+    @classmethod
+    def unauthenticated(cls, policy: Policy) -> Authorizer:
+        """For a plaintext listener: admits every call with no identity (:func:`caller` is None) and
+        still publishes its :func:`call_context`."""
+        authorizer = cls(policy, "")
+        authorizer.authenticates = False
+        return authorizer
 
     @classmethod
     def for_settings(cls, policy: Policy, settings: TlsSettings) -> Authorizer:
@@ -180,15 +229,12 @@ class Authorizer:
         if not namespaces:
             path = settings.tls_cert_file
             try:
-                uris, names = certificate_sans(Path(path).read_bytes())
-            except (OSError, ValueError) as e:
+                namespaces, uris, names = certificate_namespaces(settings)
+            except ValueError as e:
                 raise ValueError(
-                    f"tls_cert_file={path!r}: cannot read its identity ({e}), which names the namespace "
-                    f"whose callers are accepted when tls_allowed_namespaces is empty"
+                    f"{e}, which names the namespace whose callers are accepted when "
+                    f"tls_allowed_namespaces is empty"
                 ) from None
-            ids = [i for i in map(parse_identity, uris) if i is not None]
-            ids += [i for i in map(parse_dns_identity, names) if i is not None]
-            namespaces = sorted({i.namespace for i in ids if i.trust_domain == td})
             if not namespaces:
                 raise ValueError(
                     f"tls_cert_file={path!r} carries no kvgrid identity of trust domain {td!r} (URI SANs: "
@@ -234,8 +280,13 @@ class Authorizer:
             )
         return ident
 
-    def check(self, method: str, context: grpc.ServicerContext) -> Identity:
-        """The caller's identity if it is accepted and its role may call ``method``; else PermissionDenied."""
+    def check(self, method: str, context: grpc.ServicerContext) -> Identity | None:
+        """The caller's identity if it is accepted and its role may call ``method``; else
+        PermissionDenied. Publishes ``context`` (:func:`call_context`) either way; an
+        :meth:`unauthenticated` authorizer returns None."""
+        _CONTEXT.set(context)
+        if not self.authenticates:
+            return None
         ident = self.identify(context, method)
         roles = self.policy.allowed.get(method, frozenset())
         if ident.role not in roles:
@@ -243,3 +294,101 @@ class Authorizer:
                 f"{method} needs a {_roles(roles)} identity; the caller {ident.uri!r} is a {ident.role}"
             )
         return ident
+
+
+# ---- tenants: who may read an agent's chunks ----------------------------------------------------
+
+_K8S_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+Grants = Mapping[str, frozenset[str] | None]
+"""Kubernetes namespace (or ``*``) -> the namespace ids its identities may read (None: every one)."""
+
+
+def parse_chunk_readers(
+    entries: Sequence[str], field: str = "chunk_readers"
+) -> dict[str, frozenset[str] | None]:
+    """The grants of ``chunk_readers`` entries: ``<ns>`` (every namespace id), ``<ns>/<namespace-id>``
+    (that one), ``*`` or ``*/<namespace-id>`` (any namespace); ValueError naming the entry."""
+    out: dict[str, frozenset[str] | None] = {}
+    for entry in entries:
+        ns, sep, nsid = entry.partition("/")
+        if ns != ANY_NAMESPACE and not _K8S_NAMESPACE.fullmatch(ns):
+            raise ValueError(
+                f"{field}={list(entries)!r}: {entry!r} does not start with a Kubernetes namespace name "
+                f"(lowercase letters, digits and '-', at most 63) or {ANY_NAMESPACE!r}; expected "
+                f"<namespace>, <namespace>/<namespace-id> or {ANY_NAMESPACE}"
+            )
+        if sep and not is_namespace_id(nsid):
+            raise ValueError(
+                f"{field}={list(entries)!r}: {entry!r} names namespace id {nsid!r}; expected the 32-char "
+                f"lowercase hex namespace id after '/'"
+            )
+        if not sep:
+            out[ns] = None
+        elif ns not in out or out[ns] is not None:
+            out[ns] = (out.get(ns) or frozenset()) | {nsid}
+    return out
+
+
+def _grant_text(grant: frozenset[str] | None) -> str:
+    return "every namespace id" if grant is None else ", ".join(sorted(grant)) or "no namespace id"
+
+
+class ChunkReaders:
+    """Which identities may read which namespace ids of one agent's chunks (FetchChunks, its data
+    plane, Snapshot): the agent's own tenant (``tenant``: the namespace(s) of its certificate
+    identity) reads everything; another namespace reads what ``grants`` give it."""
+
+    def __init__(self, tenant: Collection[str], grants: Grants | None = None) -> None:
+        self.tenant = frozenset(tenant)
+        self.grants: dict[str, frozenset[str] | None] = dict(grants or {})
+
+    @classmethod
+    def for_settings(cls, settings: TlsSettings, entries: Sequence[str]) -> ChunkReaders:
+        """The readers of an agent with mTLS on: its tenant from ``tls_cert_file`` (read now) and the
+        grants of ``entries`` (``chunk_readers``). ValueError naming the settings when the certificate
+        names no tenant and nothing is granted (nobody could read a chunk)."""
+        tenant, uris, names = certificate_namespaces(settings)
+        grants = parse_chunk_readers(entries)
+        if not tenant and not grants:
+            raise ValueError(
+                f"tls_cert_file={settings.tls_cert_file!r} carries no kvgrid identity of trust domain "
+                f"{settings.tls_trust_domain!r} (URI SANs: {uris or 'none'}; DNS SANs: "
+                f"{names or 'none'}), so this agent's tenant is unknown: set chunk_readers to the "
+                f"namespaces whose identities may read its chunks"
+            )
+        log.info(
+            "chunks readable by identities of namespace %s (this agent's tenant)%s",
+            ", ".join(sorted(tenant)) or "none",
+            "".join(f"; {ns}: {_grant_text(g)}" for ns, g in sorted(grants.items())),
+        )
+        return cls(tenant, grants)
+
+    def readable(self, ident: Identity) -> frozenset[str] | None:
+        """The namespace ids ``ident`` may read (None: every one; empty: none)."""
+        if ident.namespace in self.tenant:
+            return None
+        ids: frozenset[str] = frozenset()
+        for key in (ident.namespace, ANY_NAMESPACE):
+            if key in self.grants:
+                grant = self.grants[key]
+                if grant is None:
+                    return None
+                ids |= grant
+        return ids
+
+    def refusal(self, method: str, ident: Identity, what: str) -> PermissionDenied:
+        """The PERMISSION_DENIED of ``ident`` reading ``what`` (a namespace id, or its chunks at all)."""
+        granted = self.readable(ident)
+        return PermissionDenied(
+            f"{method}: the caller {ident.uri!r} of namespace {ident.namespace!r} may not read {what}: "
+            f"this agent's chunks belong to tenant {_namespaces(self.tenant) or 'none'} (the namespace "
+            f"of its certificate), and chunk_readers grants namespace {ident.namespace!r} "
+            f"{_grant_text(granted) if granted is not None else 'every namespace id'}"
+        )
+
+    def check(self, method: str, ident: Identity, namespace_id: str) -> None:
+        """PermissionDenied naming the caller and the tenant unless ``ident`` may read ``namespace_id``."""
+        ids = self.readable(ident)
+        if ids is not None and namespace_id not in ids:
+            raise self.refusal(method, ident, f"namespace_id={namespace_id!r}")

@@ -10,18 +10,22 @@ UNAVAILABLE (not counted as rejected: the caller did nothing wrong); anything el
 
 Authorization (mTLS configured; docs/security.md): :data:`POLICY` lets only agent identities call
 the write RPCs (RegisterAgent, Heartbeat, PublishEvents) and every kvgrid identity (agent,
-controller, router) the read RPCs. An agent acts only for its own pod: a per-pod certificate's pod
-UID must equal the request's, and a live pod belongs to the identity that registered it
-(:meth:`~kvgrid.controller.registry.AgentRegistry.check_owner`; the registration checks and records
-it atomically, in the shared registry across replicas), so no other identity can heartbeat it, publish
-for it or take it over with a newer epoch. Without TLS everyone may call everything (logged loudly).
+controller, router) the read RPCs but SnapshotIndex. An agent acts only for its own pod: a per-pod
+certificate's pod UID must equal the request's, and a live pod belongs to the identity that
+registered it (:meth:`~kvgrid.controller.registry.AgentRegistry.check_owner`; the registration
+checks and records it atomically, in the shared registry across replicas), so no other identity can
+heartbeat it, publish for it or take it over with a newer epoch. SnapshotIndex lists one pod's chunk
+keys -- the secret that guards a tenant's KV -- so it answers only the identity that registered the
+pod and controller identities of this controller's own namespace (its operators' tool); another
+agent (another tenant, another per-pod identity) and every router are PERMISSION_DENIED naming the
+caller and the pod's owner. Without TLS everyone may call everything (logged loudly).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +37,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2
-from kvgrid.common.authz import ANY_ROLE, Authorizer, Identity, Policy, Role, caller
+from kvgrid.common.authz import ANY_ROLE, Authorizer, Identity, Policy, Role, caller, certificate_namespaces
 from kvgrid.common.errors import KvgridError, PermissionDenied, Unavailable, within
 from kvgrid.common.rpc import RpcServer, ServerOptions
 from kvgrid.common.tls import AGENT_SERVER_NAME, Channels, ClientTls, server_credentials
@@ -82,7 +86,9 @@ POLICY = Policy(
         "BatchScore": ANY_ROLE,
         "ListAgents": ANY_ROLE,
         "GetStats": ANY_ROLE,
-        "SnapshotIndex": ANY_ROLE,
+        # One pod's chunk keys: to the agent that registered it, or this controller's own namespace's
+        # controller identity (checked by the servicer); never to routers.
+        "SnapshotIndex": frozenset({"agent", "controller"}),
     }
 )
 """ControllerService method -> the roles that may call it over mTLS."""
@@ -126,8 +132,13 @@ class AgentSnapshots:
 class ControllerServicer:
     """One method per RPC of ControllerService: convert, call the core, convert back."""
 
-    def __init__(self, ctl: Controller, tracer: trace.Tracer | None = None) -> None:
+    def __init__(
+        self, ctl: Controller, tracer: trace.Tracer | None = None, own_namespaces: Collection[str] = ()
+    ) -> None:
+        """``own_namespaces``: the namespaces of this controller's certificate identity, whose
+        controller identities may list any pod's keys (SnapshotIndex)."""
         self.ctl = ctl
+        self.own_namespaces = frozenset(own_namespaces)
         self.tracer: trace.Tracer = tracer if tracer is not None else trace.NoOpTracer()
         # A registration's ownership check and the registration itself happen as one step.
         self._register_lock = threading.Lock()
@@ -213,7 +224,36 @@ class ControllerServicer:
                 owned = len(pods)
             yield wire.publish_ack_to_proto(ack)
 
+    def _may_list(self, pod_uid: str) -> None:
+        """PERMISSION_DENIED unless the mTLS caller may list ``pod_uid``'s keys: the identity that
+        registered it, or a controller identity of this controller's own namespace."""
+        ident = caller()
+        if ident is None:
+            return  # TLS off: unauthenticated mode
+        what = f"SnapshotIndex of pod_uid={pod_uid!r}"
+        if ident.role == "controller":
+            if ident.namespace not in self.own_namespaces:
+                raise PermissionDenied(
+                    f"{what}: the caller {ident.uri!r} is a controller of namespace {ident.namespace!r}; "
+                    f"only the pod's own agent identity and controller identities of this controller's "
+                    f"namespace ({', '.join(sorted(self.own_namespaces)) or 'none'}) may list its chunk keys"
+                )
+            return
+        if ident.pod_uid and ident.pod_uid != pod_uid:
+            raise PermissionDenied(
+                f"{what}: the caller {ident.uri!r} (namespace {ident.namespace!r}) proves pod "
+                f"{ident.pod_uid!r}; an agent may list only its own pod's chunk keys"
+            )
+        try:
+            self.ctl.registry.check_owner(pod_uid, ident.uri)
+        except PermissionDenied as e:
+            raise PermissionDenied(
+                f"{what}: the caller {ident.uri!r} (namespace {ident.namespace!r}) may list only the pods "
+                f"it registered: {e}"
+            ) from None
+
     def SnapshotIndex(self, req: controller_pb2.SnapshotIndexRequest) -> controller_pb2.SnapshotIndexResponse:
+        self._may_list(req.pod_uid)
         tier = wire.tier_from_proto(req.tier)
         return wire.snapshot_to_proto(self.ctl.snapshot_index(req.pod_uid, tier))
 
@@ -307,7 +347,9 @@ def serve(
         authorizer=Authorizer.for_settings(POLICY, cfg) if tls is not None else None,
         tracer=tracer,
     )
-    servicer = ControllerServicer(ctl, tracer)
+    servicer = ControllerServicer(
+        ctl, tracer, own_namespaces=certificate_namespaces(cfg)[0] if tls is not None else ()
+    )
     rpc.add_service(_SERVICE, servicer, on_error=servicer.rejected)
     port = rpc.bind(cfg.listen, server_credentials(tls) if tls is not None else None)
     if port == 0:
