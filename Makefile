@@ -16,7 +16,7 @@ VLLM_PURE_DEPS := pyzmq cbor2 packaging psutil urllib3 regex "transformers<5.20,
 	"compressed-tensors==0.17.0" loguru blake3 setproctitle
 export VLLM_TARGET_DEVICE ?= cpu
 
-.PHONY: demo test lint typecheck unit fuzz proto install clean
+.PHONY: demo test lint typecheck unit fuzz chaos proto install clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,13 +55,19 @@ unit: $(STAMP) $(HELM)
 
 test: lint typecheck unit
 
-# Long, randomised budgets (CI runs fixed, short ones): the stateful index tests, and the wire fuzzers
-# against real agent and controller processes (messages per service; about 25 minutes at 100,000).
+# Long, randomised budgets (CI runs fixed, short ones): the stateful index, registry and L1 cache tests,
+# and the wire fuzzers against real agent and controller processes (messages per service; about 25 minutes at 100,000).
 FUZZ_EXAMPLES ?= 2000
 FUZZ_MESSAGES ?= 100000
 fuzz: $(STAMP)
-	KVGRID_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider --timeout=0 tests/controller/test_index_stateful.py
+	KVGRID_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider --timeout=0 tests/controller/test_index_stateful.py \
+		tests/controller/test_registry_stateful.py tests/agent/test_cache_stateful.py
 	KVGRID_FUZZ_MESSAGES=$(FUZZ_MESSAGES) $(PY) -m pytest -q -p no:cacheprovider --timeout=0 tests/fuzz
+
+# Faults at random under the demo's workload, every loaded chunk checked (docs/chaos.md); CI runs a short one.
+CHAOS_FAULTS ?= 1000
+chaos: $(STAMP)
+	$(VENV)/bin/kvgrid chaos --faults $(CHAOS_FAULTS)
 
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py

@@ -16,6 +16,11 @@ from collections.abc import Sequence
 # name -> (module, one-line help). Keep alphabetical.
 COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("kvgrid.agent.cli", "run the per-GPU agent: L1 chunk cache, store/retrieve/lookup, events"),
+    "chaos": (
+        "kvgrid.chaos",
+        "the demo's workload on agents, a controller and Valkey under random faults (kill -9, SIGSTOP, "
+        "cut connections, full or corrupt disk tier, S3 down); every loaded chunk checked bit for bit",
+    ),
     "controller": ("kvgrid.controller.cli", "run the lookup/controller service (gRPC)"),
     "demo": (
         "kvgrid.demo",
