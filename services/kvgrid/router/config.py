@@ -26,7 +26,13 @@ def _d(text: str) -> msgspec.Meta:
 
 
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    host: Annotated[str, _d("HTTP listen address")] = "0.0.0.0"
+    host: Annotated[
+        str,
+        _d(
+            "HTTP listen address: 127.0.0.1 serves this host only (as kvgrid's other services by "
+            "default); 0.0.0.0 serves the network (in a Deployment, behind its Service)"
+        ),
+    ] = "127.0.0.1"
     port: Annotated[int, _d("HTTP listen port (0 = any free port)"), msgspec.Meta(ge=0, le=65535)] = 8080
     controller: Annotated[str, _d("kvgrid controller host:port (gRPC)")] = "127.0.0.1:50061"
     lookup_address: Annotated[
