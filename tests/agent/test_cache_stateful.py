@@ -6,8 +6,8 @@ small :class:`~kvgrid.agent.l1.L1Pool` (eight two-page chunks, LRU, watermarks 0
 :class:`~kvgrid.agent.promotion.Promoter`, through what the agent does with them: stores (reserve,
 fill, commit, abort, partial commit), lookup pins with a TTL on a settable clock, pins turned into
 leases (``take_ready_pins``), references held by readers, pin expiry, ``clear``, spills to the tier
-(the background writer), rescues of chunks still waiting for it, promotions back into L1 (pending
-chunks, cancels, records altered on disk), and checks after every step that:
+(the background writer), rescues of chunks still waiting for it or still being written, promotions
+back into L1 (pending chunks, cancels, records altered on disk), and checks after every step that:
 
 - nothing referenced (a pin, a lease, a reader, a reservation, a promotion) is ever evicted; every
   evict event names an unreferenced chunk, except a failed promotion's own chunks;
@@ -19,6 +19,9 @@ chunks, cancels, records altered on disk), and checks after every step that:
   high watermark or nothing more may go;
 - an evicted chunk no tier holds is spilled, the writer puts it in the tier (L2 enter events), the
   tier stays within its capacity, and what the tier holds is what the L2 events say;
+- pages a spill write reads are never freed nor reused before it ends (a chunk rescued mid-write
+  and evicted again waits for that write again; it is never given up), and every tier record holds
+  the bytes stored under its key with their checksum;
 - every chunk whose bytes are final holds exactly the bytes stored under its (namespace, key), after
   promotion too; a promotion reads the records it was started for in order and stops at the first
   the tier lost or that fails its checksum.
@@ -26,16 +29,19 @@ chunks, cancels, records altered on disk), and checks after every step that:
 Determinism: the tier writer and the promotion reads run on their own threads, so each waits on a
 gate the machine opens (``drain``; ``finish``): spills stay queued between steps (so they may be
 rescued or dropped) and a promotion stays in flight (its chunks pending) until the machine lets it
-read. Time is the cache's injected clock, moved by whole seconds; pin TTLs are whole seconds too,
-so pins sit exactly on their deadline in many runs.
+read. ``hold_write`` lets the writer start one spill and holds it mid-write (before its bytes are
+hashed, or hashed and about to be read) over the steps that follow, until ``finish_write`` or
+``drain``: a write in flight is a state the machine's other rules (rescue, stores, ``clear``) run
+in. Time is the cache's injected clock, moved by whole seconds; pin TTLs are whole seconds too, so
+pins sit exactly on their deadline in many runs.
 
 Budget: fixed and derandomized for CI (about 10 s on 2 cores); the run asserts that it reached
-evictions, l1-full stops, spills written and dropped, tier evictions and a promotion read. Run
-alone it also reaches pin expiries at the deadline, leases, rescues and refused records (printed
-with ``-s``), but which examples the derandomized run generates changes with the other modules
-loaded in the process (the same for a given set of modules), so those are not asserted.
-``KVGRID_FUZZ_EXAMPLES=N`` runs N examples, randomized and shrunk, with ``KVGRID_FUZZ_STEPS`` steps
-each (``make fuzz``).
+evictions, l1-full stops, spills written and dropped, tier evictions, promotion reads and refused
+records, pin expiries, leases, rescues, and writes held mid-write, rescued and evicted again
+(printed with ``-s``). The derandomized run is the same in every process: Hypothesis would
+otherwise draw some integers from constants in the source of whichever modules the process loaded
+(:func:`_without_local_constants`). ``KVGRID_FUZZ_EXAMPLES=N`` runs N examples, randomized and
+shrunk, with ``KVGRID_FUZZ_STEPS`` steps each (``make fuzz``).
 """
 
 from __future__ import annotations
@@ -46,14 +52,21 @@ import shutil
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from opentelemetry import metrics, trace
 
 from kvgrid.agent.cache import ChunkCache, MissCause, StoreReservation
@@ -63,6 +76,7 @@ from kvgrid.agent.promotion import Promoter, Promotion
 from kvgrid.agent.tiers.base import HEADER_BYTES, BlobStore, record_name
 from kvgrid.agent.tiers.disk import DiskBlobStore
 from kvgrid.agent.tiers.tier import Tier, TierChain
+from kvgrid.common.checksum import chunk_checksum
 
 FUZZ = int(os.environ.get("KVGRID_FUZZ_EXAMPLES", "0") or 0)
 FUZZ_STEPS = int(os.environ.get("KVGRID_FUZZ_STEPS", "100") or 100)
@@ -94,22 +108,29 @@ def _payload(ns: str, key: bytes) -> np.ndarray:
 
 
 PAYLOADS = {(ns, k): _payload(ns, k) for ns in NS for k in KEYS}
+CHECKSUMS = {ref: chunk_checksum(p) for ref, p in PAYLOADS.items()}
 
 
 class GatedStore:
     """The disk tier's real store whose reads wait until the machine opens ``gate``; ``reading``
-    is set when a read arrived."""
+    is set when a read arrived. Each write first calls ``before_write`` (the machine holds a spill
+    write there, its bytes hashed but not read yet)."""
 
     def __init__(self, inner: DiskBlobStore) -> None:
         self.inner = inner
         self.kind = inner.kind
         self.gate = threading.Event()
         self.reading = threading.Event()
+        self.before_write: Callable[[str], None] = lambda _name: None
 
     def read_into(self, name: str, header: bytearray, payload: memoryview) -> int:
         self.reading.set()
         self.gate.wait(GATE_S)
         return self.inner.read_into(name, header, payload)
+
+    def write(self, name: str, header: bytes, payload: memoryview) -> None:
+        self.before_write(name)
+        self.inner.write(name, header, payload)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -150,9 +171,19 @@ class CacheMachine(RuleBasedStateMachine):
             clock=lambda: self.now,
             spill=self.chain,
         )
-        self.writer_gate = threading.Event()
-        self.chain.begin = lambda c: self.writer_gate.wait(GATE_S) and self.cache.begin_spill(c)
-        self.chain.end = self.cache.end_spill
+        # The tier writer: spills wait at ``begin`` until the machine lets every one through
+        # (``drain``) or one, which it then holds mid-write (``hold_write``) until ``finish_write``.
+        self.writer = threading.Condition()
+        self.writer_open = False
+        self.hold_at: str | None = None  # let one spill start and hold it: "hash" or "write"
+        self.held: Chunk | None = None  # the spill write in flight (begin_spill said True), held
+        self.held_at = ""
+        self.held_reached = threading.Event()
+        self.held_release = threading.Event()
+        self.held_ended = threading.Event()
+        self.chain.begin = self._begin
+        self.chain.end = self._end
+        self.gated.before_write = self._before_write
         self.chain.on_l2 = self._on_l2
         self.promoter = Promoter(
             self.cache,
@@ -183,6 +214,31 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _on_l2(self, namespace_id: str, keys: Iterable[bytes], entered: bool) -> None:
         self.l2_events.extend((entered, namespace_id, k) for k in keys)
+
+    # ---- the tier writer (its hash and write threads) ------------------------------------------
+    def _begin(self, c: Chunk) -> bool:
+        with self.writer:
+            if not self.writer.wait_for(lambda: self.writer_open or self.hold_at is not None, GATE_S):
+                return False
+            started = self.cache.begin_spill(c)
+            if not started or self.writer_open:
+                return started
+            self.held, self.held_at, self.hold_at = c, self.hold_at or "", None
+        if self.held_at == "hash":  # started, its bytes not hashed yet
+            self.held_reached.set()
+            self.held_release.wait(GATE_S)
+        return True
+
+    def _before_write(self, name: str) -> None:
+        c = self.held
+        if c is not None and self.held_at == "write" and name == record_name(c.namespace_id, c.key):
+            self.held_reached.set()  # hashed, its bytes not read yet
+            self.held_release.wait(GATE_S)
+
+    def _end(self, c: Chunk) -> None:
+        self.cache.end_spill(c)
+        if c is self.held:
+            self.held_ended.set()
 
     # ---- the model's references ------------------------------------------------------------
     def _holds(self) -> Counter[int]:
@@ -254,14 +310,21 @@ class CacheMachine(RuleBasedStateMachine):
                 f"pinned: {any(c in p for p, _ in self.pins.values())})"
             )
             self.seen["evicted"] += 1
-            if spill and ref not in self.l2 and ref not in self.spilling:
+            if c is self.held:
+                # Rescued while its write reads its pages, evicted again (by ``clear`` too): it
+                # waits for that write again, which frees them; never freed, queued or given up.
+                assert ref not in self.spilling
+                self.spilling[ref] = c
+                self.seen["evicted while written"] += 1
+            elif spill and ref not in self.l2 and ref not in self.spilling:
                 self.spilling[ref] = c
         assert not admits, f"expected admits not seen: {[k.hex()[:8] for _, k in admits]}"
         self.events.clear()
-        # Spills given up to make room (only writes the writer has not started: all, while gated).
-        waiting = {(c.namespace_id, c.key) for c in self.cache._spilling.values()}
-        dropped = [r for r in self.spilling if r not in waiting]
+        # Spills given up to make room: only writes the writer has not started.
+        waiting = {id(c) for c in self.cache._spilling.values()}
+        dropped = [r for r, c in self.spilling.items() if id(c) not in waiting]
         for r in dropped:
+            assert self.spilling[r] is not self.held, f"{r[1].hex()[:8]} freed: a write still reads its pages"
             del self.spilling[r]
         self.seen["spill dropped"] += len(dropped)
 
@@ -328,7 +391,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert res.reason.startswith("l1_full"), res.reason
         assert res.stopped_at == len(res.entries)
         assert all(c.refcount > 0 for c in self.cache._chunks.values()), "l1_full with evictable chunks"
-        assert not self.cache._spilling, "l1_full while spills not started could be given up"
+        assert all(c is self.held for c in self.cache._spilling.values()), (
+            "l1_full while spills not started could be given up"
+        )
         assert self.pool.allocator.largest_free_run() < CHUNK_PAGES
         self.seen["l1 full"] += 1
 
@@ -461,11 +526,21 @@ class CacheMachine(RuleBasedStateMachine):
         """Let the writer write every queued spill: each enters the tier, whose least recently used
         records leave to make room."""
         queued = list(self.spilling)
-        self.writer_gate.set()
+        held = self.held
+        if held is not None and (held.namespace_id, held.key) not in self.spilling:
+            queued.append((held.namespace_id, held.key))  # rescued: its write goes on
+        with self.writer:
+            self.writer_open = True
+            self.writer.notify_all()
+        self.held_release.set()
         try:
             assert self.chain.drain(GATE_S), "the tier writer did not finish"
         finally:
-            self.writer_gate.clear()
+            with self.writer:
+                self.writer_open = False
+            self.held, self.held_at = None, ""
+            self.held_release.clear()
+            self.held_ended.clear()
         # Each queued chunk once (a rescued chunk evicted again is written where it was queued first).
         entered = [(ns, k) for e, ns, k in self.l2_events if e]
         assert sorted(entered) == sorted(queued), "the writer wrote other chunks than those queued"
@@ -485,6 +560,59 @@ class CacheMachine(RuleBasedStateMachine):
         self.spilling.clear()
         self._apply_events()
 
+    @precondition(lambda self: self.held is None and self.spilling)
+    @rule(at=st.sampled_from(["hash", "write"]), rescue=st.booleans())
+    def hold_write(self, at: str, rescue: bool) -> None:
+        """Let the writer start one queued spill and hold it mid-write: before its bytes are
+        hashed, or hashed and about to be read; the steps that follow run while it reads the
+        chunk's pages. With ``rescue`` a Lookup then takes it back into the index."""
+        with self.writer:
+            self.hold_at = at
+            self.writer.notify_all()
+        assert self.held_reached.wait(GATE_S), "no queued spill started"
+        self.held_reached.clear()
+        c = self.held
+        assert c is not None and self.spilling.get((c.namespace_id, c.key)) is c, "held an unqueued spill"
+        self._tier_left()  # making room for it (at "write") evicted tier records
+        self.seen[f"write held at {at}"] += 1
+        if rescue:
+            self._rescue(c.namespace_id, [c.key])
+
+    @precondition(lambda self: self.held is not None)
+    @rule()
+    def finish_write(self) -> None:
+        """The held write ends: its record enters the tier with the chunk's bytes (whatever ran
+        meanwhile), and its pages are freed unless it is back in the index."""
+        c = self.held
+        assert c is not None
+        self.held_release.set()
+        try:
+            assert self.held_ended.wait(GATE_S), "the held write did not end"
+        finally:
+            self.held, self.held_at = None, ""
+            self.held_release.clear()
+            self.held_ended.clear()
+        ref = (c.namespace_id, c.key)
+        assert self.l2_events[-1:] == [(True, *ref)], f"the held write did not enter: {self.l2_events}"
+        self.l2_events.pop()
+        self._tier_left()
+        assert ref not in self.l2
+        self.l2.add(ref)
+        self.corrupt.discard(ref)
+        if self.spilling.get(ref) is c:
+            del self.spilling[ref]
+        self.seen["spill written"] += 1
+        self._apply_events()
+
+    def _tier_left(self) -> None:
+        """Records the writer evicted from the tier to make room."""
+        for entered, ns, k in self.l2_events:
+            assert not entered and (ns, k) in self.l2, f"{k.hex()[:8]} left the tier without being in it"
+            self.l2.discard((ns, k))
+            self.corrupt.discard((ns, k))
+            self.seen["tier evicted"] += 1
+        self.l2_events.clear()
+
     @rule(data=st.data(), ns=NAMESPACE, n=st.integers(1, 6))
     def rescue(self, data: st.DataObject, ns: str, n: int) -> None:
         """A Lookup's walk reaches chunks still waiting for the writer: they come back into the
@@ -503,6 +631,7 @@ class CacheMachine(RuleBasedStateMachine):
             del self.spilling[r]
         self._apply_events(admits=back)
         self.seen["rescued"] += len(back)
+        self.seen["rescued while written"] += sum(1 for c in back.values() if c is self.held)
         return len(back)
 
     @rule(data=st.data())
@@ -661,15 +790,29 @@ class CacheMachine(RuleBasedStateMachine):
         for (ns, k), c in self.present.items():
             if _ready(c):
                 assert np.array_equal(c.buffer.numpy(), PAYLOADS[(ns, k)]), f"bytes of {k.hex()[:8]} in L1"
+        # Pages waiting for the writer (or read by it) still hold the chunk's bytes.
+        for (ns, k), c in self.spilling.items():
+            assert np.array_equal(c.buffer.numpy(), PAYLOADS[(ns, k)]), f"bytes of {k.hex()[:8]} spilling"
 
     @invariant()
     def tier_matches_the_model(self) -> None:
         held = {(ns, k) for ns, ks in self.chain.l2_keys().items() for k in ks}
         assert held == self.l2, f"tier {len(held)} records, model {len(self.l2)}"
         assert self.tier.used_bytes == len(self.l2) * (HEADER_BYTES + NBYTES) <= self.tier.capacity_bytes
+        # Every record holds the bytes stored under its key and their checksum (unless altered on
+        # disk since): a write never read pages that were reused meanwhile.
+        for ref in sorted(self.l2 - self.corrupt):
+            entry = self.tier.entry(*ref)
+            assert entry is not None and entry.checksum == CHECKSUMS[ref], f"checksum of {ref[1].hex()[:8]}"
+            with open(self.disk._path(record_name(*ref)), "rb") as f:
+                f.seek(HEADER_BYTES)
+                assert f.read() == PAYLOADS[ref].tobytes(), f"record of {ref[1].hex()[:8]}: other bytes"
 
     def teardown(self) -> None:
-        self.writer_gate.set()
+        with self.writer:
+            self.writer_open = True
+            self.writer.notify_all()
+        self.held_release.set()
         self.gated.gate.set()
         self.promoter.close()
         self.chain.close()
@@ -677,12 +820,34 @@ class CacheMachine(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def test_cache_matches_the_model() -> None:
+def _without_local_constants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the derandomized run the same in every process: Hypothesis draws some integers from
+    constants it finds in the source of the non-test modules loaded in the process (here:
+    whichever ``kvgrid`` modules the other collected test files imported), and its swarm testing
+    draws each rule's chance of being left out of an example as such an integer (0-254), so which
+    examples the fixed run generated depended on the other modules loaded. Hash randomisation
+    plays no part (same run under any PYTHONHASHSEED). Private API: without it, no change."""
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+    except ImportError:
+        return
+    cache = getattr(providers, "CONSTANTS_CACHE", None)
+    if not hasattr(providers, "_get_local_constants") or not hasattr(cache, "_threadlocal"):
+        return
+    monkeypatch.setattr(providers, "_get_local_constants", Constants)  # an empty pool
+    # The constants each kind of draw may take, computed from the pool: empty for this test, and
+    # the process's cache back after it.
+    monkeypatch.setattr(providers.CONSTANTS_CACHE, "_threadlocal", threading.local())
+
+
+def test_cache_matches_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: Counter[str] = Counter()
     if FUZZ:
         opts = settings(max_examples=FUZZ, stateful_step_count=FUZZ_STEPS, derandomize=False)
     else:
-        opts = settings(max_examples=60, stateful_step_count=40, derandomize=True)
+        opts = settings(max_examples=80, stateful_step_count=60, derandomize=True)
+        _without_local_constants(monkeypatch)
     run_state_machine_as_test(
         lambda: CacheMachine(seen),
         settings=settings(
@@ -695,14 +860,21 @@ def test_cache_matches_the_model() -> None:
     )
     print(dict(sorted(seen.items())))
     if not FUZZ:  # the fixed run reaches what it is meant to (a guard against a weakened budget)
-        # What the run reaches depends on the process it runs in (see the module docstring): these
-        # floors hold whichever other test modules are loaded; alone it reaches far more.
+        # The same run in every process (see the module docstring); about half what it reaches.
         for what, least in {
-            "evicted": 150,
-            "l1 full": 1,
-            "spill written": 50,
-            "spill dropped": 20,
-            "tier evicted": 2,
-            "promotion ok": 1,
+            "evicted": 300,
+            "l1 full": 20,
+            "spill written": 100,
+            "spill dropped": 50,
+            "tier evicted": 20,
+            "promotion ok": 4,
+            "promotion refused": 8,
+            "pin expired": 15,
+            "leased": 40,
+            "rescued": 40,
+            "write held at hash": 6,
+            "write held at write": 2,
+            "rescued while written": 10,
+            "evicted while written": 8,
         }.items():
             assert seen[what] >= least, (what, dict(seen))

@@ -298,6 +298,58 @@ def test_a_chunk_waiting_for_the_writer_is_rescued_without_io(tmp_path: Path) ->
     assert cache.contains(key(0), namespace_id=NS_A) and cache.contains(key(1), namespace_id=NS_A)
 
 
+@pytest.mark.parametrize("evicted_by", ["clear", "store"])
+def test_pages_a_spill_write_reads_are_never_reused(tmp_path: Path, evicted_by: str) -> None:
+    """A chunk rescued while its spill write is in flight, then evicted again (freed by ``clear``,
+    or queued again and given up under allocation pressure), keeps its pages until that write
+    ends: the record on disk holds the chunk's bytes and its checksum, never a later store's."""
+    cache, chain = make_spilling_cache(tmp_path, pages=8)
+    writing, write_gate, others = threading.Event(), threading.Event(), threading.Event()
+    begun: list[Chunk] = []
+    begin, disk = chain.begin, chain.tiers[0].store
+    write = disk.write
+
+    def begin_only_key0(c: Chunk) -> bool:  # every other spill waits, unstarted (droppable)
+        if c.key != key(0) and not others.wait(30):
+            return False
+        started = begin(c)
+        if started and c.key == key(0):
+            begun.append(c)
+        return started
+
+    def held_write(name: str, header: bytes, data: memoryview) -> None:
+        if name == record_name(NS_A, key(0)):
+            writing.set()  # hashed already: the checksum is of the chunk's bytes
+            assert write_gate.wait(30)
+        write(name, header, data)
+
+    chain.begin = begin_only_key0
+    disk.write = held_write  # type: ignore[method-assign]
+    try:
+        fill_store(cache, [key(i) for i in range(6)], fill=1)
+        fill_store(cache, [key(100)], fill=2)  # over the high watermark: keys 0.. go to the writer
+        assert writing.wait(30), "the write of key 0 never started"
+        (c0,) = begun
+        assert cache.rescue_spilling([key(0)], "L", namespace_id=NS_A) == 1
+        if evicted_by == "clear":
+            assert cache.clear() >= 1 and not cache.contains(key(0), namespace_id=NS_A)
+        # New stores take every page they can get (evicting, spilling and giving up spills).
+        for i in range(12):
+            fill_store(cache, [key(200 + i)], fill=3)
+        assert not cache.contains(key(0), namespace_id=NS_A)
+        assert (c0.buffer.numpy() == 1).all(), "the pages the writer is reading were reused"
+    finally:
+        write_gate.set()
+        others.set()
+        assert chain.drain()
+        chain.close()
+    out = np.zeros(PAGE, np.uint8)
+    assert chain.read_into(NS_A, key(0), "L", out) is not None and (out == 1).all()
+    assert chain.tiers[0].stats().checksum_mismatches == 0
+    s = cache.stats()
+    assert s.spilling_chunks == 0 and cache.pool.used_bytes == s.num_chunks * PAGE
+
+
 # ---- S3 specifics ------------------------------------------------------------------------------
 
 

@@ -13,7 +13,17 @@ the index at once (an evict event, invisible to readers) but keeps its pages unt
 writer has written it (``begin_spill``/``end_spill``); eviction counts those pages as free to
 come, so it does not evict more to make up for them. When a store or fetch cannot allocate, spills
 the writer has not started are given up first (``dropped_spills``): the request path never waits
-for a disk or the network.
+for a disk or the network. A Lookup may take a chunk back from the writer (``rescue_spilling``):
+its pages still hold the bytes, so it returns to the index without I/O.
+
+Invariant (spill reads): a chunk's pages are freed, and so may be reused, only when nothing reads
+them: it is out of the index, unreferenced, and no spill write is reading them. A write reads them
+from the ``begin_spill`` that let it start until its ``end_spill`` (``_spill_reads``, by chunk
+object, not by key); a rescue does not end it. So a rescued chunk evicted again while its write is
+in flight is neither freed (``clear``, an eviction for a fragmented pool, a tier already holding
+the key) nor queued again nor given up: it goes back to waiting for that write, whose
+``end_spill`` frees its pages. A later store never overwrites bytes a tier write is still reading
+(which would put a record on disk whose bytes do not match the checksum hashed from them).
 
 Pending chunks (asynchronous promotion from a lower tier, ``kvgrid.agent.promotion``): a chunk may
 be committed before its bytes are read (``Chunk.ready`` unset), referenced by its promotion so
@@ -175,7 +185,8 @@ class ChunkCache:
         self.allocation_failures = 0
         self.spill = spill
         self._spilling: dict[bytes, Chunk] = {}  # by index key: out of the index, pages held
-        self._spill_started: set[bytes] = set()
+        # id(chunk) -> chunk, from begin_spill to end_spill: a write reads its pages (never freed).
+        self._spill_reads: dict[int, Chunk] = {}
         self._spilling_bytes = 0
         self.dropped_spills = 0
 
@@ -396,7 +407,13 @@ class ChunkCache:
                 continue
             del self._chunks[ikey]
             self.policy.on_remove(ikey)
-            if (
+            if id(chunk) in self._spill_reads:
+                # Rescued while its write was in flight and evicted again: it waits for that
+                # write again (which frees its pages), whatever ``spill`` says; not queued twice.
+                assert ikey not in self._spilling, "two chunks of one key wait for the writer"
+                self._spilling[ikey] = chunk
+                self._spilling_bytes += chunk.num_pages * self.pool.page_bytes
+            elif (
                 spill
                 and self.spill is not None
                 and ikey not in self._spilling  # an older copy of the same bytes is on its way
@@ -436,8 +453,10 @@ class ChunkCache:
 
     def _drop_spills_locked(self, pages: int) -> None:
         """Give up queued spills (newest first: the writer takes the oldest next) until a run of
-        ``pages`` pages is free."""
-        for ikey in [k for k in reversed(self._spilling) if k not in self._spill_started]:
+        ``pages`` pages is free. A spill the writer has started is never given up: it reads the
+        pages until its ``end_spill``."""
+        reads = self._spill_reads
+        for ikey in [k for k, c in reversed(self._spilling.items()) if id(c) not in reads]:
             if self.pool.allocator.largest_free_run() >= pages:
                 return
             chunk = self._spilling.pop(ikey)
@@ -447,8 +466,10 @@ class ChunkCache:
 
     def rescue_spilling(self, keys: Sequence[bytes], layout_id: str, *, namespace_id: str) -> int:
         """Put the leading ``keys`` that were evicted but still wait for the tier writer back into
-        the index (their pages still hold the bytes; no I/O). Returns how many came back. The
-        writer may still write them: harmless, its ``end_spill`` then leaves the pages alone."""
+        the index (their pages still hold the bytes; no I/O). Returns how many came back. A write
+        already started goes on (it still reads the pages: they stay in ``_spill_reads``, so no
+        eviction frees them before its ``end_spill``, which then leaves them to the index); a
+        write not started yet is skipped (``begin_spill`` says False)."""
         admitted: list[bytes] = []
         with self._lock:
             for key in keys:
@@ -457,7 +478,6 @@ class ChunkCache:
                 if chunk is None or chunk.layout_id != layout_id or ikey in self._chunks:
                     break
                 del self._spilling[ikey]
-                self._spill_started.discard(ikey)
                 self._spilling_bytes -= chunk.num_pages * self.pool.page_bytes
                 self._chunks[ikey] = chunk
                 self.policy.on_insert(ikey)
@@ -467,21 +487,25 @@ class ChunkCache:
         return len(admitted)
 
     def begin_spill(self, chunk: Chunk) -> bool:
-        """The writer is about to read ``chunk``'s pages; False if the cache took them back."""
+        """The writer is about to read ``chunk``'s pages; False if the cache took them back, or if
+        another write of this chunk is still reading them (it was queued twice: rescued before its
+        write started, then evicted again; one write of the same bytes is enough). From True until
+        :meth:`end_spill` the pages are never freed."""
         ikey = _index_key(chunk.namespace_id, chunk.key)
         with self._lock:
-            if self._spilling.get(ikey) is not chunk:
+            if self._spilling.get(ikey) is not chunk or id(chunk) in self._spill_reads:
                 return False
-            self._spill_started.add(ikey)
+            self._spill_reads[id(chunk)] = chunk
             return True
 
     def end_spill(self, chunk: Chunk) -> None:
-        """The writer is done with ``chunk`` (written or failed): free its pages."""
+        """The writer is done with ``chunk`` (written or failed; after a :meth:`begin_spill` that
+        said True): free its pages, unless a rescue put it back into the index."""
         ikey = _index_key(chunk.namespace_id, chunk.key)
         with self._lock:
+            self._spill_reads.pop(id(chunk), None)
             if self._spilling.get(ikey) is chunk:
                 del self._spilling[ikey]
-                self._spill_started.discard(ikey)
                 self._spilling_bytes -= chunk.num_pages * self.pool.page_bytes
                 self.pool.free(chunk.start_page, chunk.num_pages)
 
