@@ -61,7 +61,8 @@ FUZZ_EXAMPLES ?= 2000
 FUZZ_MESSAGES ?= 100000
 fuzz: $(STAMP)
 	KVGRID_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider --timeout=0 tests/controller/test_index_stateful.py \
-		tests/controller/test_registry_stateful.py tests/agent/test_cache_stateful.py
+		tests/controller/test_registry_stateful.py tests/agent/test_cache_stateful.py \
+		tests/connector/test_scheduler_stateful.py
 	KVGRID_FUZZ_MESSAGES=$(FUZZ_MESSAGES) $(PY) -m pytest -q -p no:cacheprovider --timeout=0 tests/fuzz
 
 # Faults at random under the demo's workload, every loaded chunk checked (docs/chaos.md); CI runs a short one.
