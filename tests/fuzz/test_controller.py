@@ -46,7 +46,11 @@ def check_controller(ctl: ControllerProc) -> None:
             if m and m[0].l1_chunks == len(keys):
                 return
             if time.monotonic() > deadline:
-                raise AssertionError(f"the live agent's admitted chunks never showed up: {m}")
+                stats = ctl.stub.GetStats(controller_pb2.GetStatsRequest(), timeout=10)
+                raise AssertionError(
+                    f"the live agent's admitted chunks never showed up: {m}; acked {ctl.pod.acked} of "
+                    f"{ctl.pod.seq} events; controller stats {stats}; its log ends:\n{log_tail(ctl.log)}"
+                )
             time.sleep(0.02)
     except grpc.RpcError as e:
         raise AssertionError(

@@ -170,10 +170,33 @@ class DataPlaneFuzzer:
                 self.connection(t)
         finally:
             t.call.cancel()  # type: ignore[attr-defined]
-        if rng.random() < 0.2:  # the ticket died with its stream: a replay of it is refused
-            time.sleep(0.01)
+        if rng.random() < 0.2:  # the ticket dies with its stream: a replay of it is refused
             free = next((s for s in range(t.streams) if s not in t.claimed), 0)
-            self.expect_refused(t.port, HELLO.pack(MAGIC, t.secret, free), "hello of a retired ticket")
+            self.expect_retired(t, HELLO.pack(MAGIC, t.secret, free))
+
+    def expect_retired(self, t: Ticket, data: bytes, within_s: float = 2.0) -> None:
+        """The agent learns of the cancel asynchronously: until it has, the ticket is still live and a
+        hello may get its chunks; within ``within_s`` the same hello must be refused."""
+        end = time.monotonic() + within_s
+        while True:
+            sock = self.send(t.port, data)
+            try:
+                got = read_all(sock)
+            except TimeoutError:
+                self.oracle.fail(
+                    "data", "hello", f"not closed in {TIMEOUT_S} s (hang)", data, "retired ticket"
+                )
+                return
+            finally:
+                sock.close()
+            if not got:
+                self.oracle.check("data", "hello", grpc.StatusCode.OK, "", data, "hello of a retired ticket")
+                return
+            if time.monotonic() > end:
+                why = f"a ticket cancelled {within_s} s ago still served {len(got)} bytes"
+                self.oracle.fail("data", "hello", why, data, "hello of a retired ticket")
+                return
+            time.sleep(0.05)
 
     def connection(self, t: Ticket) -> None:
         rng = self.rng
