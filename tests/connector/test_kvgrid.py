@@ -421,7 +421,7 @@ def test_store_then_prefix_hit_loads_bit_exact(engine: Engine, agent: AgentProc)
     assert out.num_scheduled_tokens == {"C": 64}
 
 
-def test_async_store_returns_at_once_and_lands_before_the_freed_blocks_are_written(
+def test_async_store_returns_at_once_and_vllm_keeps_the_blocks_until_it_landed(
     agent: AgentProc, model_config: ModelConfig, tmp_path: Path
 ) -> None:
     engine = make_engine(agent, model_config, tmp_path, async_store=True)
@@ -436,19 +436,22 @@ def test_async_store_returns_at_once_and_lands_before_the_freed_blocks_are_writt
     instance = engine.connector.identity.instance_id
     with AgentClient(agent.uds_path) as client:
         assert client.lookup(instance, "", chunk_keys(a_prompt, ns)).num_hit_chunks == 0
-        assert engine.scheduler.requests.get("A") is None  # A finished: vLLM freed its blocks
+        held = engine.scheduler.requests.get("A")
+        assert held is not None and held.is_finished()  # A finished: vLLM keeps its blocks
 
-        # The next step names A once; handle_preemptions waits for A's store before the step
-        # writes any block (the gate opens later, from another thread).
-        threading.Timer(0.3, gate.set).start()
+        # The next step names A once in ``sending`` and does not wait for its store: A stays held.
         engine.add("B", prompt(100, seed=9))
         out, _ = engine.step()
         meta = out.kv_connector_metadata
-        assert isinstance(meta, KVGridConnectorMetadata) and meta.flush_stores == ["A"]
+        assert isinstance(meta, KVGridConnectorMetadata) and meta.sending == ["A"] and not meta.flush_stores
+        assert engine.scheduler.requests.get("A") is not None
+        gate.set()
+        worker.flush_stores()
+        out, _ = engine.step()  # reports A sent: vLLM frees its blocks now
+        assert engine.scheduler.requests.get("A") is None
         assert client.lookup(instance, "", chunk_keys(a_prompt, ns)).num_hit_chunks == 3
-        out, _ = engine.step()
         assert isinstance(out.kv_connector_metadata, KVGridConnectorMetadata)
-        assert out.kv_connector_metadata.flush_stores == ["B"]  # B had a store; A is not named again
+        assert out.kv_connector_metadata.sending == ["B"]  # B had a store; A is not named again
 
     # What landed is A's KV as the forward wrote it: load it into C, bit for bit.
     def before_load(o: SchedulerOutput) -> None:

@@ -257,9 +257,9 @@ class KVGridConnector(KVConnectorBase_V1, SupportsHMA):
         return sent or None, finished or None
 
     def _transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVGridConnectorMetadata)
-        return self.worker.transfer_results(meta.sending)
+        # vLLM asks with the step's metadata bound; a caller between steps has none (nothing sent).
+        meta = getattr(self, "_connector_metadata", None)
+        return self.worker.transfer_results(meta.sending if isinstance(meta, KVGridConnectorMetadata) else ())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
