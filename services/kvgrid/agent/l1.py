@@ -44,12 +44,11 @@ log = logging.getLogger(__name__)
 POOL_FILE_PREFIX = "kvgrid-l1-"
 
 
-def host_register(t: torch.Tensor, *, read_only: bool = False) -> bool:
+def host_register(t: torch.Tensor) -> bool:
     """Page-lock ``t``'s memory for this process's CUDA context (``cudaHostRegister``); False (and
     a warning) when that fails -- copies still work, from pageable memory, slower."""
-    flags = 8 if read_only else 0  # cudaHostRegisterReadOnly: the device only reads it
     try:
-        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), flags)
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
         if int(rc) == 0:
             return True
         log.warning("cudaHostRegister of %d bytes returned %s; stays pageable", t.numel(), rc)

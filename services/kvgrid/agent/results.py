@@ -29,6 +29,12 @@ class StoreResult(msgspec.Struct, frozen=True):
     bytes_moved: int
     partial_reason: str = ""
     """Why fewer chunks than asked are held (empty when all are)."""
+    store_id: int = 0
+    """engine_copies, reserving: the store a second Store finishes (0: nothing to copy, final)."""
+    copy_chunk_indices: list[int] = []
+    """engine_copies, reserving: the chunks the engine copies (indices into the keys) ..."""
+    chunk_offsets: list[int] = []
+    """... and where each goes in the shared L1 file."""
 
 
 class RetrieveResult(msgspec.Struct, frozen=True):

@@ -189,12 +189,18 @@ class AgentServicer:
             [list(b.ids) for b in req.block_ids],
             req.skip_first_n_chunks,
             after_fence=req.after_fence,
+            engine_copies=req.engine_copies,
+            store_id=req.store_id,
+            copy_failed=req.copy_failed,
         )
         return agent_pb2.StoreResponse(
             num_stored_chunks=r.num_stored_chunks,
             num_already_present=r.num_already_present,
             bytes_moved=r.bytes_moved,
             partial_reason=r.partial_reason,
+            store_id=r.store_id,
+            copy_chunk_indices=r.copy_chunk_indices,
+            chunk_offsets=r.chunk_offsets,
         )
 
     def Release(self, req: agent_pb2.ReleaseRequest) -> agent_pb2.ReleaseResponse:
@@ -373,6 +379,7 @@ class AgentServer:
                 handshake_timeout_s=cfg.peer_data_handshake_timeout_ms / 1000,
                 idle_timeout_s=cfg.peer_data_idle_timeout_ms / 1000,
                 max_unauthenticated=cfg.peer_data_max_unauthenticated,
+                security=cfg.peer_data_security,
             ).start()
         servicer = AgentServicer(self.core, self.events, self.data_plane)
         self.tcp_servicer = AgentServicer(self.core, self.events, self.data_plane, self.tcp_guard)

@@ -113,9 +113,9 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     engine_copies: Annotated[
         bool | None,
         _d(
-            "Loads run the transfer kernels in the engine's own process and CUDA context, reading the "
-            "agent's L1 through its shared file (agent option l1_shared_dir): the engine's compute "
-            "loses 1-2 % to a transfer instead of 17-22 % from the agent's context. Unset: on for CUDA "
+            "Loads and stores run the transfer kernels in the engine's own process and CUDA context, "
+            "over the agent's L1 through its shared file (agent option l1_shared_dir): the engine's "
+            "compute loses 1-2 % to a transfer instead of 17-22 % from the agent's context. Unset: on for CUDA "
             "engines whose agent shares its L1; a CPU engine copies itself only when set to true"
         ),
     ] = None
@@ -149,7 +149,8 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     ] = 1.0
 
     def engine_copies_on(self, cuda: bool) -> bool:
-        """Whether the workers copy loads themselves: ``engine_copies``, or when unset, on CUDA."""
+        """Whether the workers copy loads and stores themselves: ``engine_copies``, or when unset,
+        on CUDA."""
         return cuda if self.engine_copies is None else self.engine_copies
 
     def async_store_on(self, cuda: bool) -> bool:

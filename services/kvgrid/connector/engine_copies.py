@@ -1,4 +1,5 @@
-"""Loads copied by the engine itself, over the agent's shared L1 (connector option ``engine_copies``).
+"""Loads and stores copied by the engine itself, over the agent's shared L1 (connector option
+``engine_copies``).
 
 Why: the agent's kernels run in another CUDA context, which the GPU time-slices with the engine's;
 a 1 GiB transfer from there cost the engine's compute 17-22 % and moved at 29-31 GB/s, while the
@@ -25,10 +26,17 @@ stage's event on the engine's stream, and the step's end (or a layer no stage na
 stage's. On CPU (no DMA engine to overlap with) a stage is copied by the engine's thread when its
 first layer asks for it.
 
+Stores (:meth:`EngineCopier.gather`, on the worker's saver thread): a Store with ``engine_copies``
+reserves the new chunks' pages in the agent and answers their offsets; the worker gathers its blocks
+there after the engine's fence and, once the bytes are in L1, a second Store makes them visible (a
+failed copy drops them). The engine's stream never waits for a store: the agent's context would
+time-slice with the engine's compute (the same 17-22 % as a load), its own streams cost ~1-2 %.
+
 Invariants: a leased chunk is referenced in the agent, so it is neither evicted nor rewritten while
-the engine reads it; the worker's mover and the agent's agree on the chunk layout (same
-``layout_id``, checked at registration, else the worker falls back to agent-side loads). The
-mapping is page-locked for the engine's context (``cudaHostRegister``, read-only: loads only read L1).
+the engine reads it; a reserved chunk is invisible to every reader until its store finishes; the
+worker's mover and the agent's agree on the chunk layout (same ``layout_id``, checked at
+registration, else the worker falls back to agent-side copies). The mapping is page-locked for the
+engine's context (``cudaHostRegister``).
 """
 
 from __future__ import annotations
@@ -489,16 +497,41 @@ class EngineCopier:
             return
         self._release_when_landed(handle, release)
 
-    def _chunk_ids(
-        self, offsets: Sequence[int], block_ids: Sequence[Sequence[int]], skip_first_n_tokens: int
-    ) -> list[list[np.ndarray]]:
-        """Per kernel group, each leased chunk's block ids -- once the agent's chunk offsets are
-        known to lie inside the mapped file (the staged path copies by raw pointer): ValueError
-        otherwise, and the load is reported failed."""
+    def gather(
+        self,
+        offsets: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        chunks: Sequence[int],
+        *,
+        fence: torch.cuda.Event | None,
+    ) -> None:
+        """Copy the engine's blocks of chunk ``chunks[j]`` (indices into the request's chunks;
+        ``block_ids`` one list per engine group from token 0) into the reserved L1 room at
+        ``offsets[j]``, after ``fence`` on the GPU; return once the bytes are in L1."""
+        self._check_offsets(offsets)
+        if not chunks:
+            return
+        ids = chunk_block_ids(self.mover, self.groups, block_ids, range(max(chunks) + 1))
+        n = self.mover.bytes_per_chunk
+        self.mover.store(
+            [self.pool[o : o + n] for o in offsets],
+            [[per_chunk[i] for i in chunks] for per_chunk in ids],
+            wait_event=fence,
+        )
+
+    def _check_offsets(self, offsets: Sequence[int]) -> None:
+        """The agent's chunk offsets lie inside the mapped file (copies may go by raw pointer):
+        ValueError otherwise, and the copy is reported failed."""
         n, size = self.mover.bytes_per_chunk, self.pool.numel()
         for o in offsets:
             if o < 0 or o + n > size:
                 raise ValueError(f"chunk offset {o}: expected 0 <= offset <= {size - n} in {self.l1_file!r}")
+
+    def _chunk_ids(
+        self, offsets: Sequence[int], block_ids: Sequence[Sequence[int]], skip_first_n_tokens: int
+    ) -> list[list[np.ndarray]]:
+        """Per kernel group, each leased chunk's block ids, once the offsets are checked."""
+        self._check_offsets(offsets)
         chunks = range(len(offsets))
         return chunk_block_ids(
             self.mover, self.groups, block_ids, chunks, skip_first_n_tokens, allow_holes=True
@@ -590,7 +623,7 @@ class _Mappings:
                 self._by_file[path] = (held[0], held[1] + 1)
                 return held[0], True
             pool = map_shared_pool(path, nbytes)
-            if not host_register(pool, read_only=True):
+            if not host_register(pool):  # writable: stores gather into it
                 return pool, False
             self._by_file[path] = (pool, 1)
             return pool, True

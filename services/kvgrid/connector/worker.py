@@ -36,8 +36,9 @@ Engine-side copies (``engine_copies``)
     CUDA context (:mod:`kvgrid.connector.engine_copies`): the chunks are leased to the request -- by
     the scheduler's Lookup with ``lease_at_lookup`` (the load order carries it), else by a Retrieve
     here -- the worker queues the scatter from their offsets after the fence and records the
-    load-done event after it, and Release ends the lease once the bytes landed. Stores still go
-    through the agent. Layer-wise loads are copied in ``layerwise_stages`` stages of consecutive
+    load-done event after it, and Release ends the lease once the bytes landed. Stores too: the
+    agent reserves the new chunks' room, the saver thread gathers into it after the fence, and a
+    second Store makes them visible (a failed copy drops them). Layer-wise loads are copied in ``layerwise_stages`` stages of consecutive
     layers, each layer waiting only for its own stage (on the GPU, on a per-stage event; no
     load-done record, the step's end waits for every stage): loading stage s+1 overlaps the compute
     of stage s, and the request costs one Release (and a Retrieve only when its Lookup could not
@@ -71,11 +72,12 @@ import grpc
 import torch
 
 from kvgrid.agent.client import AgentClient
+from kvgrid.agent.results import StoreResult
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.connector.chunk_policy import NULL_BLOCK_ID, failed_block_ids
 from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
 from kvgrid.connector.engine_copies import EngineCopier, StagedLoad, open_engine_copier
-from kvgrid.connector.metadata import KVGridConnectorMetadata, Lease, LoadOrder
+from kvgrid.connector.metadata import KVGridConnectorMetadata, Lease, LoadOrder, StoreOrder
 from kvgrid.connector.scheduler import end_lease, rpc_text
 from kvgrid.connector.shm import shared_memory_file
 from kvgrid.connector.tracing import agent_call_span
@@ -136,6 +138,8 @@ class WorkerStats:
     """Finished requests reported in ``finished_sending`` (vLLM held their blocks for their stores)."""
     chunks_engine_copied: int = 0
     """Chunks loaded by the engine's own kernels over the agent's shared L1 (engine_copies)."""
+    chunks_engine_stored: int = 0
+    """Chunks the engine's own kernels gathered into the agent's shared L1 (engine_copies)."""
     loads_staged: int = 0
     """Layer-wise engine-side loads copied stage by stage (each layer waited for its own stage)."""
 
@@ -573,15 +577,19 @@ class ConnectorWorker:
             self.stats.stores_skipped += len(meta.stores)
             return
         for order in meta.stores:
+            copier = self._copier
             try:
                 with agent_call_span("kvgrid.connector.store", order.request_id):
-                    res = self.agent.store(
-                        self.identity.instance_id,
-                        self._my_keys(order.keys),
-                        agent_block_ids(order.block_ids),
-                        skip_first_n_chunks=order.skip_first_n_chunks,
-                        after_fence=self._fence is not None,
-                    )
+                    if copier is not None:
+                        res = self._store_here(order, copier)
+                    else:
+                        res = self.agent.store(
+                            self.identity.instance_id,
+                            self._my_keys(order.keys),
+                            agent_block_ids(order.block_ids),
+                            skip_first_n_chunks=order.skip_first_n_chunks,
+                            after_fence=self._fence is not None,
+                        )
             except grpc.RpcError as e:
                 self._note_failure("store", order.request_id, e)
                 continue
@@ -595,6 +603,28 @@ class ConnectorWorker:
                     res.num_stored_chunks,
                     res.partial_reason,
                 )
+
+    def _store_here(self, order: StoreOrder, copier: EngineCopier) -> StoreResult:
+        """A store the engine copies itself (module docstring): reserve in the agent, gather into
+        the reserved room, finish the store (or drop it when the copy failed)."""
+        iid = self.identity.instance_id
+        block_ids = agent_block_ids(order.block_ids)
+        res = self.agent.store(
+            iid,
+            self._my_keys(order.keys),
+            block_ids,
+            skip_first_n_chunks=order.skip_first_n_chunks,
+            engine_copies=True,
+        )
+        if not res.store_id:
+            return res  # nothing new to copy: final
+        try:
+            copier.gather(res.chunk_offsets, block_ids, res.copy_chunk_indices, fence=self._fence)
+        except Exception as e:  # a bad offset or a CUDA error: nothing of it may become visible
+            log.warning("kvgrid engine-side store for request %s failed: %s", order.request_id, e)
+            return self.agent.finish_store(iid, res.store_id, copy_failed=True)
+        self.stats.chunks_engine_stored += len(res.copy_chunk_indices)
+        return self.agent.finish_store(iid, res.store_id)
 
     def _fence_engine_stream(self) -> None:
         """Mark the work queued so far on the engine's stream (zeroing, the forward's KV writes):

@@ -13,7 +13,7 @@ that sampled it returned. Configurations:
 * ``kvgrid``: vLLM (prefix cache on) + ``KVGridConnector`` with its defaults and an agent whose L1
   is what the Helm chart gives one GPU (8 GiB);
 * ``kvgrid-engine-copies``: the same with the agent's L1 shared with the engine, which copies its
-  loads itself (the chart's ``l1Shared``);
+  loads and stores itself (the chart's ``l1Shared``);
 * ``kvgrid-lookup-only``: the connector that never stores (``kv_role: kv_consumer``): what its
   lookups and calls cost a request without the stores.
 

@@ -541,11 +541,24 @@ class StoreRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     SKIP_FIRST_N_CHUNKS_FIELD_NUMBER: _builtins.int
     AFTER_FENCE_FIELD_NUMBER: _builtins.int
+    ENGINE_COPIES_FIELD_NUMBER: _builtins.int
+    STORE_ID_FIELD_NUMBER: _builtins.int
+    COPY_FAILED_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     skip_first_n_chunks: _builtins.int
     """Chunks the engine knows are stored already (not copied again)."""
     after_fence: _builtins.bool
     """Read only after the engine's fence event (RegisterKVCachesRequest.fence_event) as last recorded."""
+    engine_copies: _builtins.bool
+    """Engine-side copies over the shared L1 (an agent started with l1_shared_dir): reserve room for
+    the new chunks and answer where they go (StoreResponse.copy_chunk_indices, chunk_offsets,
+    store_id); the agent copies nothing, and nothing is visible until a second Store names store_id.
+    """
+    store_id: _builtins.int
+    """Finish the engine_copies store with this id: its chunks become visible (with copy_failed: they
+    are dropped). Only instance_id is read besides.
+    """
+    copy_failed: _builtins.bool
     @_builtins.property
     def chunk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     @_builtins.property
@@ -558,10 +571,13 @@ class StoreRequest(_message.Message):
         block_ids: _abc.Iterable[_common_pb2.BlockIds] | None = ...,
         skip_first_n_chunks: _builtins.int = ...,
         after_fence: _builtins.bool = ...,
+        engine_copies: _builtins.bool = ...,
+        store_id: _builtins.int = ...,
+        copy_failed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_fence", b"after_fence", "block_ids", b"block_ids", "chunk_keys", b"chunk_keys", "instance_id", b"instance_id", "skip_first_n_chunks", b"skip_first_n_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_fence", b"after_fence", "block_ids", b"block_ids", "chunk_keys", b"chunk_keys", "copy_failed", b"copy_failed", "engine_copies", b"engine_copies", "instance_id", b"instance_id", "skip_first_n_chunks", b"skip_first_n_chunks", "store_id", b"store_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -575,12 +591,24 @@ class StoreResponse(_message.Message):
     NUM_ALREADY_PRESENT_FIELD_NUMBER: _builtins.int
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
     PARTIAL_REASON_FIELD_NUMBER: _builtins.int
+    STORE_ID_FIELD_NUMBER: _builtins.int
+    COPY_CHUNK_INDICES_FIELD_NUMBER: _builtins.int
+    CHUNK_OFFSETS_FIELD_NUMBER: _builtins.int
     num_stored_chunks: _builtins.int
     """Leading chunks now held in L1 (already present ones included)."""
     num_already_present: _builtins.int
     bytes_moved: _builtins.int
     partial_reason: _builtins.str
     """Why fewer chunks than asked were stored (empty when all were)."""
+    store_id: _builtins.int
+    """engine_copies, reserving: the store to finish (0: nothing to copy, the answer is final), and
+    for each chunk the engine must copy, its index in chunk_keys and its byte offset in the shared
+    L1 file (RegisterKVCachesResponse.bytes_per_chunk long).
+    """
+    @_builtins.property
+    def copy_chunk_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def chunk_offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -588,10 +616,13 @@ class StoreResponse(_message.Message):
         num_already_present: _builtins.int = ...,
         bytes_moved: _builtins.int = ...,
         partial_reason: _builtins.str = ...,
+        store_id: _builtins.int = ...,
+        copy_chunk_indices: _abc.Iterable[_builtins.int] | None = ...,
+        chunk_offsets: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "num_already_present", b"num_already_present", "num_stored_chunks", b"num_stored_chunks", "partial_reason", b"partial_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "chunk_offsets", b"chunk_offsets", "copy_chunk_indices", b"copy_chunk_indices", "num_already_present", b"num_already_present", "num_stored_chunks", b"num_stored_chunks", "partial_reason", b"partial_reason", "store_id", b"store_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -815,6 +846,7 @@ class FetchChunksRequest(_message.Message):
     MAX_PART_BYTES_FIELD_NUMBER: _builtins.int
     REQUESTER_POD_UID_FIELD_NUMBER: _builtins.int
     DATA_STREAMS_FIELD_NUMBER: _builtins.int
+    DATA_SECURITY_FIELD_NUMBER: _builtins.int
     layout_id: _builtins.str
     """The caller's chunk byte layout (RegisterKVCachesResponse.layout_id). Chunks are only sent in
     this layout: a first chunk held in another one is FAILED_PRECONDITION naming both ids.
@@ -830,6 +862,12 @@ class FetchChunksRequest(_message.Message):
     (docs/agent.md, "Peer data plane"); the stream then carries one message with a one-time
     data_ticket instead of data. A server with the data plane off streams the data as usual.
     """
+    data_security: _builtins.str
+    """With TLS, how the data plane should protect the bytes (the fetcher's peer_data_security): "mac"
+    (plaintext TCP, a keyed BLAKE3 MAC per chunk), "aead" (AES-256-GCM records) or "tls" (mutual TLS
+    connections); empty means "tls" (fetchers older than this field). The server answers with this
+    mode, or with its own when this one is weaker (mac < aead, tls) or unknown.
+    """
     @_builtins.property
     def chunk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -841,10 +879,11 @@ class FetchChunksRequest(_message.Message):
         max_part_bytes: _builtins.int = ...,
         requester_pod_uid: _builtins.str = ...,
         data_streams: _builtins.int = ...,
+        data_security: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_keys", b"chunk_keys", "data_streams", b"data_streams", "layout_id", b"layout_id", "max_part_bytes", b"max_part_bytes", "namespace_id", b"namespace_id", "requester_pod_uid", b"requester_pod_uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_keys", b"chunk_keys", "data_security", b"data_security", "data_streams", b"data_streams", "layout_id", b"layout_id", "max_part_bytes", b"max_part_bytes", "namespace_id", b"namespace_id", "requester_pod_uid", b"requester_pod_uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -864,6 +903,8 @@ class FetchChunksResponse(_message.Message):
     CHECKSUM_FIELD_NUMBER: _builtins.int
     DATA_TICKET_FIELD_NUMBER: _builtins.int
     DATA_PORT_FIELD_NUMBER: _builtins.int
+    DATA_SECURITY_FIELD_NUMBER: _builtins.int
+    DATA_KEY_FIELD_NUMBER: _builtins.int
     chunk_index: _builtins.int
     """Index into FetchChunksRequest.chunk_keys."""
     chunk_bytes: _builtins.int
@@ -887,6 +928,16 @@ class FetchChunksResponse(_message.Message):
     plane right after its bytes.
     """
     data_port: _builtins.int
+    data_security: _builtins.str
+    """Data plane, first message: the mode the ticket is served in ("mac", "aead" or "tls"; empty from
+    a server without TLS, or one older than this field, which with TLS means "tls"). The fetcher
+    refuses a mode weaker than its own peer_data_security.
+    """
+    data_key: _builtins.bytes
+    """Data plane, "mac" and "aead": 32 random bytes made for this ticket alone, sent only here (over
+    the mTLS control call) and never on the data port. Keys the hello's and every chunk's MAC
+    (mac) or AES-256-GCM (aead) through BLAKE3-derived subkeys (docs/agent.md, "Peer data plane").
+    """
     def __init__(
         self,
         *,
@@ -898,10 +949,12 @@ class FetchChunksResponse(_message.Message):
         checksum: _builtins.bytes = ...,
         data_ticket: _builtins.bytes = ...,
         data_port: _builtins.int = ...,
+        data_security: _builtins.str = ...,
+        data_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "chunk_bytes", b"chunk_bytes", "chunk_index", b"chunk_index", "data", b"data", "data_port", b"data_port", "data_ticket", b"data_ticket", "num_chunks", b"num_chunks", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "chunk_bytes", b"chunk_bytes", "chunk_index", b"chunk_index", "data", b"data", "data_key", b"data_key", "data_port", b"data_port", "data_security", b"data_security", "data_ticket", b"data_ticket", "num_chunks", b"num_chunks", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
