@@ -115,8 +115,8 @@ class KVGridConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
         _d(
             "Loads and stores run the transfer kernels in the engine's own process and CUDA context, "
             "over the agent's L1 through its shared file (agent option l1_shared_dir): the engine's "
-            "compute loses 1-2 % to a transfer instead of 17-22 % from the agent's context. Unset: on for CUDA "
-            "engines whose agent shares its L1; a CPU engine copies itself only when set to true"
+            "compute loses 1-2 % to a transfer instead of 17-22 % from the agent's context. Unset: on "
+            "for CUDA engines whose agent shares its L1; a CPU engine copies itself only when set to true"
         ),
     ] = None
     lease_at_lookup: Annotated[

@@ -38,11 +38,11 @@ Engine-side copies (``engine_copies``)
     here -- the worker queues the scatter from their offsets after the fence and records the
     load-done event after it, and Release ends the lease once the bytes landed. Stores too: the
     agent reserves the new chunks' room, the saver thread gathers into it after the fence, and a
-    second Store makes them visible (a failed copy drops them). Layer-wise loads are copied in ``layerwise_stages`` stages of consecutive
-    layers, each layer waiting only for its own stage (on the GPU, on a per-stage event; no
-    load-done record, the step's end waits for every stage): loading stage s+1 overlaps the compute
-    of stage s, and the request costs one Release (and a Retrieve only when its Lookup could not
-    lease) whatever the number of layers.
+    second Store makes them visible (a failed copy drops them). Layer-wise loads are copied in
+    ``layerwise_stages`` stages of consecutive layers, each layer waiting only for its own stage (on
+    the GPU, on a per-stage event; no load-done record, the step's end waits for every stage):
+    loading stage s+1 overlaps the compute of stage s, and the request costs one Release (and a
+    Retrieve only when its Lookup could not lease) whatever the number of layers.
 Agent restarts
     a call that fails because the agent is away or forgot this instance marks the registration
     stale; the worker registers the same KV memory again (at most every
@@ -125,6 +125,7 @@ class WorkerStats:
     chunks_loaded: int = 0
     chunks_load_failed: int = 0
     chunks_stored: int = 0
+    """Chunks newly copied into L1 by this worker's stores (not those already there)."""
     registrations: int = 0
     loads_in_step: int = 0
     """Layer-wise loads waited for inside a step (by the first layer or at the step's end)."""
@@ -164,6 +165,7 @@ class ConnectorWorker:
         self.agent = AgentClient(identity.agent_address, timeout_s=config.rpc_timeout_s)
         self._registration: _Registration | None = None
         self._stale = False
+        self._bytes_per_chunk = 1  # the agent's, from the registration (counts stored chunks)
         self._last_attempt = 0.0
         self._cuda = False
         self._transfer_groups: tuple[int, ...] = ()
@@ -248,6 +250,7 @@ class ConnectorWorker:
             done_event=self._loaded,
         )
         self._stale = False
+        self._bytes_per_chunk = max(1, int(resp.bytes_per_chunk))
         self.stats.registrations += 1
         self._open_copier(resp, reg)
 
@@ -581,7 +584,7 @@ class ConnectorWorker:
             try:
                 with agent_call_span("kvgrid.connector.store", order.request_id):
                     if copier is not None:
-                        res = self._store_here(order, copier)
+                        res, new = self._store_here(order, copier)
                     else:
                         res = self.agent.store(
                             self.identity.instance_id,
@@ -590,12 +593,11 @@ class ConnectorWorker:
                             skip_first_n_chunks=order.skip_first_n_chunks,
                             after_fence=self._fence is not None,
                         )
+                        new = res.bytes_moved // self._bytes_per_chunk  # what the agent copied
             except grpc.RpcError as e:
                 self._note_failure("store", order.request_id, e)
                 continue
-            # num_stored_chunks counts the held prefix; new = held past the skip, minus those present.
-            new = res.num_stored_chunks - order.skip_first_n_chunks - res.num_already_present
-            self.stats.chunks_stored += max(0, new)
+            self.stats.chunks_stored += new
             if res.partial_reason:
                 log.info(
                     "kvgrid store for request %s kept %d chunks: %s",
@@ -604,9 +606,10 @@ class ConnectorWorker:
                     res.partial_reason,
                 )
 
-    def _store_here(self, order: StoreOrder, copier: EngineCopier) -> StoreResult:
+    def _store_here(self, order: StoreOrder, copier: EngineCopier) -> tuple[StoreResult, int]:
         """A store the engine copies itself (module docstring): reserve in the agent, gather into
-        the reserved room, finish the store (or drop it when the copy failed)."""
+        the reserved room, finish the store (or drop it when the copy failed). Returns the final
+        answer and the chunks copied."""
         iid = self.identity.instance_id
         block_ids = agent_block_ids(order.block_ids)
         res = self.agent.store(
@@ -617,14 +620,15 @@ class ConnectorWorker:
             engine_copies=True,
         )
         if not res.store_id:
-            return res  # nothing new to copy: final
+            return res, 0  # nothing new to copy: final
         try:
             copier.gather(res.chunk_offsets, block_ids, res.copy_chunk_indices, fence=self._fence)
         except Exception as e:  # a bad offset or a CUDA error: nothing of it may become visible
             log.warning("kvgrid engine-side store for request %s failed: %s", order.request_id, e)
-            return self.agent.finish_store(iid, res.store_id, copy_failed=True)
-        self.stats.chunks_engine_stored += len(res.copy_chunk_indices)
-        return self.agent.finish_store(iid, res.store_id)
+            return self.agent.finish_store(iid, res.store_id, copy_failed=True), 0
+        copied = len(res.copy_chunk_indices)
+        self.stats.chunks_engine_stored += copied
+        return self.agent.finish_store(iid, res.store_id), copied
 
     def _fence_engine_stream(self) -> None:
         """Mark the work queued so far on the engine's stream (zeroing, the forward's KV writes):
