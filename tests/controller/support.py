@@ -16,10 +16,9 @@ def unique_prefix() -> str:
 
 # --- a test-side agent: a real AgentService (Snapshot only) on loopback + a publishing client -----
 
-import queue  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from concurrent import futures  # noqa: E402
 
 import grpc  # noqa: E402
@@ -59,9 +58,12 @@ class _Snap(agent_pb2_grpc.AgentServiceServicer):
 class FakeAgent:
     """The agent's side of the protocol, with the L1 truth as a set of keys.
 
-    ``admit``/``evict`` change the truth and queue an event with the next sequence number. With
+    ``admit``/``evict`` change the truth and log an event with the next sequence number. With
     ``auto=True`` a thread keeps a PublishEvents stream open (re-registering and reopening it after
-    any error, as a real agent does) and another heartbeats.
+    any error, as a real agent does) and another heartbeats. As the real agent's publisher does,
+    every new stream resends the logged events after the last acknowledged one (the controller skips
+    those it applied), and a stream's request iterator ends with its stream: an ended stream's
+    iterator must not take an event (gRPC drops a request taken for a call that is over).
     """
 
     def __init__(
@@ -95,7 +97,8 @@ class FakeAgent:
         self.controller = controller
         self.channel = grpc.insecure_channel(controller)
         self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
-        self._q: queue.Queue[controller_pb2.ChunkEvent | None] = queue.Queue()
+        self._log: list[controller_pb2.ChunkEvent] = []
+        self._logged = threading.Condition(self.lock)
         self._stop = threading.Event()
         self.heartbeating = threading.Event()
         self.heartbeating.set()
@@ -127,42 +130,51 @@ class FakeAgent:
         with self.lock:
             self.keys |= set(keys)
             ev = self._event(controller_pb2.EVENT_KIND_ADMIT, keys)
-            self._q.put(ev)
+            self._log.append(ev)
+            self._logged.notify_all()
             return ev
 
     def evict(self, keys: list[bytes]) -> controller_pb2.ChunkEvent:
         with self.lock:
             self.keys -= set(keys)
             ev = self._event(controller_pb2.EVENT_KIND_EVICT, keys)
-            self._q.put(ev)
+            self._log.append(ev)
+            self._logged.notify_all()
             return ev
 
     def truth(self) -> set[bytes]:
         with self.lock:
             return set(self.keys)
 
-    def _requests(self) -> Callable[[], object]:
-        def gen():  # type: ignore[no-untyped-def]
-            yield controller_pb2.PublishEventsRequest(pod=self.pod)
-            while not self._stop.is_set():
-                try:
-                    ev = self._q.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                if ev is None:
+    def _requests(self, ended: threading.Event) -> Iterator[controller_pb2.PublishEventsRequest]:
+        """One stream's requests: the pod, then every logged event after the last ack (in order),
+        until the stream ended or the agent closes."""
+        yield controller_pb2.PublishEventsRequest(pod=self.pod)
+        sent = self.acked
+        while True:
+            with self.lock:
+                while not (ended.is_set() or self._stop.is_set()) and not (
+                    self._log and self._log[-1].sequence > sent
+                ):
+                    self._logged.wait(0.05)
+                if ended.is_set() or self._stop.is_set():
                     return
+                batch = [e for e in self._log if e.sequence > sent]
+            for ev in batch:
                 yield controller_pb2.PublishEventsRequest(events=[ev])
-
-        return gen
+                sent = ev.sequence
 
     def _stream_loop(self) -> None:
         while not self._stop.is_set():
+            ended = threading.Event()
             try:
                 self.register()
-                for resp in self.stub.PublishEvents(self._requests()()):
+                for resp in self.stub.PublishEvents(self._requests(ended)):
                     self.acked = resp.acked_sequence
             except grpc.RpcError:
                 pass
+            finally:
+                ended.set()
             self._stop.wait(0.1)
 
     def _heartbeat_loop(self) -> None:
@@ -180,7 +192,8 @@ class FakeAgent:
 
     def close(self) -> None:
         self._stop.set()
-        self._q.put(None)
+        with self.lock:
+            self._logged.notify_all()
         for t in self._threads:
             t.join(timeout=2)
         self.channel.close()

@@ -33,6 +33,8 @@ from tests.controller.support import FakeAgent
 from tests.fuzz.fuzzlib import log_tail
 
 MAX_MESSAGE_BYTES = 4 << 20
+IDLE_TIMEOUT_MS = 2000
+"""The controller's ``publish_idle_timeout_ms`` (tests/fuzz/test_controller.py leaves streams idle)."""
 L1_BYTES = 16 << 20
 ENGINE = "e"
 """The engine instance the agent fixture registers (the liveness checks use it)."""
@@ -196,7 +198,7 @@ def controller(tmp_path_factory: pytest.TempPathFactory, free_port: object) -> I
     cmd = [
         sys.executable, "-m", "kvgrid.cli", "controller", "--listen", address, "--log-level", "ERROR",
         "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--lease-ttl-ms", "2000",
-        "--snapshot-timeout-ms", "500",
+        "--snapshot-timeout-ms", "500", "--publish-idle-timeout-ms", str(IDLE_TIMEOUT_MS),
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=kvgrid_env("controller"))

@@ -21,165 +21,32 @@ Invariants:
   still sending then fails with DEADLINE_EXCEEDED; one whose thread is blocked because its reader
   stopped reading is cancelled by a watchdog thread a moment later, which frees the thread, the
   slot and the chunk references.
+
+The slots, the caller key and the watchdog are the shared ones of :mod:`kvgrid.common.streams` (the
+controller bounds its PublishEvents streams with them too); their names stay importable from here.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 
 import grpc
 
 from kvgrid.common.authz import ChunkReaders, Identity
-from kvgrid.common.errors import KvgridError, ResourceExhausted
+from kvgrid.common.streams import (
+    CANCEL_GRACE_S,
+    Deadlines,
+    ServingDeadlineExceeded,
+    StreamSlots,
+    caller_key,
+)
+from kvgrid.common.streams import nothing as _nothing
 
-__all__ = ["Deadlines", "ServingDeadlineExceeded", "StreamSlots", "TcpGuard", "caller_key"]
+__all__ = ["CANCEL_GRACE_S", "Deadlines", "ServingDeadlineExceeded", "StreamSlots", "TcpGuard", "caller_key"]
 
 log = logging.getLogger(__name__)
-
-CANCEL_GRACE_S = 0.2
-"""How long after its deadline a stream that did not end by itself is cancelled (it normally ends
-itself between two messages; only a send blocked on the reader's flow control waits for this)."""
-
-
-class ServingDeadlineExceeded(KvgridError):
-    """A stream outlived the agent's serving deadline (gRPC DEADLINE_EXCEEDED)."""
-
-    status = "DEADLINE_EXCEEDED"
-
-
-def caller_key(ident: Identity | None, context: grpc.ServicerContext | None) -> str:
-    """Who a call counts against: its certificate identity (the SAN that proved it) at the caller's
-    IP address (gRPC's ``ipv4:1.2.3.4`` / ``ipv6:[::1]``, without the port), so the pods sharing the
-    chart's default agent certificate are still one caller each; without TLS the IP address alone;
-    "" when neither is known (the Unix socket)."""
-    ip = ""
-    if context is not None:
-        peer = context.peer() or ""
-        ip = peer.rpartition(":")[0] if peer.count(":") >= 2 else peer
-    if ident is not None:
-        return f"{ident.uri}@{ip}" if ip else ident.uri
-    return ip
-
-
-class StreamSlots:
-    """Counts open streams per caller; :meth:`take` refuses one over ``limit``. Thread-safe."""
-
-    def __init__(self, limit: int, setting: str = "peer_streams_per_identity") -> None:
-        if limit < 1:
-            raise ValueError(f"{setting}={limit}: expected >= 1")
-        self.limit = limit
-        self.setting = setting
-        self._lock = threading.Lock()
-        self._open: dict[str, int] = {}
-        self.refused = 0
-
-    def open_streams(self, key: str) -> int:
-        with self._lock:
-            return self._open.get(key, 0)
-
-    def take(self, key: str, method: str) -> Callable[[], None]:
-        """A slot for ``key`` (ResourceExhausted naming the limit when it has ``limit`` open); the
-        returned function gives it back (idempotent)."""
-        with self._lock:
-            n = self._open.get(key, 0)
-            if n >= self.limit:
-                self.refused += 1
-                refused = True
-            else:
-                self._open[key] = n + 1
-                refused = False
-        if refused:
-            raise ResourceExhausted(
-                f"{method}: the caller {key!r} already has {n} streams open on this agent; the limit is "
-                f"{self.limit} per caller ({self.setting}); retry when one has ended"
-            )
-        given = threading.Event()
-
-        def give_back() -> None:
-            if given.is_set():
-                return
-            with self._lock:
-                if given.is_set():
-                    return
-                given.set()
-                left = self._open[key] - 1
-                if left:
-                    self._open[key] = left
-                else:
-                    del self._open[key]
-
-        return give_back
-
-
-class Deadlines:
-    """One daemon thread that cancels calls still open past their deadline. Thread-safe."""
-
-    def __init__(self, grace_s: float = CANCEL_GRACE_S) -> None:
-        self.grace_s = grace_s
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int]] = []
-        self._calls: dict[int, tuple[grpc.ServicerContext, str]] = {}
-        self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-        self.cancelled = 0
-
-    def watch(self, context: grpc.ServicerContext, deadline: float, what: str) -> Callable[[], None]:
-        """Cancel ``context`` at ``deadline`` (``time.monotonic()``) plus the grace unless the returned
-        function (idempotent) was called first; ``what`` names the call in the log."""
-        with self._cond:
-            key = next(self._ids)
-            self._calls[key] = (context, what)
-            heapq.heappush(self._heap, (deadline + self.grace_s, key))
-            if self._thread is None and not self._stopped:
-                self._thread = threading.Thread(target=self._run, name="kvgrid-agent-deadlines", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-        def unwatch() -> None:
-            with self._cond:
-                self._calls.pop(key, None)
-
-        return unwatch
-
-    @property
-    def watched(self) -> int:
-        with self._cond:
-            return len(self._calls)
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._calls.clear()
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            due: list[tuple[grpc.ServicerContext, str]] = []
-            with self._cond:
-                if self._stopped:
-                    return
-                now = time.monotonic()
-                while self._heap and (self._heap[0][0] <= now or self._heap[0][1] not in self._calls):
-                    _, key = heapq.heappop(self._heap)
-                    call = self._calls.pop(key, None)
-                    if call is not None:
-                        due.append(call)
-                if not due:
-                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
-                    continue
-            for context, what in due:
-                self.cancelled += 1
-                log.warning("%s: still open past its serving deadline; cancelled", what)
-                try:
-                    context.cancel()
-                except Exception:  # a call that ended meanwhile
-                    log.debug("cancelling %s failed", what, exc_info=True)
 
 
 class TcpGuard:
@@ -190,8 +57,8 @@ class TcpGuard:
         self, readers: ChunkReaders | None, *, streams_per_caller: int, stream_timeout_s: float
     ) -> None:
         self.readers = readers
-        self.slots = StreamSlots(streams_per_caller)
-        self.deadlines = Deadlines()
+        self.slots = StreamSlots(streams_per_caller, "peer_streams_per_identity", where="this agent")
+        self.deadlines = Deadlines(name="kvgrid-agent-deadlines")
         self.stream_timeout_s = stream_timeout_s
 
     def check_read(self, method: str, ident: Identity | None, namespace_id: str) -> None:
@@ -230,7 +97,3 @@ class TcpGuard:
 
     def stop(self) -> None:
         self.deadlines.stop()
-
-
-def _nothing() -> None:
-    pass

@@ -27,6 +27,9 @@
   ``kvgrid_rpc_server_calls`` (counter) and ``kvgrid_rpc_server_duration`` (histogram, seconds),
   both with attributes ``method`` (the RPC name) and ``code`` (the status code name). A streaming
   call is one call, timed until its last message; a stream the peer abandons counts as CANCELLED.
+- A streaming method's generator is closed exactly once when its call ends however it ends (its
+  ``finally`` blocks release what it holds), never while it runs: by the worker when a step is
+  under way, else by grpcio's event thread (``_Responses``).
 - Bookkeeping after the reply: :func:`after_reply` runs its function at once, unless the transport
   serving the call collects it (:func:`deferring`; the agent's hot path does) and runs it once the
   reply is sent, so the caller does not wait for metric updates (~6 us each with a Prometheus
@@ -38,6 +41,7 @@
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import logging
 import threading
@@ -253,6 +257,69 @@ def _client_stream(raw: Iterator[bytes], parse: Callable[[bytes], Message]) -> I
         yield parse(r)
 
 
+class _Responses:
+    """A streaming method's response iterator as grpcio's worker steps it, ended exactly once.
+
+    grpcio runs a call's termination callbacks on its completion-queue thread, which may be while
+    the worker is inside the method's generator (waiting for the client's next message, or
+    computing an answer). Closing a running generator from another thread raises ("generator
+    already executing") and would leave it open; :meth:`end` (the callback) therefore closes a
+    generator only when no step runs, and otherwise leaves a mark that the running step acts on
+    when it returns: it closes the generator on the worker's own thread and ends the call as
+    CANCELLED. A worker blocked on the request stream wakes by itself (grpcio fails the read once
+    the call ends). Either way the generator's ``finally`` blocks run exactly once, never
+    concurrently with a step.
+
+    A method may instead return an object with its own ``close()`` (e.g. the agent's
+    ``ChunkSender``): that one is called at once, whatever the worker does, since it is what wakes
+    a step waiting on something only the call's end interrupts; it must be thread-safe."""
+
+    def __init__(self, out: Iterable[Message]) -> None:
+        self._it: Iterator[Message] = iter(out)
+        self._generator = inspect.isgenerator(out)
+        self._close_fn: Callable[[], object] | None = getattr(out, "close", None)
+        self._step = threading.Lock()
+        self._once = threading.Lock()
+        self._ended = False
+        self._closed = False
+
+    def __iter__(self) -> _Responses:
+        return self
+
+    def __next__(self) -> Message:
+        with self._step:
+            if not self._ended:
+                item = next(self._it)  # StopIteration and the method's errors pass through
+                if not self._ended:
+                    return item
+            self._close()
+        raise _PeerGone("the call ended (cancelled, deadline, or the client went away)")
+
+    def end(self) -> None:
+        """The call is over: close what the method returned now (a generator: if no step runs,
+        else once the running step returns). Never blocks on a step, never raises."""
+        self._ended = True
+        if not self._generator:
+            self._close()
+        elif self._step.acquire(blocking=False):
+            try:
+                self._close()
+            finally:
+                self._step.release()
+
+    def _close(self) -> None:
+        with self._once:
+            if self._closed:
+                return
+            self._closed = True
+        if self._close_fn is None:
+            return
+        try:
+            self._close_fn()
+        except Exception:
+            log.exception("closing a response stream failed")
+
+
 def _admit(name: str, context: grpc.ServicerContext, authorizer: Authorizer | None) -> None:
     """Authorize the call (raises PermissionDenied) and publish its identity to the method."""
     set_caller(authorizer.check(name, context) if authorizer is not None else None)
@@ -294,22 +361,23 @@ def _handler(
     def _stream(request: Any, context: grpc.ServicerContext, span: Span) -> Iterator[Message]:
         call = _Call(name, metrics, on_error, span)
         finished = False
+        responses: _Responses | None = None
         try:
             _admit(name, context, authorizer)
             if m.client_streaming:
                 out: Iterable[Message] = fn(_client_stream(request, parse))
             else:
                 out = fn(parse(request))
-            close = getattr(out, "close", None)
-            if close is not None and not context.add_callback(close):
-                close()  # the RPC already ended (client gone): release what ``out`` holds
+            responses = _Responses(out)
+            if not context.add_callback(responses.end):
+                responses.end()  # the RPC already ended (client gone): release what ``out`` holds
                 call.code = grpc.StatusCode.CANCELLED
                 finished = True
                 return
-            yield from out
+            yield from responses
             finished = True
         except _PeerGone as e:
-            log.info("%s: stream ended by the client: %s", name, e)
+            log.info("%s: stream ended before its answer did: %s", name, e)
             call.code, finished = grpc.StatusCode.CANCELLED, True
         except Exception as exc:
             finished = True
@@ -317,6 +385,8 @@ def _handler(
         finally:
             if not finished:  # closed early: the client cancelled or the server is stopping
                 call.code = grpc.StatusCode.CANCELLED
+            if responses is not None:
+                responses.end()  # closed here if grpcio dropped the stream between two answers
             set_caller(None)
             call.done()
 

@@ -353,8 +353,15 @@ def run(args: argparse.Namespace) -> int:
     peers: _Peers | None = None
     peer_info: dict[str, Any] = {}
     tmp = tempfile.TemporaryDirectory(prefix="kvgrid-bench-")
+    # 16 threads for the queries plus one per ingest stream; every agent of the bench streams from
+    # this host: one caller for publish_streams_per_identity (plaintext counts by IP address).
     cfg = ControllerConfig(
-        listen="127.0.0.1:0", max_batch=max(4096, args.batch), grpc_workers=16, lease_ttl_ms=3_600_000
+        listen="127.0.0.1:0",
+        max_batch=max(4096, args.batch),
+        lease_ttl_ms=3_600_000,
+        grpc_workers=16 + args.streams,
+        max_publish_streams=args.streams,
+        publish_streams_per_identity=args.streams,
     )
     rss0 = _rss()
     srv = serve(cfg)
@@ -703,7 +710,14 @@ def _run_transports(args: argparse.Namespace) -> int:
     kinds = {k: sum(q.kind == k for q in queries) for k, _ in QUERY_MIX}
     say(_workload_line(args, w, queries, kinds))
     tmp = tempfile.TemporaryDirectory(prefix="kvgrid-bench-")
-    cfg = ControllerConfig(listen="127.0.0.1:0", max_batch=4096, grpc_workers=16, lease_ttl_ms=3_600_000)
+    cfg = ControllerConfig(
+        listen="127.0.0.1:0",
+        max_batch=4096,
+        lease_ttl_ms=3_600_000,
+        grpc_workers=16 + args.streams,  # as in run()
+        max_publish_streams=args.streams,
+        publish_streams_per_identity=args.streams,
+    )
     srv = serve(cfg)
     listeners: list[LookupServer] = []
     rows: dict[str, list[dict[str, float]]] = {}

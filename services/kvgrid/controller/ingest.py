@@ -16,13 +16,22 @@ TIER_L2 ADMITs, sequenced after the snapshot, so the L2 entries catch up with th
 
 Admits and snapshot replaces go through :class:`~kvgrid.controller.limits.EntryCaps` when one is
 given; :meth:`Ingestor.resync_all` forces a fresh pull of every pod (the index lost its data).
+
+Pulls run on a small pool of threads. A pull that failed is tried again ``retry_s`` later, queued
+behind the pulls waiting by then; it holds no thread while it waits. (Waiting on a pool thread let
+the pods whose pulls keep failing -- an agent registered with an address nothing answers on, which
+any agent identity can do -- hold every thread for as long as their leases were renewed, and no
+other pod was ever pulled: its events stayed buffered, unapplied.)
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -134,6 +143,11 @@ class Ingestor:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvgrid-resync")
         self._closed = threading.Event()
+        # Pulls to retry: (when, order, state, generation), started by one timer thread.
+        self._later: list[tuple[float, int, _PodState, int]] = []
+        self._later_cond = threading.Condition()
+        self._later_ids = itertools.count()
+        self._timer: threading.Thread | None = None
         self.events_applied = 0
         self.resyncs = 0
 
@@ -317,12 +331,8 @@ class Ingestor:
                     check_keys(snap.l2_keys, "snapshot.l2_chunk_keys")
             except (KvgridError, ValueError) as exc:
                 log.warning("snapshot pull from %s failed: %s", rec.holder, exc)
-                if self._closed.wait(self._retry):
-                    return
-                with st.lock:
-                    if st.generation != generation:
-                        return
-                continue
+                self._retry_later(st, generation)
+                return
             with st.lock:
                 if st.generation != generation or rec.dropped:
                     return  # superseded (forgotten pod, newer pull)
@@ -344,10 +354,44 @@ class Ingestor:
                 if done is False:
                     generation = st.generation
                     continue
-            if self._closed.wait(self._retry):
+            self._retry_later(st, generation)
+            return
+
+    def _retry_later(self, st: _PodState, generation: int) -> None:
+        """Pull ``st`` again in ``retry_s`` unless superseded by then (no thread waits meanwhile)."""
+        with self._later_cond:
+            if self._closed.is_set():
                 return
-            with st.lock:
-                if st.generation != generation:
+            heapq.heappush(
+                self._later, (time.monotonic() + self._retry, next(self._later_ids), st, generation)
+            )
+            if self._timer is None:
+                self._timer = threading.Thread(
+                    target=self._timer_loop, name="kvgrid-resync-retry", daemon=True
+                )
+                self._timer.start()
+            self._later_cond.notify()
+
+    def _timer_loop(self) -> None:
+        while True:
+            due: list[tuple[_PodState, int]] = []
+            with self._later_cond:
+                if self._closed.is_set():
+                    return
+                now = time.monotonic()
+                while self._later and self._later[0][0] <= now:
+                    _, _, st, generation = heapq.heappop(self._later)
+                    due.append((st, generation))
+                if not due:
+                    self._later_cond.wait(self._later[0][0] - now if self._later else None)
+                    continue
+            for st, generation in due:
+                with st.lock:
+                    if st.generation != generation or st.record.dropped:
+                        continue  # superseded (a newer pull, a forgotten pod)
+                try:
+                    self._pool.submit(self._resync, st, generation)
+                except RuntimeError:  # the pool shut down
                     return
 
     def _install_locked(self, st: _PodState, snap: AgentSnapshot, pending: list[ChunkEvent]) -> bool:
@@ -385,4 +429,7 @@ class Ingestor:
 
     def close(self) -> None:
         self._closed.set()
+        with self._later_cond:
+            self._later.clear()
+            self._later_cond.notify()
         self._pool.shutdown(wait=False, cancel_futures=True)
