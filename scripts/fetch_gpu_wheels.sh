@@ -31,7 +31,7 @@ pkgs=()
 for name in protobuf grpcio grpcio-health-checking grpcio-reflection msgspec opentelemetry-api \
     opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-exporter-otlp-proto-grpc xxhash \
     opentelemetry-exporter-otlp-proto-common opentelemetry-proto opentelemetry-exporter-prometheus \
-    googleapis-common-protos; do
+    googleapis-common-protos blake3 cryptography cffi pycparser; do
     v="$(version "$name")"
     [[ -n "$v" ]] || { echo "$name is not installed in .venv: run make install first" >&2; exit 1; }
     pkgs+=("$name==$v")

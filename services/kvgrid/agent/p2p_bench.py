@@ -18,24 +18,38 @@ number of bytes from one buffer over as many TCP connections as the fetch uses (
 rounds each); goal >= 0.9. ``--tls-dir`` runs the agents with mutual TLS (a directory holding
 ``tls.crt``, ``tls.key`` and ``ca.crt`` of an agent certificate), the raw copy stays plaintext, so
 the ratio then includes TLS's cost.
+
+``--security`` lists data-plane modes to measure in the same run, each with agents of its own
+(started once; every round fetches once per mode, then times the raw copy): ``none`` (no TLS, the
+plaintext data plane with XXH3 checksums) and, with mTLS, the agents' ``peer_data_security``
+modes ``mac``, ``aead`` and ``tls`` (docs/security.md, "Peer data plane"). The mTLS modes use
+``--tls-dir``, or a throwaway CA and agent certificate made for the run when it is not given.
+Default: ``tls`` with ``--tls-dir``, else ``none``. Each mode's ratio is to the same raw copy.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvgrid.agent.client import AgentClient
+    from kvgrid.common.hashing import KeyNamespace
 
 from kvgrid.agent.bench_procs import AgentDidNotStart, bench_env, shm_scratch, start_agent, stop_all
 from kvgrid.common.config import add_config_arguments, config_from_args
@@ -66,6 +80,14 @@ class P2PBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     tls_dir: Annotated[
         str, _d("directory with tls.crt, tls.key, ca.crt of an agent certificate: run the agents with mTLS")
     ] = ""
+    security: Annotated[
+        list[Literal["none", "mac", "aead", "tls"]],
+        _d(
+            "data-plane modes to measure in one run, comma-separated: none (no TLS) or, with mTLS "
+            "(--tls-dir, or a throwaway certificate made for the run), the agents' peer_data_security "
+            "mac, aead, tls; empty: tls with --tls-dir, else none"
+        ),
+    ] = msgspec.field(default_factory=list)
     iters: Annotated[int, _d("timed rounds per figure (median)"), msgspec.Meta(ge=1)] = 5
     json: Annotated[bool, _d("print one JSON object instead of a table")] = False
 
@@ -128,7 +150,13 @@ def _raw_round(port: int, dst: np.ndarray, connections: int) -> float:
 
 
 def _start_agent(
-    name: str, tmp: Path, cfg: P2PBenchConfig, l1_bytes: int, env: dict[str, str]
+    name: str,
+    tmp: Path,
+    cfg: P2PBenchConfig,
+    l1_bytes: int,
+    env: dict[str, str],
+    mode: str,
+    tls_dir: Path | None,
 ) -> tuple[subprocess.Popen[str], str, int]:
     uds = tmp / f"agent-{name}.sock"
     flags = [
@@ -140,10 +168,10 @@ def _start_agent(
         "--peer-data-plane", cfg.data_plane, "--peer-data-streams", str(cfg.streams),
         "--log-level", "warning",
     ]  # fmt: skip
-    if cfg.tls_dir:
-        d = Path(cfg.tls_dir)
-        flags += ["--tls-cert-file", str(d / "tls.crt"), "--tls-key-file", str(d / "tls.key")]
-        flags += ["--tls-ca-file", str(d / "ca.crt")]
+    if mode != "none":
+        assert tls_dir is not None
+        flags += ["--tls-cert-file", str(tls_dir / "tls.crt"), "--tls-key-file", str(tls_dir / "tls.key")]
+        flags += ["--tls-ca-file", str(tls_dir / "ca.crt"), "--peer-data-security", mode]
     proc, info = start_agent(name, flags, {**env, "POD_UID": f"bench-{name}", "POD_IP": "127.0.0.1"})
     return proc, str(uds), int(info["tcp_port"])
 
@@ -164,17 +192,90 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    with shm_scratch("kvgrid-p2p-") as tmp:
-        return _run(cfg, tmp)
+    modes: list[str] = list(dict.fromkeys(cfg.security)) or ["tls" if cfg.tls_dir else "none"]
+    with shm_scratch("kvgrid-p2p-") as tmp, _tls_dir(cfg, modes) as tls_dir:
+        return _run(cfg, tmp, modes, tls_dir)
 
 
-def _run(cfg: P2PBenchConfig, tmp: Path) -> int:
-    """The engines' KV cache under ``tmp`` (cpu) and the agents' sockets there."""
+@contextlib.contextmanager
+def _tls_dir(cfg: P2PBenchConfig, modes: list[str]) -> Iterator[Path | None]:
+    """``--tls-dir``, or a throwaway agent certificate when an mTLS mode is asked for without one."""
+    if cfg.tls_dir or modes == ["none"]:
+        yield Path(cfg.tls_dir) if cfg.tls_dir else None
+        return
+    with tempfile.TemporaryDirectory(prefix="kvgrid-p2p-tls-") as d:
+        _write_agent_certificate(Path(d))
+        yield Path(d)
+
+
+def _write_agent_certificate(directory: Path) -> None:
+    """A CA and an agent certificate of it (the identity and server name the chart issues) as
+    ``tls.crt``, ``tls.key`` and ``ca.crt``: what ``--tls-dir`` would hold."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    from kvgrid.common.tls import AGENT_SERVER_NAME
+
+    now = dt.datetime.now(dt.UTC)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(
+        subject: str,
+        key: ec.EllipticCurvePrivateKey,
+        issuer: x509.Name,
+        signer: ec.EllipticCurvePrivateKey,
+        ca: bool,
+    ) -> x509.Certificate:
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            b = b.add_extension(
+                x509.SubjectAlternativeName(
+                    [
+                        x509.UniformResourceIdentifier("spiffe://cluster.local/ns/kvgrid-bench/role/agent"),
+                        x509.DNSName(AGENT_SERVER_NAME),
+                    ]
+                ),
+                critical=False,
+            ).add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+        return b.sign(signer, hashes.SHA256())
+
+    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = cert("kvgrid bench CA", ca_key, name("kvgrid bench CA"), ca_key, True)
+    leaf = cert("kvgrid bench agent", leaf_key, ca.subject, ca_key, False)
+    pem = serialization.Encoding.PEM
+    (directory / "ca.crt").write_bytes(ca.public_bytes(pem))
+    (directory / "tls.crt").write_bytes(leaf.public_bytes(pem))
+    (directory / "tls.key").write_bytes(
+        leaf_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+
+
+def _run(cfg: P2PBenchConfig, tmp: Path, modes: list[str], tls_dir: Path | None) -> int:
+    """The engines' KV cache under ``tmp`` (cpu) and the agents' sockets there; one set of agents
+    (``--peers`` serving, one fetching) per mode in ``modes``."""
     import torch
 
     from kvgrid.agent.client import AgentClient
     from kvgrid.agent.tensors import allocate_shared_tensor
-    from kvgrid.common.hashing import KeyNamespace, chunk_keys
+    from kvgrid.common.hashing import KeyNamespace
 
     tokens_per_chunk, block = 256, 16
     bpc = tokens_per_chunk // block
@@ -208,20 +309,27 @@ def _run(cfg: P2PBenchConfig, tmp: Path) -> int:
 
     procs: list[subprocess.Popen[str]] = []
     clients: list[AgentClient] = []
-    fetch_s: list[float] = []
+    fetch_s: dict[str, list[float]] = {m: [] for m in modes}
     raw_s: list[float] = []
     try:
-        addresses = []
-        for p in range(cfg.peers):
-            proc, uds, port = _start_agent(f"peer{p}", tmp, cfg, per_peer + (64 << 20), env)
+        sets: dict[str, tuple[list[AgentClient], list[str], AgentClient]] = {}
+        for mode in modes:
+            peers, addresses = [], []
+            for p in range(cfg.peers):
+                proc, uds, port = _start_agent(
+                    f"{mode}-peer{p}", tmp, cfg, per_peer + (64 << 20), env, mode, tls_dir
+                )
+                procs.append(proc)
+                peers.append(AgentClient(uds, timeout_s=600))
+                addresses.append(f"127.0.0.1:{port}")
+            # The fetcher holds two rounds' worth; older rounds are evicted (LRU).
+            proc, uds, _ = _start_agent(
+                f"{mode}-fetcher", tmp, cfg, 2 * total + (64 << 20), env, mode, tls_dir
+            )
             procs.append(proc)
-            clients.append(AgentClient(uds, timeout_s=600))
-            addresses.append(f"127.0.0.1:{port}")
-        # The fetcher holds two rounds' worth; older rounds are evicted (LRU).
-        proc, uds, _ = _start_agent("fetcher", tmp, cfg, 2 * total + (64 << 20), env)
-        procs.append(proc)
-        fetcher = AgentClient(uds, timeout_s=600)
-        clients.append(fetcher)
+            fetcher = AgentClient(uds, timeout_s=600)
+            clients += [*peers, fetcher]
+            sets[mode] = (peers, addresses, fetcher)
         for c in clients:
             c.wait_ready()
             c.register_kv_caches(
@@ -229,31 +337,14 @@ def _run(cfg: P2PBenchConfig, tmp: Path) -> int:
             )
         ids = [list(range(bpc * cfg.chunks))]
         for r in range(rounds):
-            keys = []
-            for p in range(cfg.peers):
-                tokens = [(r * 7919 + p * 104_729 + j) % 32_000 for j in range(cfg.chunks * tokens_per_chunk)]
-                keys.append(chunk_keys(tokens, ns))
-                if clients[p].store("bench", keys[p], ids).num_stored_chunks != cfg.chunks:
-                    print(f"kvgrid bench p2p: store on peer {p} fell short", file=sys.stderr)
+            for mode, (peers, addresses, fetcher) in sets.items():
+                dt = _fetch_round(cfg, r, ns, ids, peers, addresses, fetcher, tokens_per_chunk)
+                if dt is None:
                     return 1
-            got = [0] * cfg.peers
-
-            def fetch(p: int, keys: list[list[bytes]] = keys, got: list[int] = got) -> None:
-                got[p] = fetcher.lookup("bench", "", keys[p], peer_address=addresses[p]).num_peer_chunks
-
-            fetches = [threading.Thread(target=fetch, args=(p,)) for p in range(cfg.peers)]
-            t0 = time.perf_counter()
-            for th in fetches:
-                th.start()
-            for th in fetches:
-                th.join()
-            dt = time.perf_counter() - t0
-            if got != [cfg.chunks] * cfg.peers:
-                print(f"kvgrid bench p2p: fetch fell short: {got} of {cfg.chunks} per peer", file=sys.stderr)
-                return 1
+                if r:
+                    fetch_s[mode].append(dt)
             raw = _raw_round(raw_port, raw_dst, connections)
             if r:
-                fetch_s.append(dt)
                 raw_s.append(raw)
     except AgentDidNotStart as e:
         print(f"kvgrid bench p2p: {e}", file=sys.stderr)
@@ -264,32 +355,88 @@ def _run(cfg: P2PBenchConfig, tmp: Path) -> int:
         if sender.is_alive():
             sender.terminate()
 
-    fetch_gbps = total / statistics.median(fetch_s) / 1e9
     raw_gbps = total / statistics.median(raw_s) / 1e9
+    by_mode = {}
+    for mode in modes:
+        gbps = total / statistics.median(fetch_s[mode]) / 1e9
+        by_mode[mode] = {
+            "fetch_gbps": round(gbps, 3),
+            "ratio": round(gbps / raw_gbps, 3),
+            "fetch_ms": round(statistics.median(fetch_s[mode]) * 1e3, 2),
+        }
+    first = by_mode[modes[0]]
     result = {
         "device": cfg.device,
         "data_plane": cfg.data_plane,
-        "tls": bool(cfg.tls_dir),
+        "tls": modes[0] != "none",
+        "security": modes[0],
         "peers": cfg.peers,
         "streams": cfg.streams if cfg.data_plane == "socket" else 1,
         "chunks": cfg.chunks,
         "chunk_bytes": chunk_bytes,
-        "fetch_gbps": round(fetch_gbps, 3),
+        **first,
         "raw_socket_gbps": round(raw_gbps, 3),
-        "ratio": round(fetch_gbps / raw_gbps, 3),
-        "fetch_ms": round(statistics.median(fetch_s) * 1e3, 2),
+        "modes": by_mode,
     }
     if cfg.json:
         print(json.dumps(result))
         return 0
-    plane = f"{cfg.data_plane}{' (mTLS)' if cfg.tls_dir else ''}"
     print(
         f"peer fetch on loopback: {cfg.peers} peer(s) x {cfg.chunks} chunks x {chunk_bytes / 2**20:.0f} MiB, "
-        f"data plane {plane}, {result['streams']} stream(s) per peer"
+        f"data plane {cfg.data_plane}, {result['streams']} stream(s) per peer"
     )
-    print(f"  Lookup fetching from the peer(s):        {fetch_gbps:.2f} GB/s ({result['fetch_ms']} ms)")
-    print(
-        f"  raw socket copy, {connections} connection(s) (limit): {raw_gbps:.2f} GB/s   "
-        f"ratio {result['ratio']:.3f}"
-    )
+    for mode, m in by_mode.items():
+        label = _LABELS[mode] if cfg.data_plane == "socket" else ("mTLS" if mode != "none" else "no TLS")
+        print(
+            f"  Lookup fetching, {label + ':':38s} {m['fetch_gbps']:6.2f} GB/s ({m['fetch_ms']} ms)   "
+            f"ratio {m['ratio']:.3f}"
+        )
+    print(f"  raw socket copy, {connections} connection(s) (limit):{' ' * 12}{raw_gbps:6.2f} GB/s")
     return 0
+
+
+_LABELS = {
+    "none": "no TLS (xxh3 checksums)",
+    "mac": "mTLS ticket, mac (keyed BLAKE3)",
+    "aead": "mTLS ticket, aead (AES-256-GCM)",
+    "tls": "mTLS ticket, tls (TLS data sockets)",
+}
+
+
+def _fetch_round(
+    cfg: P2PBenchConfig,
+    r: int,
+    ns: KeyNamespace,
+    ids: list[list[int]],
+    peers: list[AgentClient],
+    addresses: list[str],
+    fetcher: AgentClient,
+    tokens_per_chunk: int,
+) -> float | None:
+    """Store ``--chunks`` fresh chunks on each peer, then time the concurrent Lookups fetching them
+    (seconds; None when a store or fetch fell short, said on stderr)."""
+    from kvgrid.common.hashing import chunk_keys
+
+    keys = []
+    for p, client in enumerate(peers):
+        tokens = [(r * 7919 + p * 104_729 + j) % 32_000 for j in range(cfg.chunks * tokens_per_chunk)]
+        keys.append(chunk_keys(tokens, ns))
+        if client.store("bench", keys[p], ids).num_stored_chunks != cfg.chunks:
+            print(f"kvgrid bench p2p: store on peer {p} fell short", file=sys.stderr)
+            return None
+    got = [0] * len(peers)
+
+    def fetch(p: int) -> None:
+        got[p] = fetcher.lookup("bench", "", keys[p], peer_address=addresses[p]).num_peer_chunks
+
+    fetches = [threading.Thread(target=fetch, args=(p,)) for p in range(len(peers))]
+    t0 = time.perf_counter()
+    for th in fetches:
+        th.start()
+    for th in fetches:
+        th.join()
+    dt = time.perf_counter() - t0
+    if got != [cfg.chunks] * len(peers):
+        print(f"kvgrid bench p2p: fetch fell short: {got} of {cfg.chunks} per peer", file=sys.stderr)
+        return None
+    return dt

@@ -21,9 +21,11 @@ Data plane (``peer_data_plane=socket``, :mod:`kvgrid.agent.p2p`): the fetcher as
 ``data_streams``; a sender with a data plane answers with one ticket message (bound to the caller's
 certificate identity) and moves the bytes on its data port (the gRPC stream stays open until they
 are out, holding the chunks' references); a sender without one streams them as above, so either side
-may have it off. A data port the fetcher cannot reach is retried over gRPC at once, and that peer's
-fetches use gRPC until a backoff passes (:class:`DataPlaneBackoff`, ``peer_data_retry_*_ms``); then
-its data port is tried again -- never given up for good.
+may have it off. With TLS the fetcher also asks for its ``peer_data_security`` and takes the mode
+the answer names only when it is at least as strong (``mac`` < ``aead``, ``tls``). A data port the
+fetcher cannot reach is retried over gRPC at once, and that peer's fetches use gRPC until a backoff
+passes (:class:`DataPlaneBackoff`, ``peer_data_retry_*_ms``); then its data port is tried again --
+never given up for good.
 
 Serving deadline: a stream still sending at its ``deadline`` (the agent's ``peer_stream_timeout_ms``)
 fails with DEADLINE_EXCEEDED; a data-plane ticket lives at most until then.
@@ -48,7 +50,16 @@ from opentelemetry import metrics, trace
 from kvgrid.agent.cache import ChunkCache, MissCause
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import Chunk
-from kvgrid.agent.p2p import DataPlaneServer, Ticket, client_context, fetch_streams, ticket_streams
+from kvgrid.agent.p2p import (
+    KEY_BYTES,
+    DataPlaneServer,
+    Ticket,
+    accepted_security,
+    check_security_dependencies,
+    client_context,
+    fetch_streams,
+    ticket_streams,
+)
 from kvgrid.agent.peer_guard import ServingDeadlineExceeded
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.checksum import ChecksumMismatch, chunk_checksum, verify_checksum
@@ -231,6 +242,7 @@ class ChunkSender:
         self.num_chunks = len(chunks)
         self.data_plane = data_plane if req.data_streams else None
         self.data_streams = int(req.data_streams)
+        self.data_security = req.data_security
         self.ticket_ttl_s = ticket_ttl_s
         self.deadline = deadline
         self.caller = caller
@@ -266,7 +278,11 @@ class ChunkSender:
         with self._lock:
             chunks, self._pending = self._pending, []
         ticket = plane.issue(
-            self.cache, chunks, ticket_streams(self.data_streams, len(chunks)), identity=self.caller
+            self.cache,
+            chunks,
+            ticket_streams(self.data_streams, len(chunks)),
+            identity=self.caller,
+            requested=self.data_security,
         )
         with self._lock:
             self._ticket = ticket
@@ -279,6 +295,8 @@ class ChunkSender:
                 chunk_bytes=chunks[0].nbytes,
                 data_ticket=ticket.secret,
                 data_port=plane.port,
+                data_security="" if ticket.security == "plain" else ticket.security,
+                data_key=ticket.key,
             )
             ticket.finished.wait(ttl)
         finally:
@@ -471,6 +489,10 @@ class PeerFetcher:
         )
         self.data_streams = config.peer_data_streams if config.peer_data_plane == "socket" else 0
         self._tls_files = config.tls
+        # With TLS: the data plane's mode asked for, and the weakest taken (p2p.accepted_security).
+        self.data_security = config.peer_data_security if config.tls is not None else ""
+        if self.data_streams and self.data_security:
+            check_security_dependencies(self.data_security)  # a missing package fails at start
         # Background receivers of asynchronous fetches (peer_fetch_mode=async), and the peers whose
         # data port could not be reached lately (fetched over gRPC until their backoff passes).
         self._landing = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvgrid-peer-land")
@@ -661,6 +683,7 @@ class PeerFetcher:
             max_part_bytes=self.part_bytes,
             requester_pod_uid=self.self_uid,
             data_streams=data_streams,
+            data_security=self.data_security if data_streams else "",
         )
         t0 = time.perf_counter()
         call = self._stub(cand.address).FetchChunks(req, timeout=max(0.001, deadline - time.monotonic()))
@@ -835,6 +858,17 @@ class PeerFetcher:
                 f"data plane ticket with port {msg.data_port} and chunk_bytes {msg.chunk_bytes}; "
                 f"expected a port and {bytes_per_chunk}",
             )
+        tls = self._tls_files is not None
+        try:
+            security = accepted_security(msg.data_security, self.data_security, tls=tls)
+        except ValueError as e:
+            raise PeerError("protocol", f"data plane ticket: {e}") from None
+        if security in ("mac", "aead") and len(msg.data_key) != KEY_BYTES:
+            raise PeerError(
+                "protocol",
+                f"data plane ticket ({security}) with a data_key of {len(msg.data_key)} bytes; expected "
+                f"{KEY_BYTES}",
+            )
         got = fetch_streams(
             _host(cand.address),
             msg.data_port,
@@ -844,7 +878,11 @@ class PeerFetcher:
             chunk_bytes=bytes_per_chunk,
             targets=targets,
             deadline=deadline,
-            tls=client_context(self._tls_files) if self._tls_files is not None else None,
+            tls=client_context(self._tls_files)
+            if security == "tls" and self._tls_files is not None
+            else None,
+            security=security,
+            key=msg.data_key,
         )
         filled = got.leading()
         for i in range(filled):
