@@ -15,12 +15,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-_CORE = [("configmaps", "ConfigMap"), ("secrets", "Secret"), ("services", "Service"), ("pods", "Pod")]
+_CORE = [
+    ("configmaps", "ConfigMap"),
+    ("secrets", "Secret"),
+    ("services", "Service"),
+    ("pods", "Pod"),
+    ("serviceaccounts", "ServiceAccount"),
+]
 _GROUPS = {
     "apps/v1": [("deployments", "Deployment")],
     "policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget")],
     "networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy")],
+    "rbac.authorization.k8s.io/v1": [
+        ("clusterroles", "ClusterRole"),
+        ("clusterrolebindings", "ClusterRoleBinding"),
+    ],
 }
+_CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding"}
 CERT_MANAGER = {"cert-manager.io/v1": [("certificates", "Certificate"), ("issuers", "Issuer")]}
 _PLURAL = {kind: plural for plural, kind in _CORE}
 
@@ -32,7 +43,13 @@ def _resources(group_version: str, items: list[tuple[str, str]]) -> dict[str, An
         "apiVersion": "v1",
         "groupVersion": group_version,
         "resources": [
-            {"name": p, "singularName": k.lower(), "namespaced": True, "kind": k, "verbs": verbs}
+            {
+                "name": p,
+                "singularName": k.lower(),
+                "namespaced": k not in _CLUSTER_SCOPED,
+                "kind": k,
+                "verbs": verbs,
+            }
             for p, k in items
         ],
     }

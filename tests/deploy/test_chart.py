@@ -460,21 +460,53 @@ def test_otel_endpoint_reaches_every_kvgrid_container(helm: list[str], tmp_path:
                 assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in _literal_env(c)
 
 
-def test_no_rbac_while_the_controller_does_not_call_the_kubernetes_api(
-    helm: list[str], tmp_path: Path
-) -> None:
-    """RBAC only for what the code does. When a pod watch lands, this fails: add get/list/watch pods."""
-    uses_k8s = [
-        p.name
-        for p in (ROOT / "services" / "kvgrid" / "controller").glob("*.py")
-        if re.search(r"^\s*(import|from)\s+kubernetes\b", p.read_text(), re.M)
+_RBAC_KINDS = {"ServiceAccount", "Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
+
+
+def test_rbac_is_exactly_the_token_reviews_the_controller_makes(helm: list[str], tmp_path: Path) -> None:
+    """RBAC only for what the code does: the controller's one Kubernetes API call is creating a
+    TokenReview (agent_pod_proof=token, the chart's podToken default). When the code calls more,
+    this fails: grant that too."""
+    sources = [*(ROOT / "services" / "kvgrid" / "controller").glob("*.py")]
+    sources += [*(ROOT / "services" / "kvgrid" / "common").glob("*.py")]
+    uses_client = [
+        p.name for p in sources if re.search(r"^\s*(import|from)\s+kubernetes\b", p.read_text(), re.M)
     ]
-    assert uses_k8s == [], f"controller now uses the Kubernetes API ({uses_k8s}): give the chart RBAC for it"
-    docs = _template(helm, VALUE_SETS["redis-url"], tmp_path)
-    kinds = {d["kind"] for d in docs}
-    assert not kinds & {"ServiceAccount", "Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
-    pod = _find(docs, "Deployment", f"{RELEASE}-kvgrid-controller")["spec"]["template"]["spec"]
-    assert pod["automountServiceAccountToken"] is False
+    assert uses_client == [], (
+        f"the controller now uses the Kubernetes client ({uses_client}): grant its calls"
+    )
+    paths = {m for p in sources for m in re.findall(r"\"(/apis?/[^\"]+)\"", p.read_text())}
+    assert paths == {"/apis/authentication.k8s.io/v1/tokenreviews"}, paths
+
+    docs = _template(helm, VALUE_SETS["redis-url"], tmp_path)  # the default identity: podToken
+    ctrl = f"{RELEASE}-kvgrid-controller"
+    pod = _find(docs, "Deployment", ctrl)["spec"]["template"]["spec"]
+    assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == (ctrl, True)
+    assert _find(docs, "ServiceAccount", ctrl)["automountServiceAccountToken"] is False  # only this pod
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert role["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}
+    ]
+    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": ctrl, "namespace": NAMESPACE}]
+    assert NAMESPACE in role["metadata"]["name"]  # cluster-wide names: one per release and namespace
+    assert not {"Role", "RoleBinding"} & {d["kind"] for d in docs}
+
+    # No tokens to verify (per-pod certificates, the explicit shared certificate, no TLS): no RBAC.
+    for values in (
+        VALUE_SETS["tp2-per-gpu-per-pod"],
+        {"tls": {"agentIdentity": "sharedCertificateUnverified"}},
+        VALUE_SETS["tls-off"],
+    ):
+        docs = _template(helm, values, tmp_path)
+        assert not _RBAC_KINDS & {d["kind"] for d in docs}, values
+        pod = _find(docs, "Deployment", ctrl)["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
 
 
 def test_service_link_env_would_not_break_the_config_loaders(helm: list[str], tmp_path: Path) -> None:

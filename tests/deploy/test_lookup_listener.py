@@ -44,7 +44,7 @@ from tests.agent.helpers import wait_for
 from tests.deploy.chart import NAMESPACE, RELEASE, container, find, template
 from tests.deploy.issuer import sign_certificate
 from tests.deploy.netpol import Pod, ingress_allowed
-from tests.deploy.test_tls import MOUNT, _mounted_volume, _pod_env
+from tests.deploy.test_tls import MOUNT, _in_cluster_api, _mounted_volume, _pod_env
 from tests.security.conftest import SnapshotAgent, channel_as, tls_flags
 from tests.security.pki import TestCA, spiffe
 
@@ -133,6 +133,10 @@ def rendered(
     ports = {f: free_port() for f in ("--listen", "--health-port", "--lookup-port", "--prometheus-port")}
     args = _moved(list(c["args"]), ports)
     assert c["command"] == ["kvgrid"] and args[0] == "controller"
+    # The default agent identity (podToken): agents register with their pod's ServiceAccount token,
+    # which the controller verifies with the API server (a stand-in, tests/security/kube_tokens.py).
+    kube_api = _in_cluster_api(pod, env, tmp / "kube")
+    kube = kube_api.__enter__()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvgrid.cli", *args], env=env, stdout=subprocess.PIPE, text=True
     )
@@ -148,9 +152,13 @@ def rendered(
         for uid, n in (("pod-a", 6), ("pod-b", 2)):
             agent = SnapshotAgent(agent_files, uid, 1, chunk_keys(TOKENS, NS)[:n], NS.namespace_id())
             agents.append(agent)
+            kube.add_pod(NAMESPACE, uid, uid=uid)
+            token = kube.token(NAMESPACE, uid)
             with channel_as(run.grpc, agent_files, CONTROLLER_SERVER_NAME) as ch:
                 stub = controller_pb2_grpc.ControllerServiceStub(ch)
-                wait_for("the controller answering agents", lambda s=stub, a=agent: _register(s, a), 60)
+                wait_for(
+                    "the controller answering agents", lambda s=stub, a=agent, t=token: _register(s, a, t), 60
+                )
         with channel_as(run.grpc, run.router, CONTROLLER_SERVER_NAME) as ch:
             stub = controller_pb2_grpc.ControllerServiceStub(ch)
             wait_for(
@@ -162,12 +170,15 @@ def rendered(
         proc.wait(15)
         for a in agents:
             a.server.stop(0)
+        kube_api.__exit__(None, None, None)
 
 
-def _register(stub: controller_pb2_grpc.ControllerServiceStub, agent: SnapshotAgent) -> bool:
+def _register(stub: controller_pb2_grpc.ControllerServiceStub, agent: SnapshotAgent, token: str) -> bool:
     try:
         stub.RegisterAgent(
-            controller_pb2.RegisterAgentRequest(pod=agent.pod, namespaces=[NS.namespace_id()]), timeout=5
+            controller_pb2.RegisterAgentRequest(pod=agent.pod, namespaces=[NS.namespace_id()]),
+            timeout=5,
+            metadata=[("authorization", f"Bearer {token}")],
         )
         return True
     except grpc.RpcError:

@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgrid.agent.config import AgentConfig
-from kvgrid.api.v1 import controller_pb2, controller_pb2_grpc
+from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.config import config_from_args
 from kvgrid.controller.config import ControllerConfig
 from tests.agent.helpers import wait_for
@@ -41,6 +41,7 @@ from tests.deploy.chart import (
     values_args,
 )
 from tests.deploy.issuer import sign_certificate, sign_csi_volume
+from tests.security.kube_tokens import KubeTokens, kube_tokens
 from tests.security.pki import TestCA
 
 MOUNT = "/etc/kvgrid/tls"
@@ -173,6 +174,10 @@ FAILING: list[tuple[dict[str, Any], bool, str]] = [
      True, "tls.agentIdentity=perPod needs certificates from cert-manager's csi-driver"),
     ({"tls": {"provider": "existingSecrets", "existingSecrets": {"controller": "c"}}},
      True, "tls.provider=existingSecrets needs tls.existingSecrets.agent"),
+    ({"tls": {"agentIdentity": "shared"}},
+     True, "tls.agentIdentity=shared is no longer a choice: one shared agent certificate lets any agent pod "
+           "register, heartbeat and publish as any other pod. Expected podToken"),
+    ({"tls": {"podToken": {"expirationSeconds": 60}}}, True, "/tls/podToken/expirationSeconds"),
 ]  # fmt: skip
 
 
@@ -352,17 +357,51 @@ def _run_rendered(
     assert f"--health-port={probe_port}" in ctrl["args"]
     health = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "kvgrid.cli", "controller", "--listen", address, "--log-level", "WARNING"]
-    with _process([*cmd, "--health-port", health.rpartition(":")[2]], ctrl_env):
+    # The rendered agent identity mode (--agent-pod-proof and its token settings), as rendered.
+    cmd += [str(a) for a in ctrl["args"] if str(a).startswith("--agent-")]
+    with ExitStack() as stack:
+        kube = None
+        if "--agent-pod-proof=token" in ctrl["args"]:
+            kube = stack.enter_context(_in_cluster_api(ctrl_pod, ctrl_env, tmp_path / "kube"))
+            kube.add_pod(NAMESPACE, "engine-0", "default", uid=pod_uid)
+        stack.enter_context(_process([*cmd, "--health-port", health.rpartition(":")[2]], ctrl_env))
         router_files = certs[f"{RELEASE}-kvgrid-router-tls"]
         wait_for("the controller serving mTLS", lambda: _serving(address, router_files), 60)
         assert _plaintext_health(health) == health_pb2.HealthCheckResponse.SERVING  # what the kubelet sees
         with pytest.raises(grpc.RpcError):  # while the service port wants a client certificate
             _plaintext_health(address)
-        with _agents(sidecars, engine, tmp_path, certs, ca, pod_uid, address) as expected:
+        with _agents(sidecars, engine, tmp_path, certs, ca, pod_uid, address, kube) as expected:
             wait_for("the agents registered", lambda: _registered_pods(address, router_files) >= expected, 30)
             if while_running is not None:
                 while_running(address, certs)
             return _registered_pods(address, router_files)
+
+
+@contextmanager
+def _in_cluster_api(ctrl_pod: dict[str, Any], env: dict[str, str], tmp: Path) -> Iterator[KubeTokens]:
+    """What a pod with the rendered ServiceAccount gets in a cluster, for the controller's TokenReviews:
+    the API server's address in KUBERNETES_SERVICE_HOST/PORT (the stand-in of
+    tests/security/kube_tokens.py) and its mounted ServiceAccount token and the cluster CA (moved
+    from /var/run/secrets/kubernetes.io/serviceaccount, which the test cannot write, by env)."""
+    assert ctrl_pod["automountServiceAccountToken"] is True
+    assert ctrl_pod["serviceAccountName"] == f"{RELEASE}-kvgrid-controller"
+    with kube_tokens(tmp, TestCA("cluster CA")) as (kube, url, ca_file):
+        kube.allow_reviewer("controller-sa-token")
+        (tmp / "token").write_text("controller-sa-token")
+        host, _, port = url.removeprefix("https://").rpartition(":")
+        env |= {"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}
+        env |= {"KVGRID_KUBE_API_TOKEN_FILE": str(tmp / "token"), "KVGRID_KUBE_API_CA_FILE": str(ca_file)}
+        yield kube
+
+
+def _pod_token_mount(pod: dict[str, Any], c: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(mount path, serviceAccountToken source) of the container's projected pod-token volume."""
+    for m in c["volumeMounts"]:
+        (volume,) = [v for v in pod["volumes"] if v["name"] == m["name"]]
+        for source in volume.get("projected", {}).get("sources", []):
+            if "serviceAccountToken" in source:
+                return m["mountPath"], source["serviceAccountToken"]
+    return None
 
 
 def _plaintext_health(address: str) -> int:
@@ -390,6 +429,7 @@ def _agents(
     ca: TestCA | None,
     pod_uid: str,
     address: str,
+    kube: KubeTokens | None = None,
 ) -> Iterator[set[str]]:
     procs: list[subprocess.Popen[str]] = []
     expected: set[str] = set()
@@ -410,6 +450,15 @@ def _agents(
             expected.add(env["POD_UID"])
             d = tmp_path / f"agent-{i}"
             d.mkdir()
+            token = _pod_token_mount(pod, c)
+            if token is not None:  # what the kubelet writes into the projected volume
+                assert kube is not None, "the agent mounts a pod token but the controller verifies none"
+                path, source = token
+                (d / "pod-token").mkdir()
+                (d / "pod-token" / source["path"]).write_text(
+                    kube.token(NAMESPACE, "engine-0", source["audience"], source["expirationSeconds"])
+                )
+                env = {k: v.replace(path, str(d / "pod-token")) for k, v in env.items()}
             cmd = [
                 sys.executable, "-m", "kvgrid.cli", "agent", "--uds-path", str(d / "agent.sock"),
                 "--tcp-host", "127.0.0.1", "--tcp-port", "0", "--l1-size", "8MiB", "--l1-page-size", "4KiB",
@@ -431,11 +480,119 @@ def _agents(
                 p.wait()
 
 
-def test_rendered_shared_identity_setup_registers_over_mtls(
+def test_rendered_default_identity_setup_registers_over_mtls_as_its_pod_only(
     helm: list[str], tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
+    """The default (podToken): the shared agent certificate plus the pod's projected token, verified
+    by the rendered controller (TokenReview with its own ServiceAccount). A holder of the shared
+    certificate and this pod's token still cannot register another pod, nor anyone without a token."""
     docs = template(helm, EXAMPLE, tmp_path)
-    assert _run_rendered(docs, tmp_path, free_port, TestCA(), "uid-1") == {"uid-1"}
+    seen: dict[str, str] = {}
+
+    def attack(address: str, certs: dict[str, Path]) -> None:
+        token = next(tmp_path.glob("agent-0/pod-token/token")).read_text()
+        with _channel(address, certs[f"{RELEASE}-kvgrid-agent-tls"]) as ch:
+            stub = controller_pb2_grpc.ControllerServiceStub(ch)
+            for name, metadata in (("other pod", [("authorization", f"Bearer {token}")]), ("no token", None)):
+                req = controller_pb2.RegisterAgentRequest(
+                    pod=common_pb2.PodIdentity(pod_uid="uid-other", epoch=1)
+                )
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.RegisterAgent(req, timeout=10, metadata=metadata)
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                seen[name] = err.value.details() or ""
+
+    assert _run_rendered(docs, tmp_path, free_port, TestCA(), "uid-1", while_running=attack) == {"uid-1"}
+    assert (
+        "'uid-other'" in seen["other pod"]
+        and f"ServiceAccount token of pod {NAMESPACE}/engine-0" in seen["other pod"]
+    )
+    assert "sent no pod token" in seen["no token"]
+
+
+def test_rendered_per_gpu_sidecars_share_the_pods_token(
+    helm: list[str], tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    """Two sidecars (TP=2) with the shared certificate and the pod's one token register as
+    <pod uid>-gpu0 and -gpu1: the token proves the pod, the suffix names the GPU."""
+    values = {
+        "agent": {"sidecarsPerPod": 2},
+        "examples": {"vllm": {"enabled": True, "gpus": 2, "extraArgs": ["--tensor-parallel-size", "2"]}},
+    }
+    docs = template(helm, values, tmp_path)
+    assert _run_rendered(docs, tmp_path, free_port, TestCA(), "uid-8") == {"uid-8-gpu0", "uid-8-gpu1"}
+
+
+def test_rendered_explicit_shared_certificate_setup_still_registers(
+    helm: list[str], tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    values = {"tls": {"agentIdentity": "sharedCertificateUnverified"}, **EXAMPLE}
+    docs = template(helm, values, tmp_path)
+    assert "--agent-pod-proof=unverified" in container(_controller_pod(docs), "controller")["args"]
+    assert _pod_token_mount(_engine_pod(docs), container(_engine_pod(docs), "kvgrid-agent")) is None
+    assert _run_rendered(docs, tmp_path, free_port, TestCA(), "uid-2") == {"uid-2"}
+
+
+def test_the_unverified_shared_certificate_is_a_loud_explicit_choice(helm: list[str], tmp_path: Path) -> None:
+    """Not the default; when chosen, the install notes warn what it gives away."""
+    notes = {}
+    for mode in ("podToken", "sharedCertificateUnverified"):
+        values = {} if mode == "podToken" else {"tls": {"agentIdentity": mode}}
+        proc = run(
+            [
+                *helm,
+                "install",
+                RELEASE,
+                str(CHART),
+                "-n",
+                NAMESPACE,
+                "--dry-run=client",
+                *values_args(values, tmp_path),
+            ]
+        )
+        assert proc.returncode == 0, proc.stderr
+        notes[mode] = proc.stdout
+    assert "WARNING: tls.agentIdentity=sharedCertificateUnverified" in notes["sharedCertificateUnverified"]
+    assert (
+        "any agent pod can register, heartbeat and publish as any other"
+        in notes["sharedCertificateUnverified"]
+    )
+    assert "WARNING: tls.agentIdentity" not in notes["podToken"]
+    assert "Agents prove their pod with a projected ServiceAccount token" in notes["podToken"]
+
+
+def test_the_pod_token_volume_is_the_sidecars_alone(helm: list[str], tmp_path: Path) -> None:
+    """A projected ServiceAccount token of tls.podToken's audience and lifetime, group-readable
+    (tls.fsGroup) and read-only in every agent sidecar, named by the env the real parser reads; the
+    engine container does not mount it; the controller is told the same audience."""
+    values = {"tls": {"podToken": {"audience": "kv-prod", "expirationSeconds": 900, "cacheMs": 5000}}}
+    docs = template(
+        helm,
+        {**values, "agent": {"sidecarsPerPod": 2}, "examples": {"vllm": {"enabled": True, "gpus": 2}}},
+        tmp_path,
+    )
+    pod = _engine_pod(docs)
+    for name in ("kvgrid-agent-0", "kvgrid-agent-1"):
+        c = container(pod, name)
+        found = _pod_token_mount(pod, c)
+        assert found is not None
+        path, source = found
+        assert source == {"audience": "kv-prod", "expirationSeconds": 900, "path": "token"}
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == path]
+        assert mount["readOnly"] is True
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["projected"]["defaultMode"] == 0o440
+        cfg = config_from_args(AgentConfig, _parser_ns(c), env=literal_env(c))
+        assert cfg.controller_token_file == f"{path}/token"
+        assert cfg.tls is not None and cfg.tls.controller_token_file == f"{path}/token"
+    assert _pod_token_mount(pod, container(pod, "vllm")) is None
+    ctrl = container(_controller_pod(docs), "controller")
+    cfg = config_from_args(ControllerConfig, _parser_ns(ctrl), env=literal_env(ctrl))
+    assert (cfg.agent_pod_proof, cfg.agent_token_audience, cfg.agent_token_cache_ms) == (
+        "token",
+        "kv-prod",
+        5000,
+    )
 
 
 def test_rendered_per_gpu_per_pod_identities_register_over_mtls(

@@ -339,6 +339,9 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
     {{- include "kvgrid.podEnv" $root | nindent 4 }}
     {{- end }}
     {{- include "kvgrid.tlsEnv" $root | nindent 4 }}
+    {{- with include "kvgrid.podTokenEnv" $root }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- if $root.Values.agent.nvidiaVisibleDevices }}
     - name: NVIDIA_VISIBLE_DEVICES
       value: {{ $root.Values.agent.nvidiaVisibleDevices | quote }}
@@ -388,6 +391,9 @@ The agent sidecar containers (agent.sidecarsPerPod of them). They are native sid
     {{- end }}
     {{- $tlsVolume := ternary (include "kvgrid.agentVolumeName" (dict "root" $root "i" $i "base" "kvgrid-tls")) "kvgrid-tls" (eq $root.Values.tls.agentIdentity "perPod") }}
     {{- include "kvgrid.tlsVolumeMount" (dict "root" $root "volume" $tlsVolume) | nindent 4 }}
+    {{- with include "kvgrid.podTokenMount" $root }}
+    {{- . | nindent 4 }}
+    {{- end }}
   {{- with $root.Values.agent.resources }}
   resources:
     {{- toYaml . | nindent 4 }}
@@ -475,6 +481,11 @@ capabilities:
 {{- end }}
 {{- if ne (include "kvgrid.tlsProvider" .) "off" }}
 - {{ printf "--health-port=%d" (int .Values.controller.healthPort) | quote }}
+- {{ printf "--agent-pod-proof=%s" (include "kvgrid.agentPodProof" .) | quote }}
+{{- if include "kvgrid.podTokens" . }}
+- {{ printf "--agent-token-audience=%s" .Values.tls.podToken.audience | quote }}
+- {{ printf "--agent-token-cache-ms=%d" (int .Values.tls.podToken.cacheMs) | quote }}
+{{- end }}
 {{- else }}
 {{- /* Without TLS a non-loopback --listen is refused unless said explicitly (docs/security.md). */}}
 - "--insecure-plaintext-on-network"
@@ -516,7 +527,7 @@ capabilities:
 {{- if and $c.enabled (eq $c.index.backend "redis") (not $c.index.redis.url) (not $c.index.redis.existingSecret) }}
 {{- fail "controller.index.backend=redis needs controller.index.redis.url (e.g. redis://valkey:6379/0) or controller.index.redis.existingSecret naming a Secret that holds the URL" }}
 {{- end }}
-{{- range $key := list "listen" "index_backend" "redis_url" "redis_prefix" "redis_cluster" "lease_ttl_ms" "grpc_workers" "prometheus_port" "health_port" "lookup_port" "readiness_settle_ms" "readiness_max_wait_ms" "tls_cert_file" "tls_key_file" "tls_ca_file" "tls_trust_domain" }}
+{{- range $key := list "listen" "index_backend" "redis_url" "redis_prefix" "redis_cluster" "lease_ttl_ms" "grpc_workers" "prometheus_port" "health_port" "lookup_port" "readiness_settle_ms" "readiness_max_wait_ms" "tls_cert_file" "tls_key_file" "tls_ca_file" "tls_trust_domain" "agent_pod_proof" "agent_token_audience" "agent_token_cache_ms" }}
 {{- if hasKey $c.config $key }}
 {{- fail (printf "controller.config.%s is set by the chart (a flag wins over the config file); use the dedicated value instead (see values.yaml: controller.port, controller.index.*, controller.leaseTtlMs, controller.grpcWorkers, controller.metricsPort, controller.healthPort, controller.lookupPort, controller.readiness.*, tls.*)" $key) }}
 {{- end }}
@@ -564,8 +575,11 @@ capabilities:
 {{- fail "agent.tiers.disk.volume.type=persistentVolumeClaim needs agent.tiers.disk.volume.claimName: expected the name of an existing PersistentVolumeClaim" }}
 {{- end }}
 {{- $tls := include "kvgrid.tlsProvider" . }}
+{{- if eq .Values.tls.agentIdentity "shared" }}
+{{- fail "tls.agentIdentity=shared is no longer a choice: one shared agent certificate lets any agent pod register, heartbeat and publish as any other pod. Expected podToken (the default: the shared certificate plus each pod's ServiceAccount token, verified by the controller), perPod (cert-manager's csi-driver) or, to keep the old behaviour knowingly, sharedCertificateUnverified (docs/security.md, \"Agent identity modes\")" }}
+{{- end }}
 {{- if and (eq .Values.tls.agentIdentity "perPod") (ne $tls "cert-manager") }}
-{{- fail (printf "tls.agentIdentity=perPod needs certificates from cert-manager's csi-driver (csi.cert-manager.io), got tls provider %q: expected tls.provider=auto on a cluster with cert-manager, or tls.provider=cert-manager, or tls.agentIdentity=shared (certificates Helm makes carry no per-pod identity)" $tls) }}
+{{- fail (printf "tls.agentIdentity=perPod needs certificates from cert-manager's csi-driver (csi.cert-manager.io), got tls provider %q: expected tls.provider=auto on a cluster with cert-manager, or tls.provider=cert-manager, or tls.agentIdentity=podToken (the default; certificates Helm makes carry no per-pod identity, pod ServiceAccount tokens prove the pod instead)" $tls) }}
 {{- end }}
 {{- if eq $tls "existingSecrets" }}
 {{- range $role := list "controller" "agent" }}

@@ -90,6 +90,38 @@ A release on cert-manager whose cluster lost cert-manager.io/v1 fails rather tha
 {{- include "kvgrid.componentName" (dict "root" . "suffix" "tls-source") }}
 {{- end }}
 
+{{/*
+"true" when agents prove their pod by a ServiceAccount token (tls.agentIdentity=podToken with TLS on):
+the sidecars mount it and the controller verifies it (TokenReview). Without TLS nothing is verified.
+*/}}
+{{- define "kvgrid.podTokens" -}}
+{{- if and (ne (include "kvgrid.tlsProvider" .) "off") (eq .Values.tls.agentIdentity "podToken") }}true{{ end }}
+{{- end }}
+
+{{/* The controller's --agent-pod-proof for tls.agentIdentity. */}}
+{{- define "kvgrid.agentPodProof" -}}
+{{- get (dict "podToken" "token" "perPod" "certificate" "sharedCertificateUnverified" "unverified" "shared" "unverified") .Values.tls.agentIdentity }}
+{{- end }}
+
+{{- define "kvgrid.podTokenDir" -}}/var/run/secrets/kvgrid{{- end }}
+
+{{/* The mount of the pod token volume in an agent sidecar (podToken mode). */}}
+{{- define "kvgrid.podTokenMount" -}}
+{{- if include "kvgrid.podTokens" . -}}
+- name: kvgrid-pod-token
+  mountPath: {{ include "kvgrid.podTokenDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The agent sidecar's env naming the token file (podToken mode). */}}
+{{- define "kvgrid.podTokenEnv" -}}
+{{- if include "kvgrid.podTokens" . -}}
+- name: KVGRID_CONTROLLER_TOKEN_FILE
+  value: {{ printf "%s/token" (include "kvgrid.podTokenDir" .) | quote }}
+{{- end }}
+{{- end }}
+
 {{/* The DNS SAN identity of a role (tls.provider=helm); call with (dict "root" $ "role" "agent"). */}}
 {{- define "kvgrid.dnsId" -}}
 {{- printf "%s.%s.kvgrid-id.%s" .role .root.Release.Namespace .root.Values.tls.trustDomain }}
@@ -180,8 +212,10 @@ group: cert-manager.io
 
 {{/*
 Certificate volumes of an engine pod's agent sidecars: one Secret volume shared by all (shared agent
-identity) or one csi.cert-manager.io volume per sidecar whose URI SAN carries the pod UID (perPod;
-sidecar i of several proves <pod uid>-gpu<i>, the POD_UID it registers with).
+certificate) or one csi.cert-manager.io volume per sidecar whose URI SAN carries the pod UID (perPod;
+sidecar i of several proves <pod uid>-gpu<i>, the POD_UID it registers with); with podToken also the
+projected volume of the pod's ServiceAccount token (audience tls.podToken.audience), which every
+sidecar of the pod sends to the controller.
 */}}
 {{- define "kvgrid.agentTlsVolumes" -}}
 {{- if ne (include "kvgrid.tlsProvider" .) "off" }}
@@ -210,6 +244,18 @@ sidecar i of several proves <pod uid>-gpu<i>, the POD_UID it registers with).
 {{- end }}
 {{- else }}
 {{ include "kvgrid.tlsSecretVolume" (dict "root" . "role" "agent" "volume" "kvgrid-tls") }}
+{{- end }}
+{{- if include "kvgrid.podTokens" . }}
+{{- /* The pod's own ServiceAccount token for the controller (podToken): the kubelet writes a new one
+before the old expires; group-readable by tls.fsGroup, like the certificate Secret. */}}
+- name: kvgrid-pod-token
+  projected:
+    defaultMode: 0440
+    sources:
+      - serviceAccountToken:
+          audience: {{ .Values.tls.podToken.audience | quote }}
+          expirationSeconds: {{ .Values.tls.podToken.expirationSeconds | int }}
+          path: token
 {{- end }}
 {{- end }}
 {{- end }}

@@ -9,7 +9,7 @@ import msgspec
 from kvgrid.common.authz import parse_chunk_readers
 from kvgrid.common.config import ByteSize, GiB, check_choices
 from kvgrid.common.rpc import check_plaintext_listen
-from kvgrid.common.tls import TlsSettings
+from kvgrid.common.tls import TlsFiles, TlsSettings
 
 __all__ = ["AgentConfig", "EvictionPolicyName", "LogLevel", "PromotionMode", "Switch"]
 
@@ -162,6 +162,16 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
         str,
         _d("host:port of the kvgrid controller to stream admit/evict events to; empty = no events"),
     ] = ""
+    controller_token_file: Annotated[
+        str,
+        _d(
+            "ServiceAccount token of this agent's pod (a projected volume, audience kvgrid), sent as "
+            "'authorization: Bearer' on every call to the controller and re-read when the kubelet "
+            "rotates it; the controller's agent_pod_proof=token requires it with a shared agent "
+            "certificate (docs/security.md). Needs mTLS: it goes only to servers proving the controller "
+            "certificate name. Empty = none"
+        ),
+    ] = ""
     event_flush_interval_ms: Annotated[
         int, _d("Longest time an event waits before it is sent to the controller (ms)"), msgspec.Meta(gt=0)
     ] = 100
@@ -240,6 +250,18 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
         _d("TCP connections one peer fetch opens to the peer's data port (chunks round-robin over them)"),
         msgspec.Meta(ge=1, le=16),
     ] = 4
+    peer_data_security: Annotated[
+        Literal["mac", "aead", "tls"],
+        _d(
+            "With mTLS, how the peer data plane protects chunk bytes: mac (plaintext TCP; every chunk "
+            "carries a keyed BLAKE3 MAC under a fresh key per ticket, handed out by the mTLS FetchChunks "
+            "call: a changed, swapped or replayed chunk is refused, but the bytes are readable on the "
+            "network), aead (AES-256-GCM under a per-ticket key: integrity and confidentiality) or tls "
+            "(mutual TLS connections: the slowest). A fetcher asks for its mode and refuses a weaker one; "
+            "a server serves the mode asked for, or its own when that is stronger (mac < aead, tls). "
+            "Without TLS the data plane is plaintext with checksums whatever this says"
+        ),
+    ] = "mac"
     peer_directory_ttl_ms: Annotated[
         int,
         _d("How long the controller's agent list (pod -> peer address) is reused before asking again (ms)"),
@@ -377,6 +399,12 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         check_choices(self)
         self.check_tls()
+        if self.controller_token_file and super().tls is None:
+            raise ValueError(
+                f"controller_token_file={self.controller_token_file!r} needs mTLS (tls_cert_file, "
+                "tls_key_file and tls_ca_file): the pod token is sent only over TLS, to a server proving "
+                "the controller's certificate name; expected the TLS files too, or no token file"
+            )
         if self.tcp_port >= 0:
             check_plaintext_listen(
                 "tcp_host",
@@ -460,6 +488,15 @@ class AgentConfig(TlsSettings, frozen=True, kw_only=True):
                 )
             if self.tier_s3_size < 64 * 1024:
                 raise ValueError(f"tier_s3_size={self.tier_s3_size}: expected >= 64KiB")
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """The mTLS files (None when TLS is off), with ``controller_token_file`` for the calls to the
+        controller (:func:`kvgrid.common.tls.make_channel` adds it to those only)."""
+        files = super().tls
+        if files is None or not self.controller_token_file:
+            return files
+        return msgspec.structs.replace(files, controller_token_file=self.controller_token_file)
 
     @property
     def peer_fetch_enabled(self) -> bool:

@@ -32,6 +32,13 @@ Invariants:
   accepts ``tls_allowed_namespaces``, or when that is empty the namespace(s) of the service's own
   certificate identity (a certificate without one is a config error at start); ``*`` accepts every
   namespace of the trust domain.
+- Which pod an agent is (docs/security.md, "Agent identity modes"): a per-pod certificate proves it
+  by its URI. An :class:`Authorizer` with a ``pod_proof`` (the controller's ``agent_pod_proof``:
+  :class:`kvgrid.common.pod_tokens.AgentPodProof`) also requires it, for the methods its
+  :class:`Policy` marks ``pod_bound``, from an agent with the shared certificate: the pod's
+  ServiceAccount token, verified by the Kubernetes API server, turns the caller into that pod's
+  agent (the per-pod URI, its UID and name); without one the call is PERMISSION_DENIED.
+  :meth:`Identity.check_acts_for` is the one check that a proven pod acts only for itself.
 - :func:`caller` is the identity of the call the current thread serves (set by the server toolkit,
   :mod:`kvgrid.common.rpc`, for the duration of a call); None on a listener without TLS.
   :func:`call_context` is that call's ``grpc.ServicerContext`` on a server with an authorizer (an
@@ -54,7 +61,7 @@ import logging
 import re
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 import grpc
 import msgspec
@@ -68,6 +75,7 @@ __all__ = [
     "Authorizer",
     "ChunkReaders",
     "Identity",
+    "PodProof",
     "Policy",
     "Role",
     "call_context",
@@ -97,7 +105,44 @@ class Identity(msgspec.Struct, frozen=True):
     namespace: str
     role: Role
     pod_uid: str = ""
-    """Set only by a per-pod agent certificate: the pod it proves."""
+    """Set only for an agent that proved its pod (a per-pod certificate, or a pod token): that pod."""
+    pod_name: str = ""
+    """The pod's name, when a pod token proved it (a certificate names the UID only)."""
+    proof: str = ""
+    """What proved a pod other than the certificate's SAN ("" = the certificate), for messages."""
+
+    def describe(self) -> str:
+        """The caller as messages name it: its URI, and what proved its pod when not the certificate."""
+        return f"{self.uri!r} ({self.proof})" if self.proof else repr(self.uri)
+
+    def check_acts_for(
+        self,
+        pod_uid: str,
+        what: str,
+        pod_name: str | None = None,
+        rule: str = "an agent may act only for its own pod",
+    ) -> None:
+        """PermissionDenied (``what``: the call and the pod it names, e.g. ``"Heartbeat for
+        pod_uid='x'"``) naming both pods unless this identity may act for ``pod_uid`` (and, when
+        a pod token proved it and ``pod_name`` is not empty, that name): an identity without a proven pod
+        (a shared agent certificate, a controller) is not limited here. One pod's agents may
+        register as ``<pod uid>-gpu<i>`` (one agent per GPU of the pod, the chart's sidecars) when a
+        pod token proved the pod; a per-pod certificate names that suffix itself."""
+        if not self.pod_uid:
+            return
+        ok = pod_uid == self.pod_uid
+        if not ok and self.pod_name:
+            prefix = f"{self.pod_uid}-gpu"
+            ok = pod_uid.startswith(prefix) and pod_uid[len(prefix) :].isdigit()
+        if not ok:
+            raise PermissionDenied(
+                f"{what}: the caller {self.describe()} proves pod {self.pod_uid!r}; {rule}"
+            )
+        if self.pod_name and pod_name and pod_name != self.pod_name:
+            raise PermissionDenied(
+                f"{what} with pod_name={pod_name!r}: the caller {self.describe()} proves pod "
+                f"{self.pod_name!r} (uid {self.pod_uid!r}); expected its own pod name"
+            )
 
 
 def parse_identity(uri: str) -> Identity | None:
@@ -133,6 +178,16 @@ class Policy(msgspec.Struct, frozen=True):
     """Method name -> the roles that may call it, for one service on one listener."""
 
     allowed: Mapping[str, frozenset[Role]]
+    pod_bound: frozenset[str] = frozenset()
+    """Methods an agent may call only as a proven pod when the :class:`Authorizer` has a ``pod_proof``."""
+
+
+class PodProof(Protocol):
+    """Proves which pod an agent caller is (:class:`kvgrid.common.pod_tokens.AgentPodProof`)."""
+
+    def prove(self, method: str, ident: Identity, context: grpc.ServicerContext) -> Identity:
+        """The caller's identity with its pod proven, or PermissionDenied / Unavailable."""
+        ...
 
 
 _CALLER: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("kvgrid_caller", default=None)
@@ -196,7 +251,11 @@ class Authorizer:
     """
 
     def __init__(
-        self, policy: Policy, trust_domain: str, namespaces: Collection[str] = (ANY_NAMESPACE,)
+        self,
+        policy: Policy,
+        trust_domain: str,
+        namespaces: Collection[str] = (ANY_NAMESPACE,),
+        pod_proof: PodProof | None = None,
     ) -> None:
         if not namespaces:
             raise ValueError("namespaces=(): expected at least one namespace (or '*' for any)")
@@ -208,6 +267,9 @@ class Authorizer:
         """The accepted namespaces; None = every namespace of the trust domain."""
         self.authenticates = True
         """False for :meth:`unauthenticated`: no identity is read, every call is admitted."""
+        self.pod_proof = pod_proof
+        """Proves an agent caller's pod for the policy's ``pod_bound`` methods (None: the identity
+        the certificate proves is all there is: a shared agent certificate may claim any pod)."""
 
     @classmethod
     def unauthenticated(cls, policy: Policy) -> Authorizer:
@@ -218,11 +280,13 @@ class Authorizer:
         return authorizer
 
     @classmethod
-    def for_settings(cls, policy: Policy, settings: TlsSettings) -> Authorizer:
+    def for_settings(
+        cls, policy: Policy, settings: TlsSettings, pod_proof: PodProof | None = None
+    ) -> Authorizer:
         """The authorizer of a service with mTLS on: its ``tls_trust_domain``, and the namespaces of
         ``tls_allowed_namespaces`` or, when that is empty, of its own certificate's kvgrid identities
-        in that trust domain (read from ``tls_cert_file`` now). ValueError naming the settings when
-        neither tells a namespace."""
+        in that trust domain (read from ``tls_cert_file`` now); ``pod_proof`` as in the constructor.
+        ValueError naming the settings when neither tells a namespace."""
         td = settings.tls_trust_domain
         namespaces = list(settings.tls_allowed_namespaces)
         source = "tls_allowed_namespaces"
@@ -248,7 +312,7 @@ class Authorizer:
             ", ".join(namespaces),
             source,
         )
-        return cls(policy, td, namespaces)
+        return cls(policy, td, namespaces, pod_proof)
 
     def identify(self, context: grpc.ServicerContext, method: str = "") -> Identity:
         """The caller's identity, if it is of our trust domain and an accepted namespace; else
@@ -293,6 +357,8 @@ class Authorizer:
             raise PermissionDenied(
                 f"{method} needs a {_roles(roles)} identity; the caller {ident.uri!r} is a {ident.role}"
             )
+        if self.pod_proof is not None and ident.role == "agent" and method in self.policy.pod_bound:
+            ident = self.pod_proof.prove(method, ident, context)
         return ident
 
 

@@ -67,6 +67,8 @@ class TlsFiles(msgspec.Struct, frozen=True):
     cert_file: str
     key_file: str
     ca_file: str
+    controller_token_file: str = ""
+    """An agent's pod token (:mod:`kvgrid.common.pod_tokens`), sent only to the controller ("" = none)."""
 
     def paths(self) -> tuple[Path, Path, Path]:
         return Path(self.cert_file), Path(self.key_file), Path(self.ca_file)
@@ -283,6 +285,13 @@ class ClientTls:
         self._creds: grpc.ChannelCredentials | None = None
         self._creds_generation = -1
         self._lock = threading.Lock()
+        self.controller_token: grpc.UnaryUnaryClientInterceptor | None = None
+        """The ``authorization: Bearer`` interceptor of ``files.controller_token_file`` (re-read when
+        it changes), which :func:`make_channel` adds to channels to the controller only."""
+        if files.controller_token_file:
+            from kvgrid.common.pod_tokens import BearerToken, TokenFile
+
+            self.controller_token = BearerToken(TokenFile(files.controller_token_file))
 
     @property
     def generation(self) -> int:
@@ -306,12 +315,18 @@ def make_channel(
     server_name: str,
     options: list[tuple[str, object]] | None = None,
 ) -> grpc.Channel:
-    """A channel to ``target``: mTLS verifying ``server_name`` when ``tls`` is set, else plaintext."""
+    """A channel to ``target``: mTLS verifying ``server_name`` when ``tls`` is set, else plaintext.
+
+    A channel that verifies the controller's name (:data:`CONTROLLER_SERVER_NAME`) also carries the
+    agent's pod token when ``tls`` has one; no other does (a peer agent could replay it)."""
     opts = list(options or [])
     if tls is None:
         return grpc.insecure_channel(target, options=opts)
     opts.append(("grpc.ssl_target_name_override", server_name))
-    return grpc.secure_channel(target, tls.credentials(), options=opts)
+    channel = grpc.secure_channel(target, tls.credentials(), options=opts)
+    if server_name == CONTROLLER_SERVER_NAME and tls.controller_token is not None:
+        channel = grpc.intercept_channel(channel, tls.controller_token)
+    return channel
 
 
 class Channels:

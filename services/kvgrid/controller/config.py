@@ -137,8 +137,53 @@ class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
     ] = 500
     max_message_bytes: Annotated[int, msgspec.Meta(ge=1024, description="gRPC max message size")] = 64 << 20
     grpc_workers: Annotated[
-        int, msgspec.Meta(ge=1, description="gRPC handler threads (each open event stream holds one)")
+        int,
+        msgspec.Meta(
+            ge=2,
+            description="gRPC handler threads (each open PublishEvents stream holds one; at most "
+            "max_publish_streams of them, so unary calls keep the rest)",
+        ),
     ] = 256
+    publish_streams_per_identity: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="most PublishEvents streams one caller may have open at once: its certificate "
+            "identity at its IP address (pods sharing the chart's agent certificate are each a caller of "
+            "their own), without TLS its IP address; one more is RESOURCE_EXHAUSTED. An agent holds one "
+            "stream (a pod with one agent per GPU, one per agent) and briefly two while it reconnects "
+            "(0 = 16, or max_publish_streams if that is fewer). At most max_publish_streams, so one caller "
+            "never holds every thread",
+        ),
+    ] = 0
+    publish_streams_per_pod: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description="most PublishEvents streams open at once for one pod UID (one, plus room for a "
+            "reconnect whose old stream the server has not seen end yet); one more is RESOURCE_EXHAUSTED",
+        ),
+    ] = 2
+    max_publish_streams: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="most PublishEvents streams open at once in all, below grpc_workers so unary calls "
+            "(routers' queries, heartbeats, registrations) always find a thread (0 = grpc_workers minus "
+            "an eighth of them, at least 1); one more is RESOURCE_EXHAUSTED. Size grpc_workers for the "
+            "fleet: one stream per agent served by this replica",
+        ),
+    ] = 0
+    publish_idle_timeout_ms: Annotated[
+        int,
+        msgspec.Meta(
+            ge=100,
+            description="a PublishEvents stream is cancelled (its thread and slots freed) once, for this "
+            "long, its answer could not be sent (the client stopped reading), or nothing arrived while it "
+            "named no pod, a newer stream of its pod was open, or its pod's lease had lapsed; a quiet "
+            "stream of a pod with a live lease is kept (an agent with nothing to report)",
+        ),
+    ] = 30_000
     bytes_per_token: Annotated[
         int, msgspec.Meta(ge=1, description="KV bytes per token of the model (transfer cost)")
     ] = 131_072
@@ -230,6 +275,63 @@ class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
             "OTEL_EXPORTER_OTLP_ENDPOINT, if set)"
         ),
     ] = ""
+    agent_pod_proof: Annotated[
+        Literal["token", "certificate", "unverified"],
+        msgspec.Meta(
+            description="with mTLS, what proves which pod an agent registers, heartbeats and publishes "
+            "for (docs/security.md, 'Agent identity modes'): token = a per-pod certificate, or the shared "
+            "agent certificate plus the pod's ServiceAccount token (verified by the Kubernetes API, "
+            "TokenReview; the chart's default); certificate = per-pod certificates only (cert-manager's "
+            "csi-driver); unverified = INSECURE: any holder of the shared agent certificate may act as "
+            "any pod it claims first"
+        ),
+    ] = "unverified"
+    agent_token_audience: Annotated[
+        str,
+        msgspec.Meta(
+            min_length=1,
+            description="audience the agents' pod tokens must carry (the projected volume's audience)",
+        ),
+    ] = "kvgrid"
+    agent_token_cache_ms: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="how long a TokenReview verdict is reused for the same token (never past its "
+            "expiry; 0 = ask the API server on every pod-bound call); also how long a deleted pod's "
+            "token may still be accepted",
+        ),
+    ] = 30_000
+    kube_api_url: Annotated[
+        str,
+        msgspec.Meta(
+            description="https://host:port of the Kubernetes API server for TokenReviews "
+            "(agent_pod_proof=token); empty = in-cluster (KUBERNETES_SERVICE_HOST/PORT)"
+        ),
+    ] = ""
+    kube_api_token_file: Annotated[
+        str,
+        msgspec.Meta(
+            description="the controller's own ServiceAccount token, sent with each TokenReview (re-read "
+            "when it changes); its ServiceAccount needs create on tokenreviews.authentication.k8s.io"
+        ),
+    ] = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    kube_api_ca_file: Annotated[
+        str, msgspec.Meta(description="CA bundle the Kubernetes API server's certificate chains to")
+    ] = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    kube_api_timeout_ms: Annotated[
+        int, msgspec.Meta(ge=1, description="deadline of one TokenReview call to the Kubernetes API (ms)")
+    ] = 2_000
+
+    @property
+    def publish_streams_cap(self) -> int:
+        """The effective ``max_publish_streams`` (0 resolved to ``grpc_workers`` minus an eighth)."""
+        return self.max_publish_streams or max(1, self.grpc_workers - max(1, self.grpc_workers // 8))
+
+    @property
+    def publish_streams_per_caller(self) -> int:
+        """The effective ``publish_streams_per_identity`` (0 resolved to 16, within the total)."""
+        return self.publish_streams_per_identity or min(16, self.publish_streams_cap)
 
     @property
     def identity_entry_cap(self) -> int:
@@ -260,3 +362,38 @@ class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
         check_plaintext_listen(
             "listen", self.listen, host, tls=self.tls is not None, insecure=self.insecure_plaintext_on_network
         )
+        self._check_pod_proof()
+        self._check_stream_limits()
+
+    def _check_stream_limits(self) -> None:
+        cap = self.publish_streams_cap
+        if cap >= self.grpc_workers:
+            auto = f" (resolved to {cap})" if not self.max_publish_streams else ""
+            raise ValueError(
+                f"max_publish_streams={self.max_publish_streams}{auto} >= grpc_workers={self.grpc_workers}: "
+                "expected fewer, so open PublishEvents streams cannot hold every thread (routers' queries, "
+                "heartbeats and registrations need one); raise grpc_workers or lower max_publish_streams"
+            )
+        if self.publish_streams_per_caller > cap:
+            raise ValueError(
+                f"publish_streams_per_identity={self.publish_streams_per_identity} > max_publish_streams="
+                f"{cap}{' (grpc_workers minus an eighth)' if not self.max_publish_streams else ''}: expected "
+                "at most that, so one caller cannot hold every stream thread; lower it or raise grpc_workers"
+            )
+
+    def _check_pod_proof(self) -> None:
+        if self.agent_pod_proof not in ("token", "certificate", "unverified"):
+            raise ValueError(
+                f"agent_pod_proof={self.agent_pod_proof!r}: expected 'token', 'certificate' or 'unverified'"
+            )
+        if self.agent_pod_proof != "unverified" and self.tls is None:
+            raise ValueError(
+                f"agent_pod_proof={self.agent_pod_proof!r} needs mTLS (tls_cert_file, tls_key_file and "
+                "tls_ca_file): a pod is proven together with the caller's agent certificate, and without "
+                "TLS nobody is authenticated; expected the TLS files, or agent_pod_proof='unverified'"
+            )
+        if self.kube_api_url and not self.kube_api_url.startswith("https://"):
+            raise ValueError(
+                f"kube_api_url={self.kube_api_url!r}: expected https://host:port (the Kubernetes API "
+                "server), or empty for the in-cluster address"
+            )

@@ -11,7 +11,9 @@ UNAVAILABLE (not counted as rejected: the caller did nothing wrong); anything el
 Authorization (mTLS configured; docs/security.md): :data:`POLICY` lets only agent identities call
 the write RPCs (RegisterAgent, Heartbeat, PublishEvents) and every kvgrid identity (agent,
 controller, router) the read RPCs but SnapshotIndex. An agent acts only for its own pod: a per-pod
-certificate's pod UID must equal the request's, and a live pod belongs to the identity that
+certificate's pod UID (or, with ``agent_pod_proof=token``, the UID and name of the pod whose
+ServiceAccount token a shared-certificate agent sent; checked by the authorizer,
+:mod:`kvgrid.controller.pod_proof`) must equal the request's, and a live pod belongs to the identity that
 registered it (:meth:`~kvgrid.controller.registry.AgentRegistry.check_owner`; the registration
 checks and records it atomically, in the shared registry across replicas), so no other identity can
 heartbeat it, publish for it or take it over with a newer epoch. SnapshotIndex lists one pod's chunk
@@ -37,7 +39,16 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2
-from kvgrid.common.authz import ANY_ROLE, Authorizer, Identity, Policy, Role, caller, certificate_namespaces
+from kvgrid.common.authz import (
+    ANY_ROLE,
+    Authorizer,
+    Identity,
+    Policy,
+    Role,
+    call_context,
+    caller,
+    certificate_namespaces,
+)
 from kvgrid.common.errors import KvgridError, PermissionDenied, Unavailable, within
 from kvgrid.common.rpc import RpcServer, ServerOptions
 from kvgrid.common.tls import AGENT_SERVER_NAME, Channels, ClientTls, server_credentials
@@ -48,8 +59,10 @@ from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.core import Controller, PackedQueries, Query
 from kvgrid.controller.index import ChunkIndex, make_index
 from kvgrid.controller.ingest import AgentSnapshot
+from kvgrid.controller.pod_proof import pod_proof_for
 from kvgrid.controller.readiness import Readiness, ReadinessWatcher
 from kvgrid.controller.registry import AgentRecord
+from kvgrid.controller.streams import PublishStream, PublishStreams
 
 if TYPE_CHECKING:
     from kvgrid.common.telemetry import Telemetry
@@ -89,7 +102,9 @@ POLICY = Policy(
         # One pod's chunk keys: to the agent that registered it, or this controller's own namespace's
         # controller identity (checked by the servicer); never to routers.
         "SnapshotIndex": frozenset({"agent", "controller"}),
-    }
+    },
+    # An agent calls these as a proven pod when agent_pod_proof is token or certificate.
+    pod_bound=frozenset({"RegisterAgent", "Heartbeat", "PublishEvents", "SnapshotIndex"}),
 )
 """ControllerService method -> the roles that may call it over mTLS."""
 
@@ -133,42 +148,53 @@ class ControllerServicer:
     """One method per RPC of ControllerService: convert, call the core, convert back."""
 
     def __init__(
-        self, ctl: Controller, tracer: trace.Tracer | None = None, own_namespaces: Collection[str] = ()
+        self,
+        ctl: Controller,
+        tracer: trace.Tracer | None = None,
+        own_namespaces: Collection[str] = (),
+        streams: PublishStreams | None = None,
     ) -> None:
         """``own_namespaces``: the namespaces of this controller's certificate identity, whose
-        controller identities may list any pod's keys (SnapshotIndex)."""
+        controller identities may list any pod's keys (SnapshotIndex). ``streams``: the bounds of
+        PublishEvents streams (:mod:`kvgrid.controller.streams`; None: unbounded)."""
         self.ctl = ctl
+        self.streams = streams
         self.own_namespaces = frozenset(own_namespaces)
         self.tracer: trace.Tracer = tracer if tracer is not None else trace.NoOpTracer()
         # A registration's ownership check and the registration itself happen as one step.
         self._register_lock = threading.Lock()
 
-    def _act_for(self, pod_uid: str, what: str) -> Identity | None:
-        """Refuse (PERMISSION_DENIED) an mTLS caller acting for a pod that is not its own; the
-        caller's identity (None without TLS)."""
+    def _act_for(self, pod_uid: str, what: str, pod_name: str | None = None) -> Identity | None:
+        """Refuse (PERMISSION_DENIED) an mTLS caller acting for a pod that is not its own (a per-pod
+        certificate's or pod token's pod, and the pod's name when a token proved it); the caller's
+        identity (None without TLS)."""
         ident = caller()
         if ident is None:
             return None  # TLS off: unauthenticated mode
-        if ident.pod_uid and ident.pod_uid != pod_uid:
-            raise PermissionDenied(
-                f"{what} for pod_uid={pod_uid!r}: the caller's certificate {ident.uri!r} proves pod "
-                f"{ident.pod_uid!r}; an agent may act only for its own pod"
-            )
+        ident.check_acts_for(pod_uid, f"{what} for pod_uid={pod_uid!r}", pod_name)
         self.ctl.registry.check_owner(pod_uid, ident.uri)
         return ident
 
     def _own_events(
-        self, requests: Iterator[controller_pb2.PublishEventsRequest], pods: list[str]
+        self,
+        requests: Iterator[controller_pb2.PublishEventsRequest],
+        pods: list[str],
+        bounds: PublishStream | None = None,
     ) -> Iterator[controller_pb2.PublishEventsRequest]:
         """``requests``, each pod checked like a registration (a stream may register its pod
-        implicitly, with a newer epoch); the pods go to ``pods``. Each message is a span, child of
+        implicitly, with a newer epoch); the pods go to ``pods``, the first also to ``bounds`` (its
+        per-pod slot; every message counts as the stream's progress). Each message is a span, child of
         the stream's server span, ending when the core asks for the next message (i.e. once this one
         is applied); started and ended explicitly, never made current, as a generator may resume
         in another context."""
         stream = otel_context.get_current()
         for req in requests:
+            if bounds is not None:
+                bounds.received()
             if req.HasField("pod") and req.pod.pod_uid not in pods:
-                self._act_for(req.pod.pod_uid, "PublishEvents")
+                self._act_for(req.pod.pod_uid, "PublishEvents", req.pod.pod_name)
+                if bounds is not None and not pods:
+                    bounds.name_pod(req.pod.pod_uid, "PublishEvents")
                 pods.append(req.pod.pod_uid)
             span = self.tracer.start_span(
                 "PublishEvents batch",
@@ -197,7 +223,7 @@ class ControllerServicer:
     def RegisterAgent(self, req: controller_pb2.RegisterAgentRequest) -> controller_pb2.RegisterAgentResponse:
         pod = pod_identity_from_proto(req.pod)
         with self._register_lock:
-            ident = self._act_for(pod.pod_uid, "RegisterAgent")
+            ident = self._act_for(pod.pod_uid, "RegisterAgent", pod.pod_name)
             reg = self.ctl.register(
                 pod, list(req.namespaces), req.l1_capacity_bytes, owner=ident.uri if ident else None
             )
@@ -212,17 +238,28 @@ class ControllerServicer:
         self, requests: Iterator[controller_pb2.PublishEventsRequest]
     ) -> Iterator[controller_pb2.PublishEventsResponse]:
         ident = caller()
-        pods: list[str] = []
-        owned = 0
-        owner = ident.uri if ident is not None else None
-        msgs = wire.event_messages_from_proto(self._own_events(requests, pods))
-        for ack in self.ctl.publish(msgs, owner=owner):
-            if ident is not None and owned < len(pods):
-                # The stream's pod is registered now (perhaps implicitly, by this stream).
-                for uid in pods[owned:]:
-                    self.ctl.registry.set_owner(uid, ident.uri)
-                owned = len(pods)
-            yield wire.publish_ack_to_proto(ack)
+        # RESOURCE_EXHAUSTED before anything is read when the caller (or everyone) has too many open.
+        bounds = self.streams.open("PublishEvents", ident, call_context()) if self.streams else None
+        try:
+            pods: list[str] = []
+            owned = 0
+            owner = ident.uri if ident is not None else None
+            msgs = wire.event_messages_from_proto(self._own_events(requests, pods, bounds))
+            for ack in self.ctl.publish(msgs, owner=owner):
+                if ident is not None and owned < len(pods):
+                    # The stream's pod is registered now (perhaps implicitly, by this stream).
+                    for uid in pods[owned:]:
+                        self.ctl.registry.set_owner(uid, ident.uri)
+                    owned = len(pods)
+                if bounds is None:
+                    yield wire.publish_ack_to_proto(ack)
+                    continue
+                bounds.answer()
+                yield wire.publish_ack_to_proto(ack)  # resumes once gRPC sent it
+                bounds.answered()
+        finally:
+            if bounds is not None:
+                bounds.end()
 
     def _may_list(self, pod_uid: str) -> None:
         """PERMISSION_DENIED unless the mTLS caller may list ``pod_uid``'s keys: the identity that
@@ -239,11 +276,7 @@ class ControllerServicer:
                     f"namespace ({', '.join(sorted(self.own_namespaces)) or 'none'}) may list its chunk keys"
                 )
             return
-        if ident.pod_uid and ident.pod_uid != pod_uid:
-            raise PermissionDenied(
-                f"{what}: the caller {ident.uri!r} (namespace {ident.namespace!r}) proves pod "
-                f"{ident.pod_uid!r}; an agent may list only its own pod's chunk keys"
-            )
+        ident.check_acts_for(pod_uid, what, rule="an agent may list only its own pod's chunk keys")
         try:
             self.ctl.registry.check_owner(pod_uid, ident.uri)
         except PermissionDenied as e:
@@ -311,10 +344,14 @@ class Server(msgspec.Struct):
     health_address: str = ""
     """host:port of the plaintext health-only listener ("" when ``health_port`` is 0)."""
     readiness: ReadinessWatcher | None = None
+    streams: PublishStreams | None = None
+    """The PublishEvents bounds (open streams, refusals, idle cancels)."""
 
     def stop(self, grace: float | None = 0.5) -> None:
         if self.readiness is not None:
             self.readiness.stop()
+        if self.streams is not None:
+            self.streams.stop()
         if self.health_server is not None:
             self.health_server.stop(0)
         self.grpc_server.stop(grace).wait()
@@ -344,11 +381,24 @@ def serve(
             thread_name_prefix="kvgrid-controller",
         ),
         telemetry.meter if telemetry is not None else None,
-        authorizer=Authorizer.for_settings(POLICY, cfg) if tls is not None else None,
+        # Without TLS every caller is admitted unidentified; the stream bounds still need each call's
+        # context (callers told apart by address, idle streams cancelled).
+        authorizer=(
+            Authorizer.for_settings(POLICY, cfg, pod_proof_for(cfg))
+            if tls is not None
+            else Authorizer.unauthenticated(POLICY)
+        ),
         tracer=tracer,
     )
+    streams = PublishStreams(
+        per_caller=cfg.publish_streams_per_caller,
+        per_pod=cfg.publish_streams_per_pod,
+        total=cfg.publish_streams_cap,
+        idle_timeout_s=cfg.publish_idle_timeout_ms / 1000,
+        pod_live=lambda uid: (rec := ctl.registry.get(uid)) is not None and not rec.dropped,
+    )
     servicer = ControllerServicer(
-        ctl, tracer, own_namespaces=certificate_namespaces(cfg)[0] if tls is not None else ()
+        ctl, tracer, own_namespaces=certificate_namespaces(cfg)[0] if tls is not None else (), streams=streams
     )
     rpc.add_service(_SERVICE, servicer, on_error=servicer.rejected)
     port = rpc.bind(cfg.listen, server_credentials(tls) if tls is not None else None)
@@ -390,4 +440,5 @@ def serve(
         health_server=health_server,
         health_address=health_address,
         readiness=readiness,
+        streams=streams,
     )
