@@ -4,7 +4,7 @@
         [--max-prompt 8192] [--stages 8] [--iters 4] [--whole-engine] [--no-marks] [--trace]
         [--torch-trace FILE] [--stage-sizes 2,6,...] [--first-dmas 0|1|2] [--retrieve] [--inline-start]
 
-One Llama-3-8B-shaped engine (``kvgrid.ttft``) with ``layerwise`` and ``engine_copies`` over a real
+One Llama-3-8B-shaped engine (``kvgrid.bench.ttft``) with ``layerwise`` and ``engine_copies`` over a real
 agent with a shared L1; per iteration a miss, the cache poisoned, then the hit, printing: the hit's
 time to first token; when the loader thread queued the load (host ms from the hit's start: the
 Retrieve's answer checked and the first stage's DMA queued; the engine's thread queues the other
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
+from kvgrid.bench.ttft.engine import AgentProcess, TTFTEngine
+from kvgrid.bench.ttft.model import LLAMA3_8B, PagedLlama
 from kvgrid.connector import engine_copies
-from kvgrid.ttft.engine import AgentProcess, TTFTEngine
-from kvgrid.ttft.model import LLAMA3_8B, PagedLlama
 
 
 class _Marks:
@@ -63,9 +63,9 @@ def _trace_host(spans: list[tuple[str, str, float, float]]) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from kvgrid.agent.client import AgentClient
+    from kvgrid.bench.ttft.engine import TTFTEngine
     from kvgrid.connector.vllm import KVGridConnector
     from kvgrid.connector.worker import ConnectorWorker
-    from kvgrid.ttft.engine import TTFTEngine
     from kvgrid_kernels.plan import TransferPlan
 
     targets: list[tuple[Any, str]] = [

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from kvgrid.chaos import ChaosSettings, add_arguments, run_chaos
-from kvgrid.chaos.cluster import valkey_binary, weed_binary
-from kvgrid.chaos.faults import KINDS
+from kvgrid.bench.chaos import ChaosSettings, add_arguments, run_chaos
+from kvgrid.bench.chaos.cluster import valkey_binary, weed_binary
+from kvgrid.bench.chaos.faults import KINDS
 
 pytestmark = [
     pytest.mark.slow,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvgrid.demo import DemoSettings, run_demo
+from kvgrid.bench.demo import DemoSettings, run_demo
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgrid.demo import DemoSettings, run_demo
+from kvgrid.bench.demo import DemoSettings, run_demo
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ packages, and ``kvgrid --help`` lists exactly the registered commands that impor
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import re
 import shutil
@@ -54,7 +55,41 @@ def test_disk_packages_include_the_known_layout() -> None:
     # Guards the discovery itself: if it found nothing, the wheel test below would pass vacuously.
     expected = {"kvgrid.common", "kvgrid.agent", "kvgrid.controller", "kvgrid.connector", "kvgrid.api.v1"}
     assert {"kvgrid"} | expected <= set(_disk_packages("kvgrid"))
-    assert set(_disk_packages("kvgrid_kernels")) == {"kvgrid_kernels"}
+    assert set(_disk_packages("kvgrid_kernels")) == {"kvgrid_kernels", "kvgrid_kernels.bench"}
+
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Dotted names a source file imports, relative imports resolved against ``package``."""
+    tree = ast.parse(path.read_text(), str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, *([base] if base else [])])
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+            found.add(base)
+    return found
+
+
+@pytest.mark.parametrize("top", sorted(DISTRIBUTIONS))
+def test_runtime_never_imports_the_benches(top: str) -> None:
+    # Benchmarks, demos and harnesses live in `<top>.bench`; only the CLI names them (by string,
+    # imported when the command runs), so the runtime's import graph holds none of them.
+    root = DISTRIBUTIONS[top][1]
+    bench = f"{top}.bench"
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "bench" or "__pycache__" in rel.parts:
+            continue
+        package = ".".join((top, *rel.parts[:-1]))
+        hits = [m for m in _imported_modules(path, package) if m == bench or m.startswith(f"{bench}.")]
+        offenders += [f"{rel}: {m}" for m in sorted(hits)]
+    assert not offenders, offenders
 
 
 @pytest.mark.parametrize("top", sorted(DISTRIBUTIONS))

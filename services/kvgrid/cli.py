@@ -3,7 +3,9 @@
 Each subcommand lives in the module that owns the work; this file only maps names to modules so
 ``kvgrid --help`` stays fast (modules, and torch, are imported only for the command that runs).
 A module listed here exposes ``add_arguments(parser)`` and ``run(args) -> int``; the help text is
-the second item of its entry below. Only commands that exist are listed.
+the second item of its entry below. Only commands that exist are listed. Benchmarks, the demo and
+``kvgrid chaos`` live in ``kvgrid.bench`` (and ``kvgrid_kernels.bench``), which the runtime packages
+never import: this table names them by string and they load only when their command runs.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("kvgrid.agent.cli", "run the per-GPU agent: L1 chunk cache, store/retrieve/lookup, events"),
     "chaos": (
-        "kvgrid.chaos",
+        "kvgrid.bench.chaos",
         "the demo's workload on agents, a controller and Valkey under random faults (kill -9, SIGSTOP, "
         "cut connections, full or corrupt disk tier, S3 down); every loaded chunk checked bit for bit",
     ),
     "controller": ("kvgrid.controller.cli", "run the lookup/controller service (gRPC)"),
     "demo": (
-        "kvgrid.demo",
+        "kvgrid.bench.demo",
         "start a controller and two agents here and run a multi-turn chat workload "
         "(--engine vllm: real vLLM CPU engines, TTFT with and without kvgrid)",
     ),
@@ -33,34 +35,37 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # kvgrid bench <name> -> (module, one-line help).
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "agent": ("kvgrid.agent.bench", "store/retrieve GB/s through the agent (gRPC + IPC) vs the kernel alone"),
+    "agent": ("kvgrid.bench.agent", "store/retrieve GB/s through the agent (gRPC + IPC) vs the kernel alone"),
     "checksum": (
-        "kvgrid.common.checksum_bench",
+        "kvgrid.bench.checksum",
         "chunk checksums (xxh3-128, blake2b, crc32): GB/s vs a memory copy of the same bytes",
     ),
-    "hashing": ("kvgrid.common.hashing_bench", "chunk keys for a long prompt: µs and MB/s of token bytes"),
+    "hashing": ("kvgrid.bench.hashing", "chunk keys for a long prompt: µs and MB/s of token bytes"),
     "hotpath": (
-        "kvgrid.agent.hotpath_bench",
+        "kvgrid.bench.hotpath",
         "one request's agent calls: µs over the hot path vs gRPC vs bare socket round trips",
     ),
-    "lookup": ("kvgrid.controller.bench", "MatchPrefix ops/s, p50/p99 over gRPC, ingest rate, bytes/entry"),
+    "lookup": ("kvgrid.bench.lookup", "MatchPrefix ops/s, p50/p99 over gRPC, ingest rate, bytes/entry"),
     "p2p": (
-        "kvgrid.agent.p2p_bench",
+        "kvgrid.bench.p2p",
         "peer chunk fetch GB/s between agent processes (data plane) vs a raw socket copy of the same bytes",
     ),
     "routing": (
-        "kvgrid.controller.routing_bench",
+        "kvgrid.bench.routing",
         "replay a production trace: Score vs round-robin, least-loaded, prefix routing (hits, TTFT, spread)",
     ),
     "serve": (
-        "kvgrid.ttft.serve",
+        "kvgrid.bench.ttft.serve",
         "many requests at once through vLLM's scheduler at rising rates: TTFT/ITL percentiles and "
         "throughput, vLLM's prefix cache alone vs + kvgrid",
     ),
-    "tier": ("kvgrid.agent.tier_bench", "disk tier write/read-back GB/s vs raw sequential I/O, same fs"),
-    "transfer": ("kvgrid_kernels.bench", "KV transfer kernels: store/retrieve GB/s vs pinned memcpy"),
+    "tier": ("kvgrid.bench.tier", "disk tier write/read-back GB/s vs raw sequential I/O, same fs"),
+    "transfer": (
+        "kvgrid_kernels.bench.transfer",
+        "KV transfer kernels: store/retrieve GB/s vs pinned memcpy",
+    ),
     "ttft": (
-        "kvgrid.ttft.bench",
+        "kvgrid.bench.ttft.bench",
         "time to first token of a Llama-shaped engine through KVGridConnector: miss, hit, prefill, raw copy",
     ),
 }

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgrid.chaos.cluster import seaweed_port_pair, weed_binary
+from kvgrid.bench.chaos.cluster import seaweed_port_pair, weed_binary
 
 ACCESS_KEY = "kvgrid-test-access"
 SECRET_KEY = "kvgrid-test-secret-0123456789"

@@ -86,7 +86,7 @@ def test_pins_must_outlive_a_peer_fetch() -> None:
 def test_bench_agent_options_load_like_a_service_config(tmp_path: Path) -> None:
     import argparse
 
-    from kvgrid.agent.bench import AgentBenchConfig, add_arguments
+    from kvgrid.bench.agent import AgentBenchConfig, add_arguments
     from kvgrid.common.config import ConfigError, config_from_args
 
     parser = argparse.ArgumentParser()

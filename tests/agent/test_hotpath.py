@@ -194,7 +194,7 @@ def _release(instance: str) -> object:
 def test_bench_hotpath_times_each_flow_against_bare_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from kvgrid.agent.hotpath_bench import HotPathBenchConfig, _flows
+    from kvgrid.bench.hotpath import HotPathBenchConfig, _flows
     from kvgrid.cli import main
 
     assert main(["bench", "hotpath", "--iters", "20", "--chunks", "2", "--gap-us", "200", "--json"]) == 0

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from kvgrid.controller import bench
-from kvgrid.controller.bench_workload import QUERY_MIX, Workload, chunk_tokens
+from kvgrid.bench import lookup as bench
+from kvgrid.bench.lookup_workload import QUERY_MIX, Workload, chunk_tokens
 
 
 def _args(*extra: str) -> argparse.Namespace:

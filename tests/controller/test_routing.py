@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvgrid.controller.routing_sim import CacheEvent, Cluster, Hardware, TraceRequest, load_trace, summarize
+from kvgrid.bench.routing_sim import CacheEvent, Cluster, Hardware, TraceRequest, load_trace, summarize
 
 # 1000 tokens/s and 100-token blocks: one recomputed block costs 100 ms, an L1 copy 1 ms.
 HW = Hardware(
@@ -172,7 +172,7 @@ def test_missing_trace_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFi
 def test_trace_block_keys_are_spread_like_real_chunk_keys() -> None:
     """The memory index hashes a key's leading bits; trace ids are small integers, so the replay
     must turn them into digests (raw ids put every key in a few rows: ~1 ms per ingested key)."""
-    from kvgrid.controller.routing_bench import _key
+    from kvgrid.bench.routing import _key
 
     ids = range(4096)
     keys = [_key(i) for i in ids]

@@ -55,7 +55,7 @@ def test_alignment_is_the_largest_power_of_two_up_to_16_dividing_everything() ->
 
 def test_kernels_import_nothing_of_kvgrid() -> None:
     code = (
-        "import sys, kvgrid_kernels, kvgrid_kernels.bench, kvgrid_kernels.torch_copy; "
+        "import sys, kvgrid_kernels, kvgrid_kernels.bench.transfer, kvgrid_kernels.torch_copy; "
         "bad = sorted(m for m in sys.modules if m == 'kvgrid' or m.startswith('kvgrid.')); "
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -558,7 +558,7 @@ def test_bench_transfer_cpu_smoke(capsys: pytest.CaptureFixture[str]) -> None:
 def test_lmcache_wheel_that_is_not_a_wheel_is_named(tmp_path: Path) -> None:
     import zipfile
 
-    from kvgrid_kernels.lmcache_ref import load_c_ops
+    from kvgrid_kernels.bench.lmcache_ref import load_c_ops
 
     bad = tmp_path / "lmcache.whl"
     bad.write_text("not a zip")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgrid.ttft.bench import PRESETS
+from kvgrid.bench.ttft.bench import PRESETS
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -1,5 +1,5 @@
 """The TTFT model's forward: Llama's math (against a dense reference written here), and on CUDA its
-piecewise CUDA graphs (``kvgrid.ttft.graphs``) against the eager forward, bit for bit.
+piecewise CUDA graphs (``kvgrid.bench.ttft.graphs``) against the eager forward, bit for bit.
 
 What the GPU tests would catch: a static input not refreshed before a replay (token ids, positions,
 the attention output between pieces), a hook moved or skipped, a replay that does not wait for a load
@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvgrid.bench.ttft import graphs
+from kvgrid.bench.ttft.model import ModelShape, PagedLlama, masked_gqa_attention, tail_bias
 from kvgrid.cli import main
-from kvgrid.ttft import graphs
-from kvgrid.ttft.model import ModelShape, PagedLlama, masked_gqa_attention, tail_bias
 
 # Three layers: a first, a middle and a last piece; 4 query heads per 2 KV heads (GQA).
 SHAPE = ModelShape(layers=3, hidden=256, heads=4, kv_heads=2, head_size=64, intermediate=512, vocab=1024)
@@ -220,7 +220,7 @@ class _NoStream:
 
 @pytest.fixture
 def rerun_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``kvgrid.ttft.graphs`` on the CPU: captures are :class:`_RerunGraph`, streams do nothing."""
+    """``kvgrid.bench.ttft.graphs`` on the CPU: captures are :class:`_RerunGraph`, streams do nothing."""
 
     def capture(fn: Callable[[], tuple[torch.Tensor, ...]], pool: object, what: str) -> tuple[Any, Any]:
         out = fn()

@@ -12,9 +12,9 @@ import msgspec
 import pytest
 import torch
 
-from kvgrid.ttft import serve
-from kvgrid.ttft.model import PagedLlama
-from kvgrid.ttft.serve import ServeBenchConfig
+from kvgrid.bench.ttft import serve
+from kvgrid.bench.ttft.model import PagedLlama
+from kvgrid.bench.ttft.serve import ServeBenchConfig
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -87,7 +87,7 @@ def test_a_wrong_loaded_byte_fails_the_sampled_hit(tmp_path: Path, monkeypatch: 
 
 def test_other_tokens_fail_the_comparison(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Control: an engine that samples another token for one request under one configuration."""
-    from kvgrid.ttft.serve_engine import ServeEngine
+    from kvgrid.bench.ttft.serve_engine import ServeEngine
 
     original = ServeEngine.step
 

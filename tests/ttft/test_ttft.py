@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from kvgrid.agent.client import AgentClient
+from kvgrid.bench.ttft.bench import PRESETS
+from kvgrid.bench.ttft.engine import AgentProcess, TTFTEngine, slots_of
+from kvgrid.bench.ttft.model import PagedLlama
 from kvgrid.cli import main
-from kvgrid.ttft.bench import PRESETS
-from kvgrid.ttft.engine import AgentProcess, TTFTEngine, slots_of
-from kvgrid.ttft.model import PagedLlama
 from tests.ttft.helpers import CROSS_SHAPE_ATOL, assert_cross_shape_close, prompt
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,7 @@ def test_a_step_uploads_its_inputs_before_the_connector_starts_loads(
     starts loads; the harness must too. On CUDA a pinned upload queued after a load's first DMA waits
     on the copy engine behind every DMA of the load (docs/benchmarks.md, *a pinned upload behind a
     DMA train*), which made the harness's layer-wise hits wait for the whole load."""
-    import kvgrid.ttft.engine as engine_mod
+    import kvgrid.bench.ttft.engine as engine_mod
 
     directory = Path(agent.uds_path).parent
     model = PagedLlama(PRESETS["tiny"])

@@ -1,4 +1,4 @@
-"""``kvgrid.ttft.workloads``: the request streams of ``kvgrid bench serve``.
+"""``kvgrid.bench.ttft.workloads``: the request streams of ``kvgrid bench serve``.
 
 The closed loop is driven here by a discrete-event loop over simulated time (no wall clock): a
 request is served ``service_s`` after it is handed out, as the bench's step loop would see it.
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvgrid.ttft.workloads import (
+from kvgrid.bench.ttft.workloads import (
     TRACE_SHAPE,
     ChatConfig,
     ChatWorkload,

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from kvgrid.agent.client import AgentClient
     from kvgrid.common.hashing import KeyNamespace
 
-from kvgrid.agent.bench_procs import AgentDidNotStart, bench_env, shm_scratch, start_agent, stop_all
+from kvgrid.bench.agent_procs import AgentDidNotStart, bench_env, shm_scratch, start_agent, stop_all
 from kvgrid.common.config import add_config_arguments, config_from_args
 
 __all__ = ["P2PBenchConfig", "add_arguments", "run"]

@@ -1,6 +1,6 @@
 """Peer indexers for ``kvgrid bench lookup --peers``, run as a script by the peers' Python.
 
-Run as ``PYTHON bench_peers.py WORKLOAD`` by the bench (it imports nothing of kvgrid, so it can run
+Run as ``PYTHON lookup_peers.py WORKLOAD`` by the bench (it imports nothing of kvgrid, so it can run
 in another environment: the peers' wheels pin versions kvgrid's environment must not take). It
 loads the workload file the bench wrote (msgpack: pods, per-pod chains, queries), then answers
 one JSON command per stdin line with one JSON line on stdout:

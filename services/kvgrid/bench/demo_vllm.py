@@ -16,7 +16,7 @@ which includes kvgrid's lookup, the (asynchronous) load and the store after the 
 time of each ``generate`` call is reported beside it. Every request generates ``--max-tokens``
 tokens greedily; the demo checks that both engines generate the same tokens for every request.
 
-Engines run in child processes (``python -m kvgrid.demo_vllm SPEC FD``, in-process engine core:
+Engines run in child processes (``python -m kvgrid.bench.demo_vllm SPEC FD``, in-process engine core:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the child can read the connector's counters); their logs
 go to ``--log-dir`` (or a temporary directory). Nothing here imports vLLM or torch in the ``kvgrid``
 process itself until the demo runs.
@@ -307,7 +307,7 @@ class EngineProc:
         read_fd, write_fd = os.pipe()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvgrid.demo_vllm", str(spec_path), str(write_fd)],
+                [sys.executable, "-m", "kvgrid.bench.demo_vllm", str(spec_path), str(write_fd)],
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=log,

@@ -542,7 +542,7 @@ def add_arguments_for_argv(parser: argparse.ArgumentParser, argv: Sequence[str])
     _engine_argument(peek)
     known, _ = peek.parse_known_args(list(argv))
     if known.engine == "vllm":
-        from kvgrid import demo_vllm
+        from kvgrid.bench import demo_vllm
 
         _engine_argument(parser)
         demo_vllm.add_arguments(parser)
@@ -552,7 +552,7 @@ def add_arguments_for_argv(parser: argparse.ArgumentParser, argv: Sequence[str])
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "engine", "synthetic") == "vllm":
-        from kvgrid import demo_vllm
+        from kvgrid.bench import demo_vllm
 
         return demo_vllm.run(args)
     s = config_from_args(DemoSettings, args, env_prefix=ENV_PREFIX)

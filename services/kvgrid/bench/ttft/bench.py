@@ -2,7 +2,7 @@
 
 For every prompt length and both load modes -- ``whole`` (vLLM's asynchronous load of the whole
 request before its tail is scheduled) and ``layerwise`` (the load inside the step, waited for by
-``wait_for_layer_load``) -- a :class:`~kvgrid.ttft.engine.TTFTEngine` serves, per iteration, a new
+``wait_for_layer_load``) -- a :class:`~kvgrid.bench.ttft.engine.TTFTEngine` serves, per iteration, a new
 prompt (a **miss**: prefill + store) and then the same prompt again after the whole KV cache was
 filled with NaN (a **hit**: lookup + load + prefill of the tail the agent does not hold; vLLM never
 loads the whole prompt, so the tail is at least one token and at most one chunk). The agent is a
@@ -17,7 +17,7 @@ limits; the first round warms up, figures are medians of the rest), so all see t
 * ``copy``: a raw copy of the hit's KV bytes (pinned host -> GPU on CUDA, host -> host on CPU), the
   fastest of five per round;
 * ``plain miss`` (``plain_miss_ms``): a miss of a new prompt served by an engine without any KV
-  connector (:meth:`~kvgrid.ttft.engine.TTFTEngine.without_connector`: the same model, vLLM
+  connector (:meth:`~kvgrid.bench.ttft.engine.TTFTEngine.without_connector`: the same model, vLLM
   ``Scheduler`` code and runner order, over the first engine's KV cache buffer, but a ``VllmConfig``
   without ``kv_transfer_config``), timed as a miss is, from ``add_request`` to the first token. It
   is what the request costs vLLM alone: the prefill plus vLLM's own host work per request
@@ -45,13 +45,13 @@ With ``--copies engine`` the loads run in the engine's process and CUDA context 
 shared in a file (connector ``engine_copies``), instead of in the agent's.
 
 On CUDA the model runs forwards of at most 512 tokens (every hit's tail) as piecewise CUDA graphs
-around an eager attention, as vLLM does (:mod:`kvgrid.ttft.graphs`), captured the first time a
+around an eager attention, as vLLM does (:mod:`kvgrid.bench.ttft.graphs`), captured the first time a
 token count is seen (in the warm-up round: both the hit and its tail reference have the same count);
 ``--cuda-graphs false`` runs every forward eager, for a row to compare. Each bit-exact check below
 compares two forwards of the same token count (miss and full prefill, hit and tail reference), so
 both sides take the same path.
 
-With ``--tp N`` (tensor parallelism, :mod:`kvgrid.ttft.tp`) the model is sharded over N processes
+With ``--tp N`` (tensor parallelism, :mod:`kvgrid.bench.ttft.tp`) the model is sharded over N processes
 (one per GPU, NCCL; gloo on CPU), each rank with its own KV cache of its KV heads and its own agent;
 rank 0 runs vLLM's scheduler, whose lookup is the minimum over the ranks' agents. The rows are the
 same; the limits run on the same sharded model and caches (every rank computes), and ``copy`` is
@@ -88,10 +88,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 import torch
 
+from kvgrid.bench.ttft.engine import AgentProcess, EngineOptions, TTFTEngine, slots_of
+from kvgrid.bench.ttft.model import LLAMA3_8B, ModelShape, PagedLlama
+from kvgrid.bench.ttft.tp import TPGroup
 from kvgrid.common.config import add_config_arguments, config_from_args
-from kvgrid.ttft.engine import AgentProcess, EngineOptions, TTFTEngine, slots_of
-from kvgrid.ttft.model import LLAMA3_8B, ModelShape, PagedLlama
-from kvgrid.ttft.tp import TPGroup
 
 __all__ = ["PRESETS", "TTFTBenchConfig", "add_arguments", "run"]
 

@@ -1,9 +1,9 @@
 """``kvgrid bench serve``: many requests at once through vLLM's scheduler, at rising request rates,
 vLLM alone against vLLM + kvgrid, same run, same requests.
 
-Each (configuration, rate) is one run of a fresh :class:`~kvgrid.ttft.serve_engine.ServeEngine` (a
+Each (configuration, rate) is one run of a fresh :class:`~kvgrid.bench.ttft.serve_engine.ServeEngine` (a
 new KV cache, a new ``kvgrid agent`` with an empty L1) serving one workload in real time: requests
-arrive as :mod:`kvgrid.ttft.workloads` lays them out at the rate (chat sessions in closed loop, a
+arrive as :mod:`kvgrid.bench.ttft.workloads` lays them out at the rate (chat sessions in closed loop, a
 session's next turn after its previous answer plus a think time), the engine steps continuously
 (continuous batching, chunked prefill, preemption), and every token's time is taken when the step
 that sampled it returned. Configurations:
@@ -55,12 +55,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 import torch
 
+from kvgrid.bench.ttft.bench import PRESETS
+from kvgrid.bench.ttft.engine import AgentProcess, EngineOptions
+from kvgrid.bench.ttft.model import ModelShape, PagedLlama
+from kvgrid.bench.ttft.serve_engine import GRAPH_SIZES, RowSpan, ServeEngine, pack_batch
+from kvgrid.bench.ttft.workloads import ChatConfig, ChatWorkload, QAConfig, QAWorkload, Workload
 from kvgrid.common.config import add_config_arguments, config_from_args
-from kvgrid.ttft.bench import PRESETS
-from kvgrid.ttft.engine import AgentProcess, EngineOptions
-from kvgrid.ttft.model import ModelShape, PagedLlama
-from kvgrid.ttft.serve_engine import GRAPH_SIZES, RowSpan, ServeEngine, pack_batch
-from kvgrid.ttft.workloads import ChatConfig, ChatWorkload, QAConfig, QAWorkload, Workload
 
 __all__ = ["ServeBenchConfig", "add_arguments", "measure", "plot", "run"]
 

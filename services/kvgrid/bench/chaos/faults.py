@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
-from kvgrid.chaos.cluster import AgentSlot, Cluster
-from kvgrid.chaos.load import Load
+from kvgrid.bench.chaos.cluster import AgentSlot, Cluster
+from kvgrid.bench.chaos.load import Load
 
 __all__ = ["KINDS", "FaultRun", "Outcome", "index_matches"]
 

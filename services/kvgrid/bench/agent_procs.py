@@ -1,4 +1,4 @@
-"""What the agent benches (``bench.py``, ``bench_tp.py``, ``p2p_bench.py``) share: a scratch
+"""What the agent benches (``agent.py``, ``agent_tp.py``, ``hotpath.py``, ``p2p.py``) share: a scratch
 directory for the engines' shared-memory KV caches and the agents' sockets, and ``kvgrid``
 processes started from the CLI and stopped again.
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Annotated
 import msgspec
 import torch
 
-from kvgrid.agent.bench_procs import AgentDidNotStart, bench_env, shm_scratch, start_agent, stop_all
+from kvgrid.bench.agent_procs import AgentDidNotStart, bench_env, shm_scratch, start_agent, stop_all
 from kvgrid.common.config import add_config_arguments, config_from_args
 
 if TYPE_CHECKING:

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..pages import KernelGroupPages, page_view
+from ..plan import TransferHandle, TransferPlan
 from . import lmcache_ref
-from .pages import KernelGroupPages, page_view
-from .plan import TransferHandle, TransferPlan
 
 
 @dataclass(frozen=True)

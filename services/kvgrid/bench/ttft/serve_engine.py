@@ -1,9 +1,9 @@
 """An engine that serves many requests at once: vLLM's scheduler (continuous batching, chunked
-prefill, decode, preemption) around a :class:`~kvgrid.ttft.model.PagedLlama`, one forward per step
+prefill, decode, preemption) around a :class:`~kvgrid.bench.ttft.model.PagedLlama`, one forward per step
 over every scheduled request, with or without ``KVGridConnector``.
 
-It is :class:`~kvgrid.ttft.engine.TTFTEngine`'s runner generalised from one request to a batch; the
-vLLM config, KV cache buffer and connector worker are the same :class:`~kvgrid.ttft.engine.RankWorker`,
+It is :class:`~kvgrid.bench.ttft.engine.TTFTEngine`'s runner generalised from one request to a batch; the
+vLLM config, KV cache buffer and connector worker are the same :class:`~kvgrid.bench.ttft.engine.RankWorker`,
 and each step calls the connector in the same order (:meth:`RankWorker.connector_step`). What a step
 does, as vLLM's GPU model runner does it:
 
@@ -11,7 +11,7 @@ does, as vLLM's GPU model runner does it:
   prompt and blocks, cached ones their new blocks (a resumed request's replace its old ones), and
   a preempted request's state is dropped (it comes back as resumed, from its recomputed position);
 * copy-on-write block copies the scheduler asks for run before the forward;
-* the step's tokens are packed (:class:`~kvgrid.ttft.model.PackedBatch`): per request its
+* the step's tokens are packed (:class:`~kvgrid.bench.ttft.model.PackedBatch`): per request its
   scheduled positions, their cache slots and its block table; a request whose scheduled tokens
   reach the end of its known tokens samples one token (greedy), others (a prefill chunk) none;
 * ``update_from_output`` with the sampled tokens and the connector's output.
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from kvgrid.ttft.engine import EngineOptions, RankWorker
-from kvgrid.ttft.model import PackedBatch, PagedLlama
+from kvgrid.bench.ttft.engine import EngineOptions, RankWorker
+from kvgrid.bench.ttft.model import PackedBatch, PagedLlama
 
 __all__ = ["GRAPH_SIZES", "RowSpan", "ServeEngine", "StepEvents", "graph_size", "pack_batch"]
 

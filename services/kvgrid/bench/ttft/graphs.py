@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs for :class:`~kvgrid.ttft.model.PagedLlama`'s short forwards (vLLM's scheme).
+"""Piecewise CUDA graphs for :class:`~kvgrid.bench.ttft.model.PagedLlama`'s short forwards (vLLM's scheme).
 
 A forward of ``n`` tokens (``n <= graph_max_tokens``) is cut at every attention: ``layers + 1``
 graphs, captured the first time ``n`` is seen, replayed from then on, with the attention of each
@@ -45,7 +45,7 @@ import torch
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-    from kvgrid.ttft.model import PagedLlama
+    from kvgrid.bench.ttft.model import PagedLlama
 
 __all__ = ["Attention", "GraphCache", "PiecewiseGraphs"]
 

@@ -1,5 +1,5 @@
 """The load ``kvgrid chaos`` keeps on the cluster: the demo's chat workload served by stand-in
-engines (``kvgrid.demo``'s model, KV in shared memory), one worker thread per agent.
+engines (``kvgrid.bench.demo``'s model, KV in shared memory), one worker thread per agent.
 
 Per request, like a vLLM worker with the connector: route with the controller's ``Score`` (any
 pod when the controller is away), ``Lookup`` on that pod's agent, ``Retrieve`` the hits into fresh
@@ -28,9 +28,7 @@ import torch
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
-from kvgrid.common.hashing import chunk_keys
-from kvgrid.common.wire import key_namespace_to_proto
-from kvgrid.demo import (
+from kvgrid.bench.demo import (
     BLOCK_SIZE,
     GROUPS,
     HEAD_SIZE,
@@ -43,6 +41,8 @@ from kvgrid.demo import (
     expected_chunk,
     workload,
 )
+from kvgrid.common.hashing import chunk_keys
+from kvgrid.common.wire import key_namespace_to_proto
 
 __all__ = ["Load", "LoadStats", "chat_prompts"]
 

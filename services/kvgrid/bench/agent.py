@@ -35,7 +35,7 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 
-from kvgrid.agent.bench_procs import KVGRID, AgentDidNotStart, bench_env, shm_scratch, start_agent, stop_all
+from kvgrid.bench.agent_procs import KVGRID, AgentDidNotStart, bench_env, shm_scratch, start_agent, stop_all
 from kvgrid.common.config import add_config_arguments, config_from_args
 
 __all__ = ["AgentBenchConfig", "add_arguments", "run"]
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         if cfg.peer:
             print("kvgrid bench agent: --peer measures one engine; drop --engines", file=sys.stderr)
             return 2
-        from kvgrid.agent.bench_tp import run_tp
+        from kvgrid.bench.agent_tp import run_tp
 
         return run_tp(cfg)
     with shm_scratch("kvgrid-bench-") as tmp:

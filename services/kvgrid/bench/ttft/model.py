@@ -26,7 +26,7 @@ Invariants:
   (where vLLM calls ``wait_for_layer_load``), ``after_attention(i)`` once its KV is written and its
   attention ran (where vLLM calls ``save_kv_layer``).
 * On CUDA (``cuda_graphs``, the default there) a forward of at most ``graph_max_tokens`` tokens runs
-  as vLLM runs such sizes: piecewise CUDA graphs around an eager attention (:mod:`kvgrid.ttft.graphs`),
+  as vLLM runs such sizes: piecewise CUDA graphs around an eager attention (:mod:`kvgrid.bench.ttft.graphs`),
   the hooks where they are above. Its results equal the eager forward's bit for bit; longer
   forwards stay eager. Whether a forward is replayed depends only on its token count, so two
   forwards of the same count always take the same path.
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kvgrid.ttft.graphs import Attention, GraphCache
+from kvgrid.bench.ttft.graphs import Attention, GraphCache
 
 __all__ = ["LLAMA3_8B", "LayerHooks", "ModelShape", "PackedBatch", "PagedLlama", "layer_name"]
 

@@ -1,6 +1,6 @@
 """``kvgrid bench lookup``: what a router sees per request, beside Dynamo's indexers, in one run.
 
-Workload (:mod:`kvgrid.controller.bench_workload`): a multi-turn chat fleet over ``--pods`` pods,
+Workload (:mod:`kvgrid.bench.lookup_workload`): a multi-turn chat fleet over ``--pods`` pods,
 ~``--chunks`` distinct chunks; queries are a fixed mix of a conversation's next turn (whole history
 plus a new, uncached turn: the GPU tier is reached), an edit of an earlier turn, a new conversation
 on a known system prompt, and complete misses.
@@ -35,7 +35,7 @@ port's before anything is timed; then ``--rounds`` interleaved rounds at each ``
 each transport's queries/s, p50, p99 and server CPU per query, and each as a ratio to gRPC's.
 
 Peers (``--peers``) run in ``--peers-python`` (an environment with ``ai-dynamo-runtime``; its pins
-conflict with kvgrid's environment) through :mod:`kvgrid.controller.bench_peers`; a peer that is
+conflict with kvgrid's environment) through :mod:`kvgrid.bench.lookup_peers`; a peer that is
 not installed is reported as absent with the reason. Clients are Python in every case (gRPC's,
 a socket, ``http.client``), each in its own process.
 """
@@ -65,10 +65,10 @@ import grpc
 import msgspec
 
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from kvgrid.bench import lookup_clients as clients
+from kvgrid.bench.lookup_workload import QUERY_MIX, Query, Workload
 from kvgrid.common.authz import Authorizer
 from kvgrid.common.tls import CONTROLLER_SERVER_NAME
-from kvgrid.controller import bench_clients as clients
-from kvgrid.controller.bench_workload import QUERY_MIX, Query, Workload
 from kvgrid.controller.compact import read_compact
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.core import PrefixQuery
@@ -186,10 +186,10 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 
 class _Peers:
-    """The peer runner process (:mod:`kvgrid.controller.bench_peers`), one JSON line per command."""
+    """The peer runner process (:mod:`kvgrid.bench.lookup_peers`), one JSON line per command."""
 
     def __init__(self, python: str, workload_file: str) -> None:
-        script = Path(__file__).with_name("bench_peers.py")
+        script = Path(__file__).with_name("lookup_peers.py")
         self.proc = subprocess.Popen(
             [python, str(script), workload_file], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )

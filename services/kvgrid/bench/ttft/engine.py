@@ -1,5 +1,5 @@
 """One engine of ``kvgrid bench ttft``: vLLM's scheduler and ``KVGridConnector``'s worker half around
-a :class:`~kvgrid.ttft.model.PagedLlama`, stepped in vLLM 0.32's model-runner order.
+a :class:`~kvgrid.bench.ttft.model.PagedLlama`, stepped in vLLM 0.32's model-runner order.
 
 No vLLM engine runs: this module plays the model runner with vLLM's real classes. What it builds:
 
@@ -28,7 +28,7 @@ The scheduler side (:class:`TTFTEngine`: vLLM's ``Scheduler``, one request's loo
 worker side (:class:`RankWorker`: its KV cache, the connector's worker half, the step above from
 ``bind_connector_metadata`` to ``clear_connector_metadata``) are separate, joined by a
 :class:`StepPlan` (the parts of a ``SchedulerOutput`` the runner reads). With TP=1 the engine calls
-its one worker directly; with tensor parallelism :mod:`kvgrid.ttft.tp` sends each plan to every
+its one worker directly; with tensor parallelism :mod:`kvgrid.bench.ttft.tp` sends each plan to every
 rank's worker and aggregates their ``KVConnectorOutput`` as vLLM's executor does.
 
 Invariant: one request runs at a time and :meth:`TTFTEngine.run` returns once it has its first token;
@@ -48,7 +48,7 @@ prefix caching is off in every engine (``enable_prefix_caching=False``), so a pr
 it however often it ran. Sharing the buffer is safe because requests run one at a time and ``run``
 returns only once every store landed: neither engine's blocks hold anything the other still needs
 between requests (a hit reads only what it loads or computes). Only with TP=1: the
-tensor-parallel ranks (:mod:`kvgrid.ttft.tp`) build connector workers only.
+tensor-parallel ranks (:mod:`kvgrid.bench.ttft.tp`) build connector workers only.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch
 
-from kvgrid.ttft.model import LayerHooks, ModelShape, PagedLlama, layer_name
+from kvgrid.bench.ttft.model import LayerHooks, ModelShape, PagedLlama, layer_name
 
 if TYPE_CHECKING:
     from kvgrid.connector.vllm import KVGridConnector
@@ -206,7 +206,7 @@ class EngineOptions:
     layerwise_stages: int = 8
     engine_id: str = "ttft"
     lease_at_lookup: bool = True  # the connector's default
-    # Serving many requests at once (kvgrid.ttft.serve_engine); the defaults fit one request at a time.
+    # Serving many requests at once (kvgrid.bench.ttft.serve_engine); the defaults fit one request at a time.
     num_blocks: int = 0
     """KV blocks (0: room for one request of the longest prompt plus one chunk)."""
     max_num_seqs: int = 4
@@ -340,7 +340,7 @@ class RankWorker:
     """One rank's worker side: its KV cache (its shard's KV heads), the connector's worker half, and
     one step of the model runner (module docstring's order, from ``bind_connector_metadata`` to
     ``clear_connector_metadata``). Rank 0's lives in :class:`TTFTEngine`; the other ranks' in
-    :mod:`kvgrid.ttft.tp`'s rank processes.
+    :mod:`kvgrid.bench.ttft.tp`'s rank processes.
 
     ``agent_socket=None``: no connector (module docstring): the step runs the forward alone.
     ``kv_cache_of``: use that worker's KV cache (config, views, buffer) instead of allocating one;
@@ -490,7 +490,8 @@ class RankWorker:
 
 class TTFTEngine:
     """vLLM's scheduler + rank 0's worker side (:class:`RankWorker`), one request at a time (module
-    docstring). With tensor parallelism :class:`kvgrid.ttft.tp.TPEngine` runs each step on every rank."""
+    docstring). With tensor parallelism :class:`kvgrid.bench.ttft.tp.TPEngine` runs each step on
+    every rank."""
 
     def __init__(
         self,

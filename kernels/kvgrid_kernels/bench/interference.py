@@ -27,8 +27,8 @@ CHUNKS = 32
 
 
 def _mover_setup() -> tuple[Any, list[torch.Tensor], list[np.ndarray], list[Any]]:
-    from .bench import GEOMETRIES, TOKENS_PER_CHUNK, _ids, _make_groups
-    from .plan import TransferPlan
+    from ..plan import TransferPlan
+    from .transfer import GEOMETRIES, TOKENS_PER_CHUNK, _ids, _make_groups
 
     groups, keep = _make_groups(GEOMETRIES["llama3-8b"][1], CHUNKS, "cuda")
     plan = TransferPlan(groups, TOKENS_PER_CHUNK)

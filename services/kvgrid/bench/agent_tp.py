@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-# bench_tp is the --engines mode of bench.py: the same dtypes, rounding and result header.
-from kvgrid.agent.bench import _DTYPES, _result_header, _sig, _sync
-from kvgrid.agent.bench_procs import AgentDidNotStart, shm_scratch, start_agent, stop_all
+# agent_tp is the --engines mode of agent.py: the same dtypes, rounding and result header.
+from kvgrid.bench.agent import _DTYPES, _result_header, _sig, _sync
+from kvgrid.bench.agent_procs import AgentDidNotStart, shm_scratch, start_agent, stop_all
 
 if TYPE_CHECKING:
-    from kvgrid.agent.bench import AgentBenchConfig
+    from kvgrid.bench.agent import AgentBenchConfig
 
 __all__ = ["run_tp"]
 

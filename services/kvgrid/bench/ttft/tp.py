@@ -6,9 +6,9 @@ scheduler's lookup takes the minimum over the ranks' agents, and the results sta
 
 Layout (as vLLM's multiprocessing executor has it):
 
-* The calling process is rank 0: it holds rank 0's shard of the model (:class:`~kvgrid.ttft.model.
+* The calling process is rank 0: it holds rank 0's shard of the model (:class:`~kvgrid.bench.ttft.model.
   PagedLlama` with ``tp_rank=0``), vLLM's ``Scheduler`` (whose connector half sees ``world_size=tp``
-  and asks every rank's agent) and rank 0's :class:`~kvgrid.ttft.engine.RankWorker`. Ranks
+  and asks every rank's agent) and rank 0's :class:`~kvgrid.bench.ttft.engine.RankWorker`. Ranks
   ``1 .. tp-1`` are spawned processes, each with its shard and one ``RankWorker`` per engine.
 * Rank ``r``'s agent listens in ``work/rank{r}`` (its KV cache file lives there too, on CPU); the
   connector's ``agent_socket`` is ``work/rank{rank}/agent.sock`` and every rank's ``VllmConfig``
@@ -17,7 +17,7 @@ Layout (as vLLM's multiprocessing executor has it):
 * Two process groups: the default one for the model's all-reduces (gloo on CPU; NCCL on CUDA, rank
   ``r`` on ``cuda:r``, NVLink multicast off: ``NCCL_NVLS_ENABLE=0``) and a gloo group for the control
   plane (vLLM's CPU group): rank 0 broadcasts each command -- per scheduler step the
-  :class:`~kvgrid.ttft.engine.StepPlan` (the ``SchedulerOutput``'s parts the runner reads and the
+  :class:`~kvgrid.bench.ttft.engine.StepPlan` (the ``SchedulerOutput``'s parts the runner reads and the
   connector metadata) -- every rank runs it (the same runner order as TTFTEngine's), and rank 0
   gathers one reply per rank. A step's replies are the ranks' ``KVConnectorOutput``, aggregated by
   vLLM's own ``KVOutputAggregator`` (a request's load finished once every rank reported it; failed
@@ -49,8 +49,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from kvgrid.ttft.engine import AgentProcess, EngineOptions, RankWorker, StepPlan, StepResult, TTFTEngine
-from kvgrid.ttft.model import ModelShape, PagedLlama
+from kvgrid.bench.ttft.engine import AgentProcess, EngineOptions, RankWorker, StepPlan, StepResult, TTFTEngine
+from kvgrid.bench.ttft.model import ModelShape, PagedLlama
 
 __all__ = ["AfterLoad", "RankSpec", "TPEngine", "TPGroup", "rank_dir"]
 
@@ -270,7 +270,7 @@ class TPGroup:
 
 
 class TPEngine(TTFTEngine):
-    """:class:`~kvgrid.ttft.engine.TTFTEngine` whose steps, poisons, references and flushes run on
+    """:class:`~kvgrid.bench.ttft.engine.TTFTEngine` whose steps, poisons, references and flushes run on
     every rank (module docstring); rank 0's scheduler aggregates the ranks' connector outputs."""
 
     def __init__(self, group: TPGroup, options: EngineOptions) -> None:

@@ -1,7 +1,7 @@
 """``kvgrid bench routing``: how good the controller's ``Score`` is as a router, on a real trace.
 
 The Mooncake conversation trace (12,031 requests of one production hour, 512-token prefix blocks)
-is replayed, arrival times kept, into a :class:`~kvgrid.controller.routing_sim.Cluster` of
+is replayed, arrival times kept, into a :class:`~kvgrid.bench.routing_sim.Cluster` of
 simulated pods. Every policy sees the same cluster model and the same costs; only the choice of
 pod differs:
 
@@ -49,10 +49,7 @@ import grpc
 import msgspec
 
 from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2, controller_pb2_grpc
-from kvgrid.common.config import add_config_arguments, config_from_args
-from kvgrid.common.hashing import CHUNK_KEY_BYTES, KeyNamespace
-from kvgrid.common.procs import free_port, wait_serving
-from kvgrid.controller.routing_sim import (
+from kvgrid.bench.routing_sim import (
     CacheEvent,
     Cluster,
     Hardware,
@@ -61,6 +58,9 @@ from kvgrid.controller.routing_sim import (
     load_trace,
     summarize,
 )
+from kvgrid.common.config import add_config_arguments, config_from_args
+from kvgrid.common.hashing import CHUNK_KEY_BYTES, KeyNamespace
+from kvgrid.common.procs import free_port, wait_serving
 
 __all__ = ["POLICIES", "RoutingBenchConfig", "add_arguments", "replay", "run"]
 

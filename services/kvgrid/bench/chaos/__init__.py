@@ -4,10 +4,10 @@ injected at random; every loaded chunk is checked bit for bit.
 What runs (all real processes on this machine): ``valkey-server``; ``kvgrid controller
 --index-backend redis`` on it; 2-4 ``kvgrid agent`` processes, each with an L1 smaller than the
 workload, a disk tier (on a size-limited tmpfs when this process may mount one) and an S3 tier on
-a SeaweedFS ``weed mini`` server; one stand-in engine per agent in this process (``kvgrid.demo``'s
-hybrid model, KV in shared memory) serving the demo's multi-turn chats (``kvgrid.chaos.load``).
+a SeaweedFS ``weed mini`` server; one stand-in engine per agent in this process (``kvgrid.bench.demo``'s
+hybrid model, KV in shared memory) serving the demo's multi-turn chats (``kvgrid.bench.chaos.load``).
 
-Faults (``kvgrid.chaos.faults.KINDS``), one at a time, chosen with ``--seed``: kill -9 and SIGSTOP
+Faults (``kvgrid.bench.chaos.faults.KINDS``), one at a time, chosen with ``--seed``: kill -9 and SIGSTOP
 of an agent, the controller and Valkey; cut connections (agents -> controller, controller ->
 Valkey, agents -> S3) through proxies in this process; a full disk tier (real ENOSPC from a
 tmpfs); corrupted disk-tier records; an unreachable S3 (stopped, or its connections cut).
@@ -66,7 +66,7 @@ class ChaosSettings:
     s3: bool = True
 
     def __post_init__(self) -> None:
-        from kvgrid.chaos.faults import KINDS
+        from kvgrid.bench.chaos.faults import KINDS
 
         if not 2 <= self.agents <= 4:
             raise ValueError(f"--agents {self.agents}: expected 2 to 4")
@@ -85,9 +85,9 @@ class ChaosSettings:
 
 def run_chaos(s: ChaosSettings, *, progress: bool = True) -> dict[str, Any]:
     """Start everything, run the faults under load, stop everything; returns the report."""
-    from kvgrid.chaos.cluster import Cluster, ClusterSpec
-    from kvgrid.chaos.faults import KINDS, FaultRun, summary_of
-    from kvgrid.chaos.load import Engine, Load
+    from kvgrid.bench.chaos.cluster import Cluster, ClusterSpec
+    from kvgrid.bench.chaos.faults import KINDS, FaultRun, summary_of
+    from kvgrid.bench.chaos.load import Engine, Load
 
     work = Path(tempfile.mkdtemp(prefix="kvgrid-chaos-"))
     shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
@@ -219,7 +219,7 @@ def run_chaos(s: ChaosSettings, *, progress: bool = True) -> dict[str, Any]:
 
 
 def _pct(values: list[float], q: float) -> float:
-    from kvgrid.chaos.faults import percentile
+    from kvgrid.bench.chaos.faults import percentile
 
     return percentile(values, q)
 
@@ -236,7 +236,7 @@ def _range(text: str) -> tuple[float, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvgrid.chaos.faults import KINDS
+    from kvgrid.bench.chaos.faults import KINDS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = (
