@@ -29,28 +29,10 @@ if [[ -x "$bin" ]] && [[ "$("$bin" --version 2>/dev/null)" == "$WANT" ]] && comm
     exit 0
 fi
 
-if [[ "$(id -u)" != 0 ]]; then
-    sudo=sudo
-    command -v sudo >/dev/null || { echo "fetch_kube_apiserver.sh: run as root or install sudo" >&2; exit 1; }
-else
-    sudo=""
-fi
-
-# etcd-server's postinst would start a system etcd: deny service starts for the install (as
-# fetch_prometheus.sh does) when the machine has no policy of its own.
-policy=/usr/sbin/policy-rc.d
-made_policy=""
-if [[ ! -e "$policy" ]]; then
-    printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
-    $sudo chmod 0755 "$policy"
-    made_policy=1
-fi
-cleanup() { if [[ -n "$made_policy" ]]; then $sudo rm -f "$policy"; fi; }
-trap cleanup EXIT
-
-$sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-    golang-go rsync make etcd-server dpkg-dev >/dev/null
+# etcd-server's postinst would start a system etcd: apt_install denies service starts.
+# shellcheck source=apt_install.sh
+source "$(dirname "${BASH_SOURCE[0]}")/apt_install.sh"
+apt_install golang-go rsync make etcd-server dpkg-dev
 
 src_sources=/etc/apt/sources.list.d/debian.sources
 [[ -r "$src_sources" ]] || { echo "fetch_kube_apiserver.sh: $src_sources not found (need the machine's Debian deb822 sources)" >&2; exit 1; }

@@ -12,24 +12,7 @@ if command -v prometheus >/dev/null && command -v promtool >/dev/null; then
     exit 0
 fi
 
-if [[ "$(id -u)" != 0 ]]; then
-    sudo=sudo
-    command -v sudo >/dev/null || { echo "fetch_prometheus.sh: run as root or install sudo (apt-get install prometheus)" >&2; exit 1; }
-else
-    sudo=""
-fi
-
-policy=/usr/sbin/policy-rc.d
-made_policy=""
-if [[ ! -e "$policy" ]]; then
-    # 101 = "action forbidden": the package's postinst does not start the system service.
-    printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
-    $sudo chmod 0755 "$policy"
-    made_policy=1
-fi
-cleanup() { if [[ -n "$made_policy" ]]; then $sudo rm -f "$policy"; fi; }
-trap cleanup EXIT
-
-$sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+# shellcheck source=apt_install.sh
+source "$(dirname "${BASH_SOURCE[0]}")/apt_install.sh"
+apt_install prometheus
 echo "prometheus installed: $(promtool --version 2>&1 | head -1)"
