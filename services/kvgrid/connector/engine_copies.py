@@ -507,17 +507,23 @@ class EngineCopier:
     ) -> None:
         """Copy the engine's blocks of chunk ``chunks[j]`` (indices into the request's chunks;
         ``block_ids`` one list per engine group from token 0) into the reserved L1 room at
-        ``offsets[j]``, after ``fence`` on the GPU; return once the bytes are in L1."""
+        ``offsets[j]``, after ``fence`` on the GPU; return once the bytes are in L1. Raises only
+        once nothing of it is still being written (the agent frees the room of a failed copy)."""
         self._check_offsets(offsets)
         if not chunks:
             return
         ids = chunk_block_ids(self.mover, self.groups, block_ids, range(max(chunks) + 1))
         n = self.mover.bytes_per_chunk
-        self.mover.store(
-            [self.pool[o : o + n] for o in offsets],
-            [[per_chunk[i] for i in chunks] for per_chunk in ids],
-            wait_event=fence,
-        )
+        try:
+            self.mover.store(
+                [self.pool[o : o + n] for o in offsets],
+                [[per_chunk[i] for i in chunks] for per_chunk in ids],
+                wait_event=fence,
+            )
+        except BaseException:
+            if self.pool_device.type == "cuda":
+                torch.cuda.synchronize(self.pool_device)  # a plan that raised midway may have queued some
+            raise
 
     def _check_offsets(self, offsets: Sequence[int]) -> None:
         """The agent's chunk offsets lie inside the mapped file (copies may go by raw pointer):
