@@ -173,6 +173,7 @@ BAD_VALUES: list[tuple[dict[str, Any], list[str]]] = [
     ({"controller": {"config": {"bogus_field": 1}}}, ["invalid propertyName 'bogus_field'"]),
     ({"agent": {"l1Size": "lots"}}, ["/agent/l1Size", "does not match pattern"]),
     ({"agent": {"evictionPolicy": "random"}}, ["/agent/evictionPolicy", "'lru', 'fifo'"]),
+    ({"agent": {"peerDataSecurity": "none"}}, ["/agent/peerDataSecurity", "'mac', 'aead', 'tls'"]),
     ({"controller": {"logLevel": "verbose"}}, ["/controller/logLevel", "'debug', 'info'"]),
     (
         {"controller": {"index": {"backend": "redis", "redis": {"url": "http://x"}}}},
@@ -297,6 +298,26 @@ def test_agent_sidecar_args_build_a_real_agent_config(helm: list[str], tmp_path:
     # The address points at the Service this release renders, on its gRPC port.
     service = _find(docs, "Service", f"{RELEASE}-kvgrid-controller")
     assert 50061 in [p["port"] for p in service["spec"]["ports"]]
+
+
+@pytest.mark.parametrize(
+    ("tls", "security", "expected"), [(True, None, "mac"), (True, "aead", "aead"), (False, "tls", None)]
+)
+def test_agent_peer_data_security_reaches_the_agent_with_tls_only(
+    helm: list[str], tmp_path: Path, tls: bool, security: str | None, expected: str | None
+) -> None:
+    agent_values = {"peerDataSecurity": security} if security else {}
+    values = {"examples": {"vllm": {"enabled": True}}, "tls": {"enabled": tls}, "agent": agent_values}
+    docs = _template(helm, values, tmp_path)
+    agent = _container(
+        _find(docs, "Deployment", f"{RELEASE}-kvgrid-vllm")["spec"]["template"]["spec"], "kvgrid-agent"
+    )
+    flags = [a for a in agent["args"] if a.startswith("--peer-data-security")]
+    if expected is None:
+        assert flags == []  # without TLS the data plane is plaintext with checksums: no mode to choose
+    else:
+        assert flags == [f"--peer-data-security={expected}"]
+        assert _parse_kvgrid(agent, AgentConfig, _literal_env(agent)).peer_data_security == expected
 
 
 def test_agent_extra_args_and_explicit_controller_reach_the_parser(helm: list[str], tmp_path: Path) -> None:

@@ -486,6 +486,45 @@ def test_the_token_goes_only_to_the_controller_over_tls(pki: Pki, tmp_path: Path
     assert "authorization" not in to_peer and "authorization" not in plaintext
 
 
+def test_a_flood_of_fresh_tokens_is_held_to_the_review_budget(
+    kube: tuple[KubeTokens, str, Path], reviewer_token: Path, pki: Pki, free_port: Callable[[], int]
+) -> None:
+    """Any holder of the shared certificate can mint well-formed tokens (right claims, forged
+    signature), each a cache miss: past ``agent_token_reviews_per_s`` (here 0.5/s, a burst of 5)
+    they are RESOURCE_EXHAUSTED without reaching the API server, while an agent whose token was
+    already reviewed goes on heartbeating."""
+    state, url, ca = kube
+    state.add_pod(NAMESPACE, "vllm-steady", "vllm", uid="uid-steady")
+    steady = state.token(NAMESPACE, "vllm-steady")
+    c = start_token_controller(
+        f"127.0.0.1:{free_port()}", pki, "token", api_url=url, ca_file=ca, token_file=reviewer_token,
+        extra=("--agent-token-reviews-per-s", "0.5"),
+    )  # fmt: skip
+    try:
+        shared = c.stub(pki.agent())
+        register(shared, "uid-steady", steady, name="vllm-steady")
+        forger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        before = len(state.reviewed)
+        codes = []
+        for i in range(20):
+            claims = state.claims(NAMESPACE, "vllm-a", "kvgrid")
+            claims["jti"] = f"forged-{i}"  # a fresh token each time: never a cached verdict
+            with pytest.raises(grpc.RpcError) as err:
+                heartbeat(shared, "uid-a", sign_jwt(forger, claims, kid="forged"))
+            codes.append(err.value.code())
+            if err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                assert "agent_token_reviews_per_s" in (err.value.details() or ""), err.value.details()
+        # The first of the burst (4 left after the steady agent's) reached the API server and were
+        # refused there; the rest never left the controller.
+        assert codes.count(grpc.StatusCode.PERMISSION_DENIED) <= 5, codes
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 15, codes
+        assert len(state.reviewed) - before <= 5
+        for _ in range(5):
+            heartbeat(shared, "uid-steady", steady)  # its verdict is cached: no review, no budget
+    finally:
+        c.close()
+
+
 def test_a_cached_verdict_never_outlives_its_token(
     kube: tuple[KubeTokens, str, Path], reviewer_token: Path
 ) -> None:

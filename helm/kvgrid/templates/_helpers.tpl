@@ -225,6 +225,9 @@ instead; see docs/deploy.md.
 {{- end }}
 - {{ printf "--eviction-policy=%v" $v.agent.evictionPolicy | quote }}
 - {{ printf "--peer-data-plane=%v" $v.agent.peerDataPlane | quote }}
+{{- if ne (include "kvgrid.tlsProvider" .root) "off" }}
+- {{ printf "--peer-data-security=%v" $v.agent.peerDataSecurity | quote }}
+{{- end }}
 - {{ printf "--peer-fetch-mode=%v" $v.agent.peerFetchMode | quote }}
 - {{ printf "--peer-data-port=%s" (include "kvgrid.agentDataPort" .) | quote }}
 - {{ printf "--log-level=%v" $v.agent.logLevel | quote }}

@@ -58,7 +58,8 @@ import grpc
 import msgspec
 
 from kvgrid.common.authz import Identity
-from kvgrid.common.errors import PermissionDenied, Unavailable
+from kvgrid.common.errors import PermissionDenied, ResourceExhausted, Unavailable
+from kvgrid.common.streams import caller_key
 
 __all__ = [
     "AUDIENCE",
@@ -70,6 +71,7 @@ __all__ = [
     "BearerToken",
     "PodProofMode",
     "PodToken",
+    "ReviewBudget",
     "TokenFile",
     "TokenReviewer",
     "bearer_token",
@@ -315,13 +317,82 @@ class _Verdict(msgspec.Struct):
     refusal: str = ""
 
 
+class ReviewBudget:
+    """Token buckets on the TokenReviews a controller sends, so that a caller minting fresh tokens
+    (any holder of the shared agent certificate can send well-formed but forged ones, each a cache
+    miss) cannot make the API server, or the controller's threads waiting on it, pay at its call
+    rate: ``per_caller_per_s`` per caller (identity@IP, :func:`~kvgrid.common.streams.caller_key`)
+    and ``total_per_s`` over all callers, each bucket holding ``burst_s`` seconds of its rate
+    (at least one review). A rate of 0 is no limit. A cached verdict costs nothing, so a steady agent
+    needs one review per token per cache TTL. At most ``max_callers`` buckets are kept (the least
+    recently used go; a forgotten caller starts full again). Thread-safe."""
+
+    def __init__(
+        self,
+        per_caller_per_s: float,
+        total_per_s: float,
+        *,
+        burst_s: float = 10.0,
+        max_callers: int = 65_536,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, rate in (("per_caller_per_s", per_caller_per_s), ("total_per_s", total_per_s)):
+            if not rate >= 0:
+                raise ValueError(f"{name}={rate}: expected reviews per second >= 0 (0 = no limit)")
+        self.per_caller_per_s, self.total_per_s = per_caller_per_s, total_per_s
+        self.burst_s, self.max_callers, self.clock = burst_s, max_callers, clock
+        self._callers: OrderedDict[str, tuple[float, float]] = OrderedDict()  # caller -> (tokens, at)
+        self._total = (self._capacity(total_per_s), clock())
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    def _capacity(self, rate: float) -> float:
+        return max(1.0, rate * self.burst_s)
+
+    def _refill(self, bucket: tuple[float, float], rate: float, now: float) -> float:
+        tokens, at = bucket
+        return min(self._capacity(rate), tokens + (now - at) * rate)
+
+    def take(self, caller: str) -> str | None:
+        """Spend one review for ``caller``: None when allowed, else which limit refused it."""
+        if not self.per_caller_per_s and not self.total_per_s:
+            return None
+        now = self.clock()
+        with self._lock:
+            mine = self._callers.pop(caller, None)
+            own = (
+                self._refill(mine, self.per_caller_per_s, now)
+                if mine
+                else self._capacity(self.per_caller_per_s)
+            )
+            total = self._refill(self._total, self.total_per_s, now)
+            refusal = None
+            if self.per_caller_per_s and own < 1:
+                rate = self.per_caller_per_s
+                refusal = f"more than {rate:g} per second from this caller (agent_token_reviews_per_s)"
+            elif self.total_per_s and total < 1:
+                refusal = (
+                    f"more than {self.total_per_s:g} per second in total (agent_token_reviews_total_per_s)"
+                )
+            else:
+                own, total = own - 1, total - 1
+            self._callers[caller] = (own, now)
+            self._total = (total, now)
+            while len(self._callers) > self.max_callers:
+                self._callers.popitem(last=False)
+            if refusal is not None:
+                self.refused += 1
+            return refusal
+
+
 class TokenReviewer:
     """Asks the Kubernetes API server who a token names (TokenReview), with a verdict cache.
 
     ``api_url``: ``https://host:port`` of the API server; ``credentials``: the controller's own
     token file (re-read when the kubelet rotates it); ``ca_file``: the CA the API server's certificate
     chains to. ``cache_ttl_s``: how long a verdict is kept (0 = ask every time); ``timeout_s``: one
-    review's deadline. ``clock``: wall-clock seconds (tests move it). Thread-safe."""
+    review's deadline; ``budget``: the :class:`ReviewBudget` on reviews sent (None: none).
+    ``clock``: wall-clock seconds (tests move it). Thread-safe."""
 
     def __init__(
         self,
@@ -333,6 +404,7 @@ class TokenReviewer:
         cache_ttl_s: float = 30.0,
         timeout_s: float = 2.0,
         max_cached: int = 65_536,
+        budget: ReviewBudget | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         url = urllib.parse.urlsplit(api_url)
@@ -349,6 +421,7 @@ class TokenReviewer:
         self.cache_ttl_s = cache_ttl_s
         self.timeout_s = timeout_s
         self.max_cached = max_cached
+        self.budget = budget
         self.clock = clock
         self._cache: OrderedDict[bytes, _Verdict] = OrderedDict()
         self._lock = threading.Lock()
@@ -380,16 +453,24 @@ class TokenReviewer:
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
 
-    def review(self, token: str, namespace: str) -> PodToken:
+    def review(self, token: str, namespace: str, caller: str = "") -> PodToken:
         """The pod ``token`` is bound to, as the API server confirms it; PermissionDenied naming what
         is wrong (also for a token of another namespace than ``namespace``, the caller's certificate's),
-        Unavailable when the API server cannot answer."""
+        Unavailable when the API server cannot answer, ResourceExhausted when ``caller`` (or all
+        callers together) sent more tokens to review than the :class:`ReviewBudget` allows (never
+        cached: the same token passes once the budget refilled)."""
         now = self.clock()
         key = hashlib.sha256(token.encode()).digest() + namespace.encode()
         hit = self._cached(key, now)
         if hit is None:
             try:
                 exp = _precheck(unverified_claims(token), self.audience, namespace, now)
+                over = self.budget.take(caller) if self.budget is not None else None
+                if over is not None:
+                    raise ResourceExhausted(
+                        f"too many pod tokens to review: {over}; a steady agent needs one TokenReview per "
+                        "token per agent_token_cache_ms, so retry later"
+                    )
                 pod = self._ask(token)
                 if pod.namespace != namespace:
                     raise PermissionDenied(
@@ -545,7 +626,7 @@ class AgentPodProof:
                 f"'authorization: Bearer' metadata, or a per-pod certificate"
             )
         try:
-            pod = self.reviewer.review(token, ident.namespace)
+            pod = self.reviewer.review(token, ident.namespace, caller_key(ident, context))
         except PermissionDenied as e:
             raise PermissionDenied(f"{method}: the caller {ident.uri!r}: {e}") from None
         return Identity(

@@ -302,6 +302,22 @@ class ControllerConfig(TlsSettings, frozen=True, kw_only=True):
             "token may still be accepted",
         ),
     ] = 30_000
+    agent_token_reviews_per_s: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0,
+            description="TokenReviews one caller (certificate identity at its IP address) may cause per "
+            "second, with 10 s of burst; more fresh tokens get RESOURCE_EXHAUSTED (0 = no limit)",
+        ),
+    ] = 1.0
+    agent_token_reviews_total_per_s: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0,
+            description="TokenReviews all callers together may cause per second, with 10 s of burst: what "
+            "the controller asks of the API server at most (0 = no limit)",
+        ),
+    ] = 200.0
     kube_api_url: Annotated[
         str,
         msgspec.Meta(

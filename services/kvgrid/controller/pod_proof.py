@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from kvgrid.common.pod_tokens import AgentPodProof, TokenFile, TokenReviewer, in_cluster_api_url
+from kvgrid.common.pod_tokens import AgentPodProof, ReviewBudget, TokenFile, TokenReviewer, in_cluster_api_url
 from kvgrid.controller.config import ControllerConfig
 
 __all__ = ["pod_proof_for"]
@@ -36,12 +36,16 @@ def pod_proof_for(cfg: ControllerConfig) -> AgentPodProof | None:
         audience=cfg.agent_token_audience,
         cache_ttl_s=cfg.agent_token_cache_ms / 1000,
         timeout_s=cfg.kube_api_timeout_ms / 1000,
+        budget=ReviewBudget(cfg.agent_token_reviews_per_s, cfg.agent_token_reviews_total_per_s),
     )
     log.info(
         "agent_pod_proof=token: agents with the shared certificate prove their pod by a ServiceAccount token "
-        "of audience %r, verified by TokenReview at %s (verdicts kept %d ms)",
+        "of audience %r, verified by TokenReview at %s (verdicts kept %d ms; at most %g reviews/s per "
+        "caller, %g in total)",
         cfg.agent_token_audience,
         url,
         cfg.agent_token_cache_ms,
+        cfg.agent_token_reviews_per_s,
+        cfg.agent_token_reviews_total_per_s,
     )
     return AgentPodProof("token", reviewer)
