@@ -392,17 +392,43 @@ def connect(host: str, port: int, timeout_s: float, tls: ssl.SSLContext | None) 
     return sock
 
 
+def receive_deadline(sock: socket.socket, seconds: float) -> None:
+    """Bound every later receive on ``sock`` by ``seconds``. A plain TCP socket is made blocking
+    with the kernel's receive timeout, so :func:`recv_exact_into` can wait for a whole piece in one
+    ``recv_into(MSG_WAITALL)`` with the GIL released (Python's own timeouts poll before every
+    ``recv``: two system calls and two GIL hand-offs per few hundred KiB); a TLS socket keeps
+    Python's timeout."""
+    seconds = max(0.001, seconds)
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+        return
+    sock.settimeout(None)
+    whole = int(seconds)
+    sock.setsockopt(
+        socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    )
+
+
 def recv_exact_into(sock: socket.socket, view: memoryview, hasher: xxhash.xxh3_128 | None = None) -> None:
     """Fill ``view`` from ``sock`` (feeding ``hasher`` each piece as it lands); ``ConnectionError``
-    when the peer hangs up first."""
+    when the peer hangs up first, ``TimeoutError`` when :func:`receive_deadline`'s time passes."""
     got, hashed, size = 0, 0, len(view)
+    # A blocking plain socket waits in the kernel for a whole piece; TLS returns one 16 KiB record
+    # per call and takes no flags.
+    flags = socket.MSG_WAITALL if sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket) else 0
     while got < size:
-        n = sock.recv_into(view[got:], size - got)
+        want = min(size - got, PIECE_BYTES) if flags else size - got
+        try:
+            n = sock.recv_into(view[got:], want, flags)
+        except BlockingIOError:  # SO_RCVTIMEO passed with nothing received
+            raise TimeoutError(
+                f"data connection: no bytes within the deadline after {got} of {size}"
+            ) from None
         if n == 0:
             raise ConnectionError(f"peer closed the data connection after {got} of {size} bytes")
         got += n
-        # A TLS socket returns one 16 KiB record per call: hash in pieces of PIECE_BYTES (still in
-        # cache), not per call, to keep the Python work per byte down.
+        # Hash in pieces of PIECE_BYTES (still in cache), not per call, to keep the Python work per
+        # byte down.
         if hasher is not None and (got - hashed >= PIECE_BYTES or got == size):
             hasher.update(view[hashed:got])
             hashed = got
@@ -979,7 +1005,7 @@ def fetch_streams(
             for index in stream_indices(stream, streams, num_chunks):
                 if stop.is_set():
                     return
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                receive_deadline(sock, deadline - time.monotonic())
                 dst = targets.get(index)
                 if dst is None:
                     scratch = scratch if scratch is not None else bytearray(chunk_bytes)
