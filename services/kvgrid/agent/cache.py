@@ -41,7 +41,6 @@ namespace neither reuses nor displaces another namespace's chunk under the same 
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -52,6 +51,7 @@ import torch
 
 from kvgrid.agent.eviction import EvictionPolicy, LRUPolicy
 from kvgrid.agent.l1 import Chunk, L1Pool
+from kvgrid.agent.results import MissCause
 
 __all__ = [
     "CacheListener",
@@ -61,19 +61,6 @@ __all__ = [
     "SpillSink",
     "StoreReservation",
 ]
-
-
-class MissCause(enum.StrEnum):
-    """Why a prefix walk stopped (metric label)."""
-
-    NONE = "none"
-    NOT_FOUND = "not_found"
-    LAYOUT_MISMATCH = "layout_mismatch"
-    PEER_FAILED = "peer_failed"
-    """A peer fetch of the next chunks failed (Lookup only; the hits are still valid)."""
-    TIER_FAILED = "tier_failed"
-    """The next chunk was being read back from a lower tier and that read failed (refused record,
-    store error) or was cancelled: its bytes were never served (Retrieve, peer serving)."""
 
 
 class SpillSink(Protocol):

@@ -17,7 +17,7 @@ import grpc
 import torch
 
 from kvgrid.agent.hotpath import HOT_METHODS, HotPathAbsent, HotPathClient, hot_path_of
-from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
+from kvgrid.agent.results import LookupResult, MissCause, RetrieveResult, StoreResult
 from kvgrid.agent.tensors import export_layer_tensor
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.groups import EngineGroupInfo, to_proto
@@ -173,7 +173,7 @@ class AgentClient:
         assert isinstance(resp, agent_pb2.LookupResponse)
         return LookupResult(
             num_hit_chunks=resp.num_hit_chunks,
-            miss_cause=resp.miss_cause or "none",
+            miss_cause=MissCause.from_wire(resp.miss_cause),
             num_peer_chunks=resp.num_peer_chunks,
             chunk_offsets=list(resp.chunk_offsets),
             lease_id=resp.lease_id,
@@ -213,7 +213,7 @@ class AgentClient:
             hit_mask=list(resp.hit_mask),
             num_retrieved_chunks=resp.num_retrieved_chunks,
             bytes_moved=resp.bytes_moved,
-            miss_cause=resp.miss_cause or "none",
+            miss_cause=MissCause.from_wire(resp.miss_cause),
             chunk_offsets=list(resp.chunk_offsets),
             lease_id=resp.lease_id,
         )

@@ -479,7 +479,7 @@ class AgentCore:
         after_reply(self._count_hits, self.metrics.lookup_chunks, len(keys), n, cause, peer, tier)
         return LookupResult(
             num_hit_chunks=n,
-            miss_cause=str(cause),
+            miss_cause=cause,
             num_peer_chunks=peer,
             chunk_offsets=offsets,
             lease_id=lease_id,
@@ -683,7 +683,7 @@ class AgentCore:
             hit_mask=[i < n for i in range(len(keys))],
             num_retrieved_chunks=n,
             bytes_moved=0 if engine_copies else nbytes,
-            miss_cause=str(cause),
+            miss_cause=cause,
             chunk_offsets=offsets,
             lease_id=lease_id,
         )

@@ -2,16 +2,40 @@
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
-__all__ = ["LookupResult", "RetrieveResult", "StoreResult"]
+__all__ = ["LookupResult", "MissCause", "RetrieveResult", "StoreResult"]
+
+
+class MissCause(enum.StrEnum):
+    """Why a prefix walk stopped (also the metric label and the wire's ``miss_cause`` text)."""
+
+    NONE = "none"
+    NOT_FOUND = "not_found"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    PEER_FAILED = "peer_failed"
+    """A peer fetch of the next chunks failed (Lookup only; the hits are still valid)."""
+    TIER_FAILED = "tier_failed"
+    """The next chunk was being read back from a lower tier and that read failed (refused record,
+    store error) or was cancelled: its bytes were never served (Retrieve, peer serving)."""
+
+    @classmethod
+    def from_wire(cls, text: str) -> MissCause:
+        """The cause a response names ("" is none); one this version does not know (a newer
+        agent's) reads as not_found: the walk stopped there either way."""
+        try:
+            return cls(text or "none")
+        except ValueError:
+            return cls.NOT_FOUND
 
 
 class LookupResult(msgspec.Struct, frozen=True):
     num_hit_chunks: int
     """Leading chunks held (and pinned, when a request id was given)."""
-    miss_cause: str = "none"
-    """Why the walk stopped: none, not_found, layout_mismatch or peer_failed."""
+    miss_cause: MissCause = MissCause.NONE
+    """Why the walk stopped."""
     num_peer_chunks: int = 0
     """Of the hits, how many this lookup fetched from a peer agent."""
     chunk_offsets: list[int] = msgspec.field(default_factory=list)
@@ -42,7 +66,8 @@ class RetrieveResult(msgspec.Struct, frozen=True):
     """One entry per requested chunk; True for the leading chunks written."""
     num_retrieved_chunks: int
     bytes_moved: int
-    miss_cause: str = "none"
+    miss_cause: MissCause = MissCause.NONE
+    """Why the leading chunks written stopped there."""
     chunk_offsets: list[int] = []
     """engine_copies: each retrieved chunk's byte offset in the agent's shared L1 file."""
     lease_id: int = 0
