@@ -24,7 +24,8 @@ import grpc
 import torch
 
 from kvgrid.agent.client import AgentClient
-from kvgrid.agent.peers import PeerCandidate, PeerFetcher, PeerFetchResult
+from kvgrid.agent.peers.directory import PeerCandidate
+from kvgrid.agent.peers.fetcher import PeerFetcher, PeerFetchResult
 from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import agent_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.groups import EngineGroupInfo

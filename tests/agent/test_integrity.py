@@ -26,7 +26,9 @@ from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.core import AgentCore
 from kvgrid.agent.l1 import L1Pool
-from kvgrid.agent.peers import ChunkSender, PeerFetcher, PeerMetrics
+from kvgrid.agent.peers.fetcher import PeerFetcher
+from kvgrid.agent.peers.metrics import PeerMetrics
+from kvgrid.agent.peers.sender import ChunkSender
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.checksum import CHECKSUM_BYTES, ChecksumMismatch, chunk_checksum, verify_checksum
 from kvgrid.common.identity import PodIdentity

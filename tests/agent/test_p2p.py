@@ -1,4 +1,4 @@
-"""Peer data plane (``kvgrid.agent.p2p``): tickets over FetchChunks, bytes over the data port.
+"""Peer data plane (``kvgrid.agent.peers.dataplane``): tickets over FetchChunks, bytes over the data port.
 
 Real agents throughout: ``kvgrid agent`` processes for the end-to-end Lookup (bit-exact into the
 fetching engine's KV cache, and the fallbacks when either side has the data plane off), and
@@ -23,8 +23,11 @@ from opentelemetry import metrics, trace
 from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import L1Pool
-from kvgrid.agent.p2p import HELLO, MAGIC, client_context, recv_exact_into
-from kvgrid.agent.peers import PeerFetcher, PeerMetrics
+from kvgrid.agent.peers.dataplane.protocol import HELLO, MAGIC
+from kvgrid.agent.peers.dataplane.sockets import recv_exact_into
+from kvgrid.agent.peers.dataplane.tls_contexts import client_context
+from kvgrid.agent.peers.fetcher import PeerFetcher
+from kvgrid.agent.peers.metrics import PeerMetrics
 from kvgrid.agent.service import AgentServer
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.checksum import chunk_checksum

@@ -241,7 +241,7 @@ def test_a_cancelled_promotion_still_reads_what_another_request_pinned(setup: Se
 def test_a_peer_fetch_of_pending_chunks_waits_and_stops_before_a_failed_one(setup: Setup) -> None:
     """FetchChunks serving (``ChunkSender``) waits for chunks still being promoted and never
     streams one whose record was refused."""
-    from kvgrid.agent.peers import ChunkSender
+    from kvgrid.agent.peers.sender import ChunkSender
     from kvgrid.api.v1 import agent_pb2
 
     flip_payload_bit(setup, setup.keys[2])

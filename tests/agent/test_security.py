@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kvgrid.agent.client import AgentClient
-from kvgrid.agent.peers import MIN_PART_BYTES
+from kvgrid.agent.peers.sender import MIN_PART_BYTES
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.hashing import KeyNamespace, chunk_keys
 from tests.agent.helpers import (

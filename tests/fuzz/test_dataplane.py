@@ -1,4 +1,4 @@
-"""Fuzz the peer data plane (agent/p2p.py) of a real agent process: tickets from FetchChunks
+"""Fuzz the peer data plane (agent/peers/dataplane/) of a real agent process: tickets from FetchChunks
 (``data_streams`` mutated) and the HELLO every data connection starts with (magic, 32-byte ticket,
 u32 stream index), mutated: wrong magic, flipped ticket bits, streams out of range or claimed
 already (replays), truncated or garbage hellos, oversize writes, hellos written slowly or followed
@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 import grpc
 import xxhash
 
-from kvgrid.agent.p2p import HELLO, HELLO_TIMEOUT_S, MAGIC, TICKET_BYTES, stream_indices, ticket_streams
+from kvgrid.agent.peers.dataplane.protocol import (
+    HELLO,
+    HELLO_TIMEOUT_S,
+    MAGIC,
+    TICKET_BYTES,
+    stream_indices,
+    ticket_streams,
+)
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from tests.fuzz.conftest import NS_ID, Agent
 from tests.fuzz.fuzzlib import Liveness, Oracle, budget, rng_for, rss_bytes

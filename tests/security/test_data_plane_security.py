@@ -28,26 +28,28 @@ import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from opentelemetry import metrics, trace
 
-from kvgrid.agent import p2p
 from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import L1Pool
-from kvgrid.agent.p2p import (
+from kvgrid.agent.peers.dataplane.keys import TicketKeys, aead_aad, aead_nonce, chunk_mac, hello_tag
+from kvgrid.agent.peers.dataplane.protocol import (
+    DEFAULT_SECURITY,
     HELLO,
     MAC_BYTES,
     MAGIC,
     MAGIC_AEAD,
     MAGIC_MAC,
+    SECURITY_MODES,
     TAG_BYTES,
-    TicketKeys,
-    aead_aad,
-    aead_nonce,
-    chunk_mac,
-    client_context,
-    hello_tag,
-    recv_exact_into,
+    accepted_security,
+    ticket_security,
 )
-from kvgrid.agent.peers import PeerCandidate, PeerFetcher, PeerFetchResult, PeerMetrics
+from kvgrid.agent.peers.dataplane.server import DataPlaneServer
+from kvgrid.agent.peers.dataplane.sockets import recv_exact_into
+from kvgrid.agent.peers.dataplane.tls_contexts import client_context
+from kvgrid.agent.peers.directory import PeerCandidate
+from kvgrid.agent.peers.fetcher import PeerFetcher, PeerFetchResult
+from kvgrid.agent.peers.metrics import PeerMetrics
 from kvgrid.agent.service import AgentServer
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.config import ConfigError
@@ -296,20 +298,20 @@ def test_the_answer_names_the_mode_and_a_fresh_key_per_ticket(tmp_path: Path, pk
 
 
 def test_security_negotiation_rules() -> None:
-    assert [p2p.ticket_security(req, "mac") for req in ("", "mac", "aead", "tls", "bogus")] == [
+    assert [ticket_security(req, "mac") for req in ("", "mac", "aead", "tls", "bogus")] == [
         "tls", "mac", "aead", "tls", "mac",
     ]  # fmt: skip
-    assert [p2p.ticket_security(req, "aead") for req in ("mac", "aead", "tls")] == ["aead", "aead", "tls"]
-    assert [p2p.ticket_security(req, "tls") for req in ("mac", "aead", "tls")] == ["tls", "aead", "tls"]
-    assert p2p.accepted_security("", "mac", tls=True) == "tls"
-    assert p2p.accepted_security("aead", "mac", tls=True) == "aead"
-    assert p2p.accepted_security("", "tls", tls=False) == "plain"
+    assert [ticket_security(req, "aead") for req in ("mac", "aead", "tls")] == ["aead", "aead", "tls"]
+    assert [ticket_security(req, "tls") for req in ("mac", "aead", "tls")] == ["tls", "aead", "tls"]
+    assert accepted_security("", "mac", tls=True) == "tls"
+    assert accepted_security("aead", "mac", tls=True) == "aead"
+    assert accepted_security("", "tls", tls=False) == "plain"
     with pytest.raises(
         ValueError, match="data_security='mac' is weaker than this agent's peer_data_security='aead'"
     ):
-        p2p.accepted_security("mac", "aead", tls=True)
+        accepted_security("mac", "aead", tls=True)
     with pytest.raises(ValueError, match="data_security='rot13': expected one of mac, aead, tls"):
-        p2p.accepted_security("rot13", "mac", tls=True)
+        accepted_security("rot13", "mac", tls=True)
 
 
 # ---- an attacker on the path -------------------------------------------------------------------------
@@ -464,8 +466,8 @@ def test_a_hello_without_the_tickets_key_gets_nothing(holder: AgentServer, pki: 
 
 
 def test_peer_data_security_setting() -> None:
-    assert AgentConfig(uds_path="x").peer_data_security == p2p.DEFAULT_SECURITY == "mac"
-    assert typing.get_args(typing.get_type_hints(AgentConfig)["peer_data_security"]) == p2p.SECURITY_MODES
+    assert AgentConfig(uds_path="x").peer_data_security == DEFAULT_SECURITY == "mac"
+    assert typing.get_args(typing.get_type_hints(AgentConfig)["peer_data_security"]) == SECURITY_MODES
     with pytest.raises(ValueError, match=r"peer_data_security='none': expected mac, aead or tls"):
         AgentConfig(uds_path="x", peer_data_security="none")  # type: ignore[arg-type]
     from kvgrid.common.config import load_config
@@ -475,7 +477,7 @@ def test_peer_data_security_setting() -> None:
     ):
         load_config(AgentConfig, env={"KVGRID_PEER_DATA_SECURITY": "plaintext"})
     with pytest.raises(ValueError, match=r"security='rot13': expected one of mac, aead, tls"):
-        p2p.DataPlaneServer("127.0.0.1", 0, tls=None, security="rot13")
+        DataPlaneServer("127.0.0.1", 0, tls=None, security="rot13")
 
 
 def test_a_grpc_ticket_message_without_a_key_is_a_protocol_error(holder: AgentServer, pki: Pki) -> None:
@@ -494,12 +496,24 @@ def test_a_grpc_ticket_message_without_a_key_is_a_protocol_error(holder: AgentSe
             num_chunks=1, chunk_bytes=NBYTES, data_ticket=bytes(32), data_port=1, data_security="mac"
         )
         cand = PeerCandidate(pod_uid="pod-srv", address="127.0.0.1:1", l1_chunks=1, total_chunks=1)
-        from kvgrid.agent.peers import PeerError
+        from kvgrid.agent.peers.errors import PeerError
+        from kvgrid.agent.peers.socket_stream import receive_ticket
 
         with pytest.raises(
             PeerError, match=r"data plane ticket \(mac\) with a data_key of 0 bytes; expected 32"
         ):
-            fetcher._receive_data_plane(cand, msg, 1, NBYTES, {}, lambda i, c: None, time.monotonic() + 5)
+            receive_ticket(
+                cand.address,
+                msg,
+                1,
+                NBYTES,
+                {},
+                lambda i, c: None,
+                time.monotonic() + 5,
+                data_streams=fetcher.data_streams,
+                own_security=fetcher.data_security,
+                tls_files=cfg.tls,
+            )
     finally:
         fetcher.close()
 
@@ -513,8 +527,8 @@ def test_a_missing_package_is_named_at_start_and_never_weakens_a_ticket(
     files = TlsFiles(str(d / "tls.crt"), str(d / "tls.key"), str(d / "ca.crt"))
     monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
     with pytest.raises(RuntimeError, match=r"peer_data_security=aead needs the cryptography package"):
-        p2p.DataPlaneServer("127.0.0.1", 0, tls=files, security="aead")
-    plane = p2p.DataPlaneServer("127.0.0.1", 0, tls=files, security="mac")
+        DataPlaneServer("127.0.0.1", 0, tls=files, security="aead")
+    plane = DataPlaneServer("127.0.0.1", 0, tls=files, security="mac")
     try:
         cache = ChunkCache(L1Pool(1 << 20, page_bytes=4096, pin=False))
         assert plane.issue(cache, [], 1, "x", requested="aead").security == "tls"
@@ -523,4 +537,4 @@ def test_a_missing_package_is_named_at_start_and_never_weakens_a_ticket(
         plane.stop()
     monkeypatch.setitem(sys.modules, "blake3", None)
     with pytest.raises(RuntimeError, match=r"mac and aead modes need the blake3 package"):
-        p2p.DataPlaneServer("127.0.0.1", 0, tls=files, security="mac")
+        DataPlaneServer("127.0.0.1", 0, tls=files, security="mac")

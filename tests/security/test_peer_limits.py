@@ -29,8 +29,12 @@ from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import L1Pool
-from kvgrid.agent.p2p import HELLO, MAGIC, DataPlaneServer, client_context
-from kvgrid.agent.peers import PeerCandidate, PeerFetcher, PeerMetrics
+from kvgrid.agent.peers.dataplane.protocol import HELLO, MAGIC
+from kvgrid.agent.peers.dataplane.server import DataPlaneServer
+from kvgrid.agent.peers.dataplane.tls_contexts import client_context
+from kvgrid.agent.peers.directory import PeerCandidate
+from kvgrid.agent.peers.fetcher import PeerFetcher
+from kvgrid.agent.peers.metrics import PeerMetrics
 from kvgrid.agent.service import AgentServer
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.identity import PodIdentity

@@ -28,7 +28,9 @@ import pytest
 
 from kvgrid.agent.client import AgentClient
 from kvgrid.agent.config import AgentConfig
-from kvgrid.agent.p2p import HELLO, MAGIC, client_context, recv_exact_into
+from kvgrid.agent.peers.dataplane.protocol import HELLO, MAGIC
+from kvgrid.agent.peers.dataplane.sockets import recv_exact_into
+from kvgrid.agent.peers.dataplane.tls_contexts import client_context
 from kvgrid.agent.service import AgentServer
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2, controller_pb2_grpc
 from kvgrid.common.authz import parse_chunk_readers

@@ -55,7 +55,8 @@ from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.eviction import make_policy
 from kvgrid.agent.l1 import Chunk, L1Pool
 from kvgrid.agent.metrics import AgentMetrics
-from kvgrid.agent.peers import PeerFetcher, PeerMetrics
+from kvgrid.agent.peers.fetcher import PeerFetcher
+from kvgrid.agent.peers.metrics import PeerMetrics
 from kvgrid.agent.promotion import Promoter, Promotion
 from kvgrid.agent.results import LookupResult, RetrieveResult, StoreResult
 from kvgrid.agent.tiers.build import build_tier_chain

@@ -14,7 +14,7 @@ plaintext, serves those two methods to anyone, and logs a loud warning at start;
 data plane) then binds loopback unless ``insecure_plaintext_on_network`` is set
 (:attr:`AgentConfig.listen_host`).
 
-The TCP port has a servicer of its own, with a :class:`~kvgrid.agent.peer_guard.TcpGuard`: with
+The TCP port has a servicer of its own, with a :class:`~kvgrid.agent.peers.guard.TcpGuard`: with
 mTLS a caller reads only the tenants' chunks it is entitled to (FetchChunks for another tenant's
 namespace id is PERMISSION_DENIED before any chunk is referenced or any data-plane ticket issued;
 Snapshot lists only the namespace ids the caller may read), every caller has at most
@@ -45,9 +45,9 @@ from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.core import AgentCore
 from kvgrid.agent.events import EventLog, EventPublisher
 from kvgrid.agent.hotpath import HotPathServer, hot_path_of
-from kvgrid.agent.p2p import DataPlaneServer
-from kvgrid.agent.peer_guard import TcpGuard
-from kvgrid.agent.peers import ChunkSender
+from kvgrid.agent.peers.dataplane.server import DataPlaneServer
+from kvgrid.agent.peers.guard import TcpGuard
+from kvgrid.agent.peers.sender import ChunkSender
 from kvgrid.agent.tensors import SharedFileCache, dtype_name, open_ipc_event, open_layer_tensor
 from kvgrid.agent.transfer import parse_layout_hints
 from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2

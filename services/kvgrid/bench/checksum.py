@@ -95,7 +95,7 @@ def _gbps(fn: Callable[[], object], nbytes: int, loops: int, repeat: int) -> flo
 def store_path(nbytes: int, chunks: int, repeat: int) -> dict[str, float]:
     """Median ms, per chunk, of the two passes a stored chunk's bytes get on the agent's own code:
     the copy into a freshly reserved L1 chunk (the engine's store) and the checksum the agent takes
-    of that L1 chunk when it first serves it to a peer (``kvgrid.agent.peers``). Both are timed
+    of that L1 chunk when it first serves it to a peer (``kvgrid.agent.peers.sender``). Both are timed
     directly, never as a difference of two timings (which noise can make negative)."""
     import torch
 

@@ -5,7 +5,7 @@ thread for as long as it is open: while its client sends nothing (the server wai
 request) or reads nothing (the server's send waits on HTTP/2 flow control). A caller that opens
 streams and leaves them open can thus take every thread, and every other caller then waits. Both
 services bound their streams with the pieces here: the agent's TCP port its FetchChunks streams
-(:mod:`kvgrid.agent.peer_guard`), the controller its PublishEvents streams
+(:mod:`kvgrid.agent.peers.guard`), the controller its PublishEvents streams
 (:mod:`kvgrid.controller.streams`).
 
 - :func:`caller_key`: who a stream counts against: its certificate identity *at its IP address*.
