@@ -55,7 +55,7 @@ from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.config import ConfigError
 from kvgrid.common.identity import PodIdentity
 from kvgrid.common.tls import AGENT_SERVER_NAME, TlsFiles
-from tests.agent.helpers import keys_for
+from tests.agent.helpers import keys_for, wait_for
 from tests.agent.test_peers import NS_ID, _put
 from tests.security.conftest import Pki, channel_as, tls_flags
 
@@ -460,6 +460,41 @@ def test_a_hello_without_the_tickets_key_gets_nothing(holder: AgentServer, pki: 
                 )
                 assert plain == contents[0] and bytes(data[:NBYTES]) != contents[0]  # encrypted on the wire
         assert plane.admitted == 1
+
+
+@pytest.mark.parametrize("mode", ["mac", "aead"])
+def test_naming_a_seen_ticket_without_its_key_closes_nothing(
+    holder: AgentServer, pki: Pki, mode: str
+) -> None:
+    """The ticket's secret crosses the network in mac and aead hellos. Whoever saw it may open a
+    connection per stream, send the hello and hang up (or stall) before the MAC: that must not end
+    the ticket's streams on its real fetcher, who is then served in full."""
+    keys = keys_for(1213, 2)
+    contents = _put(holder, keys, NBYTES)
+    plane = holder.data_plane
+    assert plane is not None
+    magic = MAGIC_MAC if mode == "mac" else MAGIC_AEAD
+    with _ticket(holder, pki.agent("pod-x"), keys, mode, streams=2) as first:
+        ticket, keys_x = first.data_ticket, TicketKeys(first.data_key)
+        for stream in (0, 1, 0, 1):
+            _plain(plane.port, HELLO.pack(magic, ticket, stream)).close()  # hung up before the MAC
+        wait_for("the hang-ups handled", lambda: plane.unauthenticated == 0, 10)
+        got = []
+        for stream in (0, 1):
+            with _plain(
+                plane.port, HELLO.pack(magic, ticket, stream) + hello_tag(keys_x, magic, ticket, stream)
+            ) as sock:
+                data = bytearray(NBYTES + (MAC_BYTES if mode == "mac" else TAG_BYTES))
+                recv_exact_into(sock, memoryview(data))
+                got.append(bytes(data))
+        assert plane.admitted == 2
+        if mode == "mac":
+            assert [g[:NBYTES] for g in got] == contents
+        else:
+            assert [
+                AESGCM(keys_x.aead).decrypt(aead_nonce(i, 0), g, aead_aad(i, NBYTES, 0, True))
+                for i, g in enumerate(got)
+            ] == contents
 
 
 # ---- the setting -------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ issued for and to the certificate identity it was issued to, and dies with its g
 binding to the identity: with ``tls`` another identity presenting the ticket gets nothing (the
 connection's client certificate must name it); with ``mac`` and ``aead`` the hello must carry a MAC
 under the ticket's key, which only that identity received (over mTLS) and which never crosses the
-data port, so the ticket alone (seen on the wire) opens nothing. What each mode protects:
+data port, so the ticket alone (seen on the wire) opens nothing and closes nothing (only a connection
+that claimed a stream ends one). What each mode protects:
 
 - ``tls``: confidentiality, integrity, authenticity (both ends' certificates). Python's TLS
   returns one 16 KiB record per call: the slowest (docs/benchmarks.md, "Peer fetch").

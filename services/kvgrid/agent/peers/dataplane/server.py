@@ -76,17 +76,6 @@ class _Unauthenticated:
         self.fd, self.peer = fd, peer
 
 
-class _Admission:
-    """The ticket a connection named, from the moment its hello was looked up until it is refused:
-    a connection that fails in between (say, no hello tag in time) still ends a stream of it
-    (:meth:`Ticket.stream_ended`) and does not count as refused."""
-
-    __slots__ = ("ticket",)
-
-    def __init__(self) -> None:
-        self.ticket: Ticket | None = None
-
-
 class DataPlaneServer:
     """The data port: accepts connections, admits those with a live ticket, sends their chunks.
 
@@ -253,7 +242,7 @@ class DataPlaneServer:
             self._unauthenticated.pop(key, None)
 
     def _serve(self, conn: socket.socket, peer: object, key: int, deadline: float) -> None:
-        admission = _Admission()
+        admitted: tuple[Ticket, int] | None = None
         try:
             tune(conn)
             tls = False
@@ -263,10 +252,10 @@ class DataPlaneServer:
                 conn = self._contexts.get().wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
                 _handshake_until(conn, deadline)
                 tls = True
-            stream = self._admit(conn, peer, deadline, tls, admission)
-            ticket = admission.ticket
-            if stream is None or ticket is None:
+            admitted = self._admit(conn, peer, deadline, tls)
+            if admitted is None:
                 return
+            ticket, stream = admitted
             self._authenticated(key)
             self.admitted += 1
             self.admitted_modes[ticket.security] += 1
@@ -274,31 +263,33 @@ class DataPlaneServer:
             conn.settimeout(self.idle_timeout_s)
             self._send(conn, ticket, stream)
         except TimeoutError as e:
-            if admission.ticket is None:
+            if admitted is None:
                 self.refused += 1
             log.info("data plane: connection from %s timed out: %s", peer, e)
         except (OSError, ssl.SSLError, ConnectionError) as e:
             log.info("data plane: connection from %s ended: %s", peer, e)
         finally:
-            if admission.ticket is not None:
-                admission.ticket.stream_ended()
+            # Only a connection that claimed a stream ends one: the ticket's secret crosses the
+            # network in mac and aead hellos, so naming it (without the key's MAC) must not be
+            # enough to close the ticket on its fetcher.
+            if admitted is not None:
+                admitted[0].stream_ended()
             self._authenticated(key)  # before the close: the descriptor must not be shut once reused
             conn.close()
             with self._lock:
                 self._connections -= 1
 
     def _admit(
-        self, conn: socket.socket, peer: object, deadline: float, tls: bool, admission: _Admission
-    ) -> int | None:
-        """Read the hello and check it names a live ticket this connection may use: the stream index
-        it claimed, or None when refused (counted and logged). ``admission.ticket`` is the ticket
-        named from the lookup on, None again once refused."""
+        self, conn: socket.socket, peer: object, deadline: float, tls: bool
+    ) -> tuple[Ticket, int] | None:
+        """Read the hello and check it names a live ticket this connection may use: the ticket and
+        the stream index it claimed, or None when refused (counted and logged)."""
         hello = bytearray(HELLO.size)
         _recv_until(conn, memoryview(hello), deadline)
         magic, secret, stream = HELLO.unpack(hello)
         mode = ("tls" if tls else "plain") if magic == MAGIC else MAGIC_MODE.get(magic, "")
         with self._lock:
-            ticket = admission.ticket = self._tickets.get(secret) if mode else None
+            ticket = self._tickets.get(secret) if mode else None
         if ticket is not None and mode != ticket.security:
             self.refused += 1
             log.warning(
@@ -307,7 +298,6 @@ class DataPlaneServer:
                 mode,
                 ticket.security,
             )
-            admission.ticket = None
             return None
         if ticket is not None and ticket.keys is not None:
             tag = bytearray(HELLO_TAG_BYTES)
@@ -320,7 +310,6 @@ class DataPlaneServer:
                     peer,
                     ticket.identity,
                 )
-                admission.ticket = None
                 return None
         elif ticket is not None and ticket.identity and ticket.identity not in peer_sans(conn):
             self.refused += 1
@@ -330,14 +319,12 @@ class DataPlaneServer:
                 ticket.identity,
                 peer_sans(conn) or "nothing",
             )
-            admission.ticket = None
             return None
         if ticket is None or not ticket.claim(stream):
-            admission.ticket = None
             self.refused += 1
             log.warning("data plane: %s refused: no live ticket for stream %d", peer, stream)
             return None
-        return stream
+        return ticket, stream
 
     def _send(self, conn: socket.socket, ticket: Ticket, stream: int) -> None:
         behind = Behind() if ticket.security in ("mac", "aead") else None
