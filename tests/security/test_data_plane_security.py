@@ -32,6 +32,7 @@ from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import L1Pool
 from kvgrid.agent.peers.dataplane.keys import TicketKeys, aead_aad, aead_nonce, chunk_mac, hello_tag
+from kvgrid.agent.peers.dataplane.mac import HASH_PIECE_BYTES
 from kvgrid.agent.peers.dataplane.protocol import (
     DEFAULT_SECURITY,
     HELLO,
@@ -39,6 +40,7 @@ from kvgrid.agent.peers.dataplane.protocol import (
     MAGIC,
     MAGIC_AEAD,
     MAGIC_MAC,
+    PIECE_BYTES,
     SECURITY_MODES,
     TAG_BYTES,
     accepted_security,
@@ -246,9 +248,11 @@ def test_each_mode_moves_chunks_bit_exact(holder: AgentServer, pki: Pki, mode: s
 def test_chunks_of_several_pieces_arrive_and_a_flip_in_the_last_is_caught(
     tmp_path: Path, pki: Pki, mode: str
 ) -> None:
-    """2.5 MiB chunks: three pieces (MAC'd on the helper thread as they land) or three AES-GCM
-    records, the last one short; a bit flipped in chunk 0's last piece refuses the whole chunk."""
-    nbytes = (5 << 20) // 2
+    """Chunks of several pieces, the last one short: 4.5 MiB with mac (a 4 MiB piece MAC'd on the
+    helper thread while the next lands, then a short one), 2.5 MiB with aead (three AES-GCM records
+    of 1 MiB); a bit flipped in chunk 0's last piece refuses the whole chunk."""
+    piece = HASH_PIECE_BYTES if mode == "mac" else PIECE_BYTES
+    nbytes = 2 * piece + piece // 2 if mode == "aead" else piece + piece // 8
     server = _holder(tmp_path, pki, l1_size=16 << 20)
     try:
         keys = keys_for(1209, 2)
@@ -256,8 +260,9 @@ def test_chunks_of_several_pieces_arrive_and_a_flip_in_the_last_is_caught(
         cache, res = _fetch(server, pki, keys, mode, streams=2, nbytes=nbytes)
         assert (res.chunks, res.error) == (2, ""), res
         assert _held(cache, keys, nbytes) == contents
-        # Chunk 0 on stream 0: its last piece starts at 2 MiB (plus two records' tags with aead).
-        where = (2 << 20) + (2 * TAG_BYTES if mode == "aead" else 0) + 1000
+        # Chunk 0 on stream 0: a byte of its last piece (after two records' tags with aead).
+        last = nbytes - nbytes % piece
+        where = last + (2 * TAG_BYTES if mode == "aead" else 0) + 1000
         with on_path(server, mutate=flip_at(where)):
             cache, res = _fetch(server, pki, keys, mode, nbytes=nbytes)
         assert res.error.startswith("checksum: ") and "chunk 0 discarded" in res.error, res
