@@ -38,7 +38,7 @@ import torch
 
 from kvgrid.bench.ttft.engine import AgentProcess, TTFTEngine
 from kvgrid.bench.ttft.model import LLAMA3_8B, PagedLlama
-from kvgrid.connector import engine_copies
+from kvgrid.connector import engine_copies, staged_loads
 
 
 class _Marks:
@@ -62,10 +62,10 @@ def _trace_host(spans: list[tuple[str, str, float, float]]) -> None:
     """Record (name, thread, start, end) host spans of the calls on a hit's way to its first DMA."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvgrid.agent.client import AgentClient
     from kvgrid.bench.ttft.engine import TTFTEngine
     from kvgrid.connector.vllm import KVGridConnector
     from kvgrid.connector.worker import ConnectorWorker
+    from kvgrid.engine.client import AgentClient
     from kvgrid_kernels.plan import TransferPlan
 
     targets: list[tuple[Any, str]] = [
@@ -75,8 +75,8 @@ def _trace_host(spans: list[tuple[str, str, float, float]]) -> None:
         (KVGridConnector, "wait_for_layer_load"), (KVGridConnector, "wait_for_save"),
         (AgentClient, "lookup"), (AgentClient, "retrieve"), (ConnectorWorker, "_load_here"),
         (engine_copies.EngineCopier, "_chunk_ids"), (TransferPlan, "check_retrieve_ids"),
-        (engine_copies._StagePipeline, "add"), (engine_copies._StagePipeline, "_queue_dma"),
-        (engine_copies._StagePipeline, "_queue_scatter"), (TransferPlan, "prepare_retrieve"),
+        (staged_loads.StagePipeline, "add"), (staged_loads.StagePipeline, "_queue_dma"),
+        (staged_loads.StagePipeline, "_queue_scatter"), (TransferPlan, "prepare_retrieve"),
         (TTFTEngine, "_execute"),
     ]  # fmt: skip
     for owner, name in targets:
@@ -155,7 +155,7 @@ def _patch_pipeline(stage_sizes: str, first_dmas: int) -> None:
         engine_copies.stage_bounds = bounds
     if first_dmas == 1:
         return
-    pipeline = engine_copies._StagePipeline
+    pipeline = staged_loads.StagePipeline
     add, queue_dma = pipeline.add, pipeline._queue_dma
     adding = threading.local()
 
@@ -213,10 +213,10 @@ def main() -> None:
                      layerwise_stages=args.stages, engine_id="layerwise",
                      lease_at_lookup=not args.retrieve)  # fmt: skip
     engines.append(eng)
-    queued: list[tuple[float, float, engine_copies.StagedLoad]] = []
+    queued: list[tuple[float, float, staged_loads.StagedLoad]] = []
     scatter_staged = engine_copies.EngineCopier.scatter_staged
 
-    def timed_scatter(self: engine_copies.EngineCopier, *a: Any, **k: Any) -> engine_copies.StagedLoad:
+    def timed_scatter(self: engine_copies.EngineCopier, *a: Any, **k: Any) -> staged_loads.StagedLoad:
         t = time.perf_counter()
         load = scatter_staged(self, *a, **k)
         queued.append((t, time.perf_counter(), load))

@@ -53,7 +53,14 @@ def _disk_packages(top: str) -> dict[str, Path]:
 
 def test_disk_packages_include_the_known_layout() -> None:
     # Guards the discovery itself: if it found nothing, the wheel test below would pass vacuously.
-    expected = {"kvgrid.common", "kvgrid.agent", "kvgrid.controller", "kvgrid.connector", "kvgrid.api.v1"}
+    expected = {
+        "kvgrid.common",
+        "kvgrid.agent",
+        "kvgrid.engine",
+        "kvgrid.controller",
+        "kvgrid.connector",
+        "kvgrid.api.v1",
+    }
     assert {"kvgrid"} | expected <= set(_disk_packages("kvgrid"))
     assert set(_disk_packages("kvgrid_kernels")) == {"kvgrid_kernels", "kvgrid_kernels.bench"}
 

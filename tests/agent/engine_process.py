@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvgrid.agent.client import AgentClient
+from kvgrid.engine.client import AgentClient
 from tests.agent.helpers import block_ids, blocks_of, keys_for, register_kv
 
 

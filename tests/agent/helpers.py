@@ -23,13 +23,13 @@ from typing import IO
 import grpc
 import torch
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.agent.peers.directory import PeerCandidate
 from kvgrid.agent.peers.fetcher import PeerFetcher, PeerFetchResult
-from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import agent_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.common.hashing import KeyNamespace, chunk_keys
+from kvgrid.engine.client import AgentClient
+from kvgrid.engine.tensors import allocate_shared_tensor
 
 TOKENS_PER_CHUNK = 64
 NUM_BLOCKS = 64

@@ -5,9 +5,10 @@ small :class:`~kvgrid.agent.l1.L1Pool` (eight two-page chunks, LRU, watermarks 0
 :class:`~kvgrid.agent.tiers.tier.TierChain` of one real disk tier (six records) and a real
 :class:`~kvgrid.agent.promotion.Promoter`, through what the agent does with them: stores (reserve,
 fill, commit, abort, partial commit), lookup pins with a TTL on a settable clock, pins turned into
-leases (``take_ready_pins``), references held by readers, pin expiry, ``clear``, spills to the tier
-(the background writer), rescues of chunks still waiting for it or still being written, promotions
-back into L1 (pending chunks, cancels, records altered on disk), and checks after every step that:
+leases and released whole or by lease id (the holds table, ``ChunkCache.holds``), references held
+by readers, pin expiry, ``clear``, spills to the tier (the background writer), rescues of chunks
+still waiting for it or still being written, promotions back into L1 (pending chunks, cancels,
+records altered on disk), and checks after every step that:
 
 - nothing referenced (a pin, a lease, a reader, a reservation, a promotion) is ever evicted; every
   evict event names an unreferenced chunk, except a failed promotion's own chunks;
@@ -198,7 +199,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.l2: set[Ref] = set()  # what the tier holds
         self.corrupt: set[Ref] = set()  # tier records altered on disk since they were written
         self.pins: dict[Owner, tuple[list[Chunk], float]] = {}  # owner -> (chunks, deadline)
-        self.leases: dict[Owner, list[list[Chunk]]] = {}
+        self.leases: dict[Owner, dict[int, list[Chunk]]] = {}  # owner -> {lease id: chunks}
         self.readers: list[list[Chunk]] = []
         self.flight: Flight | None = None
 
@@ -246,7 +247,7 @@ class CacheMachine(RuleBasedStateMachine):
         n: Counter[int] = Counter()
         for chunks, _ in self.pins.values():
             n.update(id(c) for c in chunks)
-        for group in (*self.readers, *(g for gs in self.leases.values() for g in gs)):
+        for group in (*self.readers, *(g for gs in self.leases.values() for g in gs.values())):
             n.update(id(c) for c in group)
         if self.flight is not None:
             n.update(id(c) for c in self.flight.promotion.chunks)
@@ -256,7 +257,7 @@ class CacheMachine(RuleBasedStateMachine):
         out = {id(c): c for chunks, _ in self.pins.values() for c in chunks}
         out.update(
             (id(c), c)
-            for group in (*self.readers, *(g for gs in self.leases.values() for g in gs))
+            for group in (*self.readers, *(g for gs in self.leases.values() for g in gs.values()))
             for c in group
         )
         if self.flight is not None:
@@ -441,24 +442,35 @@ class CacheMachine(RuleBasedStateMachine):
         self._apply_events()
 
     def _lease(self, owner: Owner) -> None:
-        got = self.cache.take_ready_pins(owner)
+        got = self.cache.holds.lease_pin(owner)
         pin = self.pins.get(owner)
         if pin is None or not all(_ready(c) for c in pin[0]):
             assert got is None, "a lease of chunks not final (or of no pin)"
         else:
-            assert got is not None and [id(c) for c in got] == [id(c) for c in pin[0]]
+            assert got is not None and [id(c) for c in got[1]] == [id(c) for c in pin[0]]
+            lease_id, chunks = got
+            assert lease_id > 0 and all(lease_id not in ls for ls in self.leases.values()), "lease id reused"
             del self.pins[owner]
-            self.leases.setdefault(owner, []).append(got)
+            self.leases.setdefault(owner, {})[lease_id] = chunks
             self.seen["leased"] += 1
         self._apply_events()
 
     @rule(owner=OWNER)
     def release(self, owner: Owner) -> None:
-        """Release of a request: its pin and its leases go."""
+        """Release of a request: its pin and its leases go. A request with leases first releases
+        its oldest lease by id (only that lease goes; another request's lease id ends nothing)."""
+        leases = self.leases.pop(owner, {})
+        theirs = [lid for ls in self.leases.values() for lid in ls]
+        if theirs:
+            assert self.cache.holds.release(owner, theirs[0]) == (0, 0), "another request's lease ended"
+        if leases:
+            oldest = min(leases)
+            assert self.cache.holds.release(owner, oldest) == (0, len(leases.pop(oldest)))
+            assert self.cache.holds.release(owner, oldest) == (0, 0), "a lease released twice"
+            self.seen["lease released"] += 1
         chunks, _ = self.pins.pop(owner, ([], 0.0))
-        assert self.cache.unpin(owner) == len(chunks)
-        for lease in self.leases.pop(owner, []):
-            self.cache.release(lease)
+        leased = sum(len(g) for g in leases.values())
+        assert self.cache.holds.release(owner) == (len(chunks), leased)
         self._apply_events()
 
     @rule(
@@ -871,6 +883,7 @@ def test_cache_matches_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
             "promotion refused": 8,
             "pin expired": 15,
             "leased": 40,
+            "lease released": 10,
             "rescued": 40,
             "write held at hash": 6,
             "write held at write": 2,

@@ -17,11 +17,12 @@ import grpc
 import pytest
 import torch
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.agent.l1 import L1Pool
 from kvgrid.agent.transfer import build_mover
 from kvgrid.common.groups import EngineGroupInfo
-from kvgrid.connector.engine_copies import EngineCopier, open_engine_copier, stage_bounds
+from kvgrid.connector.engine_copies import EngineCopier, open_engine_copier
+from kvgrid.connector.staged_loads import stage_bounds
+from kvgrid.engine.client import AgentClient
 from tests.agent.helpers import (
     GROUPS,
     HINTS,

@@ -11,11 +11,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.agent.events import EventLog
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.service import serve
+from kvgrid.engine.client import AgentClient
 from tests.agent.helpers import NAMESPACE, block_ids, keys_for, register_kv, start_agent
 
 

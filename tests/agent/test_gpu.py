@@ -14,8 +14,9 @@ import grpc
 import pytest
 import torch
 
-from kvgrid.agent.client import AgentClient
-from kvgrid.agent.tensors import device_index_for_uuid, device_uuid, export_layer_tensor
+from kvgrid.common.tensor_wire import device_index_for_uuid, device_uuid
+from kvgrid.engine.client import AgentClient
+from kvgrid.engine.tensors import export_layer_tensor
 from tests.agent.helpers import (
     GROUPS,
     HINTS,
@@ -186,7 +187,7 @@ ENGINE = r"""
 import sys, time, torch
 sys.path.insert(0, {root!r})
 from tests.agent.helpers import GROUPS, HINTS, NAMESPACE, block_ids, keys_for, layer_shape
-from kvgrid.agent.client import AgentClient
+from kvgrid.engine.client import AgentClient
 ts = [torch.ones(layer_shape(i), device="cuda", dtype=torch.bfloat16) for i in range(5)]
 c = AgentClient({uds!r})
 c.register_kv_caches("doomed", ts, namespace=NAMESPACE, engine_groups=GROUPS, layout_hints=HINTS)

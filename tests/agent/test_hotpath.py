@@ -18,11 +18,13 @@ import grpc
 import pytest
 import torch
 
-from kvgrid.agent.client import AgentClient
-from kvgrid.agent.hotpath import HotPathError, HotPathServer, hot_path_of
+from kvgrid.agent.hotpath import HotPathServer
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.errors import InvalidArgument
+from kvgrid.common.hotpath import hot_path_of
 from kvgrid.common.rpc import after_reply
+from kvgrid.engine.client import AgentClient
+from kvgrid.engine.hotpath import HotPathError
 from tests.agent.helpers import (
     AgentProc,
     block_ids,
@@ -313,7 +315,7 @@ class _Metrics:
 
 
 def test_one_way_errors_are_logged_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from kvgrid.agent.hotpath import HotPathClient
+    from kvgrid.engine.hotpath import HotPathClient
 
     servicer, metrics = _Servicer(), _Metrics()
     server = HotPathServer(

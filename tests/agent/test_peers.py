@@ -24,17 +24,17 @@ import torch
 from opentelemetry import metrics, trace
 
 from kvgrid.agent.cache import ChunkCache
-from kvgrid.agent.client import AgentClient
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import L1Pool
 from kvgrid.agent.peers.directory import PeerCandidate, choose_peers
 from kvgrid.agent.peers.fetcher import PeerFetcher
 from kvgrid.agent.peers.metrics import PeerMetrics
 from kvgrid.agent.service import AgentServer
-from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.checksum import chunk_checksum
 from kvgrid.common.identity import PodIdentity
+from kvgrid.engine.client import AgentClient
+from kvgrid.engine.tensors import allocate_shared_tensor
 from tests.agent.helpers import (
     BPC,
     GROUPS,

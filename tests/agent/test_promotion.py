@@ -16,8 +16,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.core import AgentCore
-from kvgrid.agent.results import RetrieveResult
 from kvgrid.agent.tiers.base import HEADER_BYTES, BlobStore, record_name
+from kvgrid.common.agent_results import RetrieveResult
 from kvgrid.common.identity import PodIdentity
 
 from .helpers import GROUPS, HINTS, NAMESPACE, block_ids, blocks_of, keys_for, make_kv
@@ -140,7 +140,7 @@ def test_a_lookup_leases_only_chunks_whose_read_has_finished(setup: Setup) -> No
     assert later.num_hit_chunks == 3 and later.lease_id > 0 and len(later.chunk_offsets) == 3
     assert later.l1_file == setup.core.pool.shared_file
     assert setup.core.cache.stats().num_pins == 0 and setup.core.leased_chunks() == 3
-    assert setup.core.release_request("e", "r", later.lease_id) == (0, 3)
+    assert setup.core.release("e", "r", later.lease_id) == (0, 3)
     setup.no_leaks()
 
 
@@ -214,7 +214,7 @@ def test_a_corrupted_record_fails_its_chunk_and_the_rest(setup: Setup) -> None:
 def test_release_during_promotion_drops_the_unread_chunks_without_leaks(setup: Setup) -> None:
     assert setup.core.lookup("e", "r", setup.keys).num_hit_chunks == 3
     assert setup.store.reading.wait(5)  # chunk 0 is being read
-    assert setup.core.release("e", "r") == 3
+    assert setup.core.release("e", "r") == (3, 0)
     setup.store.gate.set()
     setup.wait_promotions()
     assert setup.in_l1() == [True, False, False]  # the read in flight finished; the rest dropped

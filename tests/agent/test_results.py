@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvgrid.agent.results import LookupResult, MissCause, RetrieveResult
+from kvgrid.common.agent_results import LookupResult, MissCause, RetrieveResult
 
 
 def test_every_cause_reads_back_from_its_wire_text_and_an_unknown_one_as_not_found() -> None:

@@ -21,10 +21,10 @@ import grpc
 import pytest
 import torch
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.agent.peers.sender import MIN_PART_BYTES
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.hashing import KeyNamespace, chunk_keys
+from kvgrid.engine.client import AgentClient
 from tests.agent.helpers import (
     GROUPS,
     HINTS,

@@ -21,11 +21,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvgrid.agent.client import AgentClient
-from kvgrid.agent.tensors import export_layer_tensor
 from kvgrid.api.v1 import agent_pb2
 from kvgrid.common.groups import EngineGroupInfo, to_proto
 from kvgrid.common.wire import key_namespace_to_proto
+from kvgrid.engine.client import AgentClient
+from kvgrid.engine.tensors import export_layer_tensor
 from tests.agent.helpers import (
     GROUPS,
     HINTS,

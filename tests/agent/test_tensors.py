@@ -7,12 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgrid.agent.tensors import (
-    SharedFileCache,
-    allocate_shared_tensor,
-    export_layer_tensor,
-    open_layer_tensor,
-)
+from kvgrid.agent.tensors import SharedFileCache, open_layer_tensor
+from kvgrid.engine.tensors import allocate_shared_tensor, export_layer_tensor
 
 
 def test_shared_memory_round_trip_aliases_the_engine_tensor(tmp_path: Path) -> None:

@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-role", default="kv_both", choices=["kv_both", "kv_producer", "kv_consumer"])
     args = parser.parse_args(argv)
 
-    from kvgrid.agent.client import AgentClient
     from kvgrid.common.hashing import chunk_keys
+    from kvgrid.engine.client import AgentClient
     from tests.connector.engines import CHUNK, Engine
 
     # Engine only reads the agent's socket path. model_name "" = vLLM's --model (the connector's default).

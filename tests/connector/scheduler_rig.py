@@ -51,13 +51,13 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvgrid.agent.client import AgentClient
-from kvgrid.agent.hotpath import hot_path_of
-from kvgrid.agent.tensors import allocate_shared_tensor
+from kvgrid.common.hotpath import hot_path_of
 from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder
 from kvgrid.connector.scheduler import ConnectorScheduler
 from kvgrid.connector.vllm import KVGridConnector
 from kvgrid.connector.worker import ConnectorWorker
+from kvgrid.engine.client import AgentClient
+from kvgrid.engine.tensors import allocate_shared_tensor
 from tests.agent.helpers import AgentProc, kvgrid_env
 
 BLOCK = 16

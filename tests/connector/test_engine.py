@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgrid.agent.client import AgentClient
+from kvgrid.engine.client import AgentClient
 from tests.agent.helpers import AgentProc, start_agent
 from tests.connector.engines import Engine, agent_frozen_after_lookup, make_tiny_llama, prompt
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvgrid.agent.results import LookupResult
+from kvgrid.common.agent_results import LookupResult
 from tests.agent.helpers import AgentProc, start_agent, wait_for
 from tests.connector.engines import Engine, make_tiny_llama, prompt
 

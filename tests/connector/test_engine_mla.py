@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgrid.agent.client import AgentClient
+from kvgrid.engine.client import AgentClient
 from tests.agent.helpers import AgentProc
 from tests.connector.engines import CHUNK, Engine, make_tiny_mla, prompt
 

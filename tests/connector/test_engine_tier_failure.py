@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.agent.tiers.base import HEADER_BYTES
+from kvgrid.engine.client import AgentClient
 from tests.agent.helpers import AgentProc
 from tests.connector.engines import Engine, make_tiny_llama, prompt, start_tiered_agent
 

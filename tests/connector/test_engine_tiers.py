@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from minio import Minio
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.agent.tiers.base import HEADER_BYTES
+from kvgrid.engine.client import AgentClient
 from tests.agent.helpers import AgentProc
 from tests.agent.s3_server import ACCESS_KEY, SECRET_KEY, SeaweedFS, start_seaweedfs
 from tests.connector.engines import (

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgrid.agent.client import AgentClient
+from kvgrid.engine.client import AgentClient
 from tests.agent.helpers import AgentProc, start_agent, wait_for
 from tests.connector.engines import Engine, make_tiny_llama, prompt
 

@@ -39,8 +39,6 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvgrid.agent.client import AgentClient
-from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.common.hashing import chunk_keys
 from kvgrid.connector import scheduler as connector_scheduler
 from kvgrid.connector.chunk_policy import (
@@ -57,6 +55,8 @@ from kvgrid.connector.vllm import (
     LoadOrder,
     parse_connector_config,
 )
+from kvgrid.engine.client import AgentClient
+from kvgrid.engine.tensors import allocate_shared_tensor
 from tests.agent.helpers import AgentProc, start_agent, wait_for
 
 BLOCK = 16
@@ -589,7 +589,7 @@ def test_missing_chunk_reports_its_blocks(engine: Engine, agent: AgentProc) -> N
 
 def test_a_staged_load_that_fails_inside_its_step_reports_all_its_blocks(engine: Engine) -> None:
     """A layer-wise load counted as loaded when its step began, then abandoned inside the forward
-    (engine_copies.StagedLoad.abandon on CUDA: a stage failed to queue), reports every block it was to
+    (staged_loads.StagedLoad.abandon on CUDA: a stage failed to queue), reports every block it was to
     write as a load error -- outside the engine's own hit -- and moves its chunks from loaded to
     failed in the stats, so vLLM recomputes them."""
     w = engine.worker.worker

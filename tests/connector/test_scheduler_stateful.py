@@ -73,7 +73,7 @@ from vllm.config import ModelConfig
 from vllm.v1.engine import FinishReason
 
 from kvgrid.connector import scheduler as connector_scheduler
-from kvgrid.connector import worker as connector_worker
+from kvgrid.connector import worker_registration as connector_worker_registration
 from kvgrid.connector.metadata import KVGridConnectorMetadata, LoadOrder
 from tests.connector.scheduler_rig import (
     BLOCK,
@@ -431,7 +431,7 @@ def env(workdir: Path) -> Iterator[Env]:
     try:
         with pytest.MonkeyPatch.context() as mp:  # time in the connector's modules counts steps
             mp.setattr(connector_scheduler, "time", clock)
-            mp.setattr(connector_worker, "time", clock)
+            mp.setattr(connector_worker_registration, "time", clock)
             yield Env(
                 tiny_model_config(workdir / "model"),
                 agents,

@@ -1,4 +1,4 @@
-"""The CUDA layer-wise load pipeline (``engine_copies._StagePipeline``) run on CPU, for its logic.
+"""The CUDA layer-wise load pipeline (``staged_loads.StagePipeline``) run on CPU, for its logic.
 
 What cannot run here is CUDA, so these tests stand in for it, and say so: streams and events are
 fakes that log what is queued, the driver's ``cuMemcpyAsync`` is a synchronous ``memmove``, and a
@@ -23,8 +23,9 @@ import torch
 
 from kvgrid.agent.transfer import build_mover
 from kvgrid.common.groups import EngineGroupInfo
-from kvgrid.connector import engine_copies
-from kvgrid.connector.engine_copies import EngineCopier, StagedLoad
+from kvgrid.connector import staged_loads
+from kvgrid.connector.engine_copies import EngineCopier
+from kvgrid.connector.staged_loads import StagedLoad
 from kvgrid_kernels.plan import PreparedRetrieve, TransferHandle, TransferPlan
 
 LAYERS, BLOCKS, TPC = 8, 64, 64  # 4 blocks of 16 tokens per chunk
@@ -82,7 +83,7 @@ class Rig:
                 ctypes.memmove(dst, src, nbytes)
 
         driver = Driver()
-        monkeypatch.setattr(engine_copies.Driver, "get", staticmethod(lambda: driver))
+        monkeypatch.setattr(staged_loads.Driver, "get", staticmethod(lambda: driver))
         cpu_retrieve = TransferPlan.retrieve_async
         self.fail_scatter_of: int | None = None  # a stage's scatter raises
 
@@ -120,7 +121,7 @@ class Rig:
         self.pool = torch.randint(0, 255, (12 * self.bpc,), dtype=torch.uint8, generator=gen)
         device = torch.device("cpu")
         self.copier = EngineCopier(self.pool, "", movers[0], GROUPS, None, device, stages=stages)
-        self.copier._pipeline = engine_copies._StagePipeline(self.copier)  # CUDA's path, on the fakes
+        self.copier._pipeline = staged_loads.StagePipeline(self.copier)  # CUDA's path, on the fakes
         self.whole = EngineCopier(self.pool, "", movers[1], GROUPS, None, device)
         self.stage_of_plan = {id(p.plan): s for s, parts in enumerate(self.copier.stage_parts) for p in parts}
         self.released: list[str] = []
@@ -169,7 +170,7 @@ def test_stages_are_queued_when_asked_two_dmas_ahead_into_alternate_buffers_bit_
     before it is asked for; the lease ends once, after the last stage's DMA. The fake DMAs land at
     once, so a DMA into a buffer not yet scattered would change the bytes that land."""
     chunks, blocks = [2, 5, 7], list(range(10, 22))
-    assert [hi - lo for lo, hi in engine_copies.stage_bounds(LAYERS, 4)] == [3, 2, 2, 1]
+    assert [hi - lo for lo, hi in staged_loads.stage_bounds(LAYERS, 4)] == [3, 2, 2, 1]
     load = rig.load("A", chunks, blocks)
     assert rig.memcpys == 3 and scatters(rig.log) == []  # stage 0's DMA: one per chunk
     for stage in range(4):

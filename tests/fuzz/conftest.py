@@ -23,11 +23,11 @@ import grpc
 import pytest
 import torch
 
-from kvgrid.agent.client import AgentClient
-from kvgrid.agent.tensors import export_layer_tensor
 from kvgrid.api.v1 import agent_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.groups import to_proto
 from kvgrid.common.wire import key_namespace_to_proto
+from kvgrid.engine.client import AgentClient
+from kvgrid.engine.tensors import export_layer_tensor
 from tests.agent.helpers import GROUPS, HINTS, NAMESPACE, block_ids, keys_for, kvgrid_env, make_kv
 from tests.controller.support import FakeAgent
 from tests.fuzz.fuzzlib import log_tail

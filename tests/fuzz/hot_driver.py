@@ -1,4 +1,4 @@
-"""The hot-path fuzz loop (agent/hotpath.py's framed protocol on ``{uds}.hot``).
+"""The hot-path fuzz loop (common/hotpath.py's framed protocol on ``{uds}.hot``).
 
 Frame: ``u32 length | u8 method (+0x80 one-way) | u16 n | n bytes of trace headers | message``;
 reply: ``u32 length | u8 status | message or error text``. Each message the loop sends is one of:

@@ -9,12 +9,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.service import TCP_POLICY, AgentServer
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.identity import PodIdentity
 from kvgrid.common.tls import AGENT_SERVER_NAME, ClientTls, TlsFiles
+from kvgrid.engine.client import AgentClient
 from tests.security.conftest import NS_ID, Pki, channel_as, put_chunks, tls_flags
 from tests.security.pki import spiffe
 

@@ -17,7 +17,6 @@ from typing import Any
 import grpc
 import pytest
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.service import AgentServer
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, controller_pb2, controller_pb2_grpc
@@ -26,6 +25,7 @@ from kvgrid.common.identity import PodIdentity
 from kvgrid.common.tls import AGENT_SERVER_NAME, CONTROLLER_SERVER_NAME, ClientTls, TlsFiles, certificate_sans
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.service import Server, serve
+from kvgrid.engine.client import AgentClient
 from tests.security.conftest import NS_ID, Pki, channel_as, publish_admit, put_chunks, tls_flags
 from tests.security.pki import NAMESPACE, TestCA, spiffe
 

@@ -26,7 +26,6 @@ import pytest
 from opentelemetry import metrics, trace
 
 from kvgrid.agent.cache import ChunkCache
-from kvgrid.agent.client import AgentClient
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.l1 import L1Pool
 from kvgrid.agent.peers.dataplane.protocol import HELLO, MAGIC
@@ -39,6 +38,7 @@ from kvgrid.agent.service import AgentServer
 from kvgrid.api.v1 import agent_pb2, agent_pb2_grpc
 from kvgrid.common.identity import PodIdentity
 from kvgrid.common.tls import AGENT_SERVER_NAME, ClientTls, TlsFiles
+from kvgrid.engine.client import AgentClient
 from tests.agent.helpers import keys_for, wait_for
 from tests.agent.test_peers import NS_ID, _put
 from tests.security.conftest import Pki, read, tls_flags

@@ -26,7 +26,6 @@ from typing import Any
 import grpc
 import pytest
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.peers.dataplane.protocol import HELLO, MAGIC
 from kvgrid.agent.peers.dataplane.sockets import recv_exact_into
@@ -38,6 +37,7 @@ from kvgrid.common.identity import PodIdentity
 from kvgrid.common.tls import AGENT_SERVER_NAME, CONTROLLER_SERVER_NAME, ClientTls, TlsFiles
 from kvgrid.controller.config import ControllerConfig
 from kvgrid.controller.service import Server, serve
+from kvgrid.engine.client import AgentClient
 from tests.agent.helpers import wait_for
 from tests.security.conftest import NS_ID, Pki, SnapshotAgent, channel_as, put_chunks, tls_flags
 from tests.security.pki import NAMESPACE

@@ -23,13 +23,13 @@ from typing import Any, cast
 import pytest
 import torch
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.bench.ttft.bench import PRESETS
 from kvgrid.bench.ttft.engine import EngineOptions, TTFTEngine, slots_of
 from kvgrid.bench.ttft.model import PagedLlama
 from kvgrid.bench.ttft.tp import TPGroup, rank_dir
 from kvgrid.cli import main
 from kvgrid.connector.vllm import KVGridConnector
+from kvgrid.engine.client import AgentClient
 from tests.ttft.helpers import CROSS_SHAPE_ATOL, assert_cross_shape_close, prompt
 
 pytestmark = pytest.mark.slow

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.bench.ttft.bench import PRESETS
 from kvgrid.bench.ttft.engine import AgentProcess, TTFTEngine, slots_of
 from kvgrid.bench.ttft.model import PagedLlama
 from kvgrid.cli import main
+from kvgrid.engine.client import AgentClient
 from tests.ttft.helpers import CROSS_SHAPE_ATOL, assert_cross_shape_close, prompt
 
 pytestmark = pytest.mark.slow

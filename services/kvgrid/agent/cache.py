@@ -1,5 +1,6 @@
 """Key -> chunk store over the L1 pool: prefix lookups, reservations that commit all-or-nothing,
-reference counts, lookup pins with a TTL, and watermark eviction that never touches a chunk in use.
+reference counts, request holds (pins, leases), and watermark eviction that never touches a chunk
+in use.
 
 Byte movement is not done here: a store *reserves* chunks (fresh pool pages, invisible to readers),
 the caller copies into them, then *commits* (or *aborts*, which frees them). A retrieve *acquires*
@@ -8,22 +9,13 @@ the leading hits (refcount +1, so eviction cannot take them mid-copy), copies, t
 Every state change and every event callback happens under one lock, so a snapshot's key set and
 its last event sequence number always agree.
 
-Lower tiers (optional, ``spill``): a chunk evicted from L1 that no lower tier holds yet leaves
-the index at once (an evict event, invisible to readers) but keeps its pages until the tier
-writer has written it (``begin_spill``/``end_spill``); eviction counts those pages as free to
-come, so it does not evict more to make up for them. When a store or fetch cannot allocate, spills
-the writer has not started are given up first (``dropped_spills``): the request path never waits
-for a disk or the network. A Lookup may take a chunk back from the writer (``rescue_spilling``):
-its pages still hold the bytes, so it returns to the index without I/O.
+Lower tiers (optional, ``spill``): a chunk evicted from L1 that no lower tier holds yet keeps its
+pages until the tier writer has written it; the writer's side, and the invariant that keeps those
+pages from reuse while a write reads them, are ``kvgrid.agent.spill`` (:class:`SpillSide`).
 
-Invariant (spill reads): a chunk's pages are freed, and so may be reused, only when nothing reads
-them: it is out of the index, unreferenced, and no spill write is reading them. A write reads them
-from the ``begin_spill`` that let it start until its ``end_spill`` (``_spill_reads``, by chunk
-object, not by key); a rescue does not end it. So a rescued chunk evicted again while its write is
-in flight is neither freed (``clear``, an eviction for a fragmented pool, a tier already holding
-the key) nor queued again nor given up: it goes back to waiting for that write, whose
-``end_spill`` frees its pages. A later store never overwrites bytes a tier write is still reading
-(which would put a record on disk whose bytes do not match the checksum hashed from them).
+Request holds (lookup pins with a TTL, engine-copies leases) are references the table in
+``kvgrid.agent.holds`` owns (:attr:`ChunkCache.holds`); due pins expire before every walk that
+may allocate.
 
 Pending chunks (asynchronous promotion from a lower tier, ``kvgrid.agent.promotion``): a chunk may
 be committed before its bytes are read (``Chunk.ready`` unset), referenced by its promotion so
@@ -50,8 +42,11 @@ from typing import Protocol
 import torch
 
 from kvgrid.agent.eviction import EvictionPolicy, LRUPolicy
+from kvgrid.agent.holds import Owner, RequestHolds
 from kvgrid.agent.l1 import Chunk, L1Pool
-from kvgrid.agent.results import MissCause
+from kvgrid.agent.spill import SpillSide, SpillSink
+from kvgrid.agent.spill import index_key as _index_key
+from kvgrid.common.agent_results import MissCause
 
 __all__ = [
     "CacheListener",
@@ -61,13 +56,6 @@ __all__ = [
     "SpillSink",
     "StoreReservation",
 ]
-
-
-class SpillSink(Protocol):
-    """Where chunks evicted from L1 go (``kvgrid.agent.tiers.TierChain``)."""
-
-    def holds(self, namespace_id: str, key: bytes) -> bool: ...
-    def submit(self, chunk: Chunk) -> None: ...
 
 
 class CacheListener(Protocol):
@@ -107,12 +95,6 @@ class StoreReservation:
         return [(i, c) for i, c, new in self.entries if new]
 
 
-@dataclass
-class _Pin:
-    chunks: list[Chunk]
-    deadline: float
-
-
 @dataclass(frozen=True)
 class CacheStats:
     capacity_bytes: int
@@ -128,18 +110,13 @@ class CacheStats:
     """Evicted chunks never written to a lower tier (L1 needed their pages first)."""
 
 
-def _index_key(namespace_id: str, key: bytes) -> bytes:
-    """The index (and eviction-policy) key of ``key`` stored in ``namespace_id``: keys are fixed
-    length, so ``key + namespace_id`` is unambiguous."""
-    return key + _index_suffix(namespace_id)
-
-
 def _index_suffix(namespace_id: str) -> bytes:
-    """What :func:`_index_key` appends to every key of ``namespace_id`` (hot loops compute it once)."""
+    """What :func:`~kvgrid.agent.spill.index_key` appends to every key of ``namespace_id`` (hot
+    loops compute it once)."""
     return namespace_id.encode()
 
 
-class ChunkCache:
+class ChunkCache(SpillSide):
     """The L1 chunk index, by (namespace_id, key). Thread-safe."""
 
     def __init__(
@@ -162,11 +139,10 @@ class ChunkCache:
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.listener: CacheListener = listener if listener is not None else _NullListener()
-        self._clock = clock
         self._lock = threading.RLock()
         self._chunks: dict[bytes, Chunk] = {}  # by _index_key(namespace_id, key)
-        self._pins: dict[tuple[str, str], _Pin] = {}
-        self._next_deadline = float("inf")
+        # Pins and leases of engine requests (references, under this lock).
+        self.holds = RequestHolds(self, clock)
         self.evictions = 0
         self.evicted_bytes = 0
         self.allocation_failures = 0
@@ -217,7 +193,7 @@ class ChunkCache:
     ) -> tuple[list[Chunk], MissCause]:
         """Leading hits of ``namespace_id`` with a reference each (release them with :meth:`release`)."""
         with self._lock:
-            self._expire_pins_locked()
+            self.holds.expire_locked()
             hits, cause = self._walk(keys, namespace_id, layout_id)
             touch, suffix = self.policy.on_access, _index_suffix(namespace_id)  # every hit is namespace_id's
             for c in hits:
@@ -273,7 +249,7 @@ class ChunkCache:
         entries, get, touch = res.entries, self._chunks.get, self.policy.on_access
         suffix = _index_suffix(namespace_id)
         with self._lock:
-            self._expire_pins_locked()
+            self.holds.expire_locked()
             for i, key in enumerate(keys):
                 ikey = key + suffix
                 chunk = get(ikey)
@@ -436,66 +412,6 @@ class ChunkCache:
             got = self.pool.allocate(nbytes)
         return got
 
-    # ---- spills to lower tiers (the tier writer's side) -----------------------------------
-
-    def _drop_spills_locked(self, pages: int) -> None:
-        """Give up queued spills (newest first: the writer takes the oldest next) until a run of
-        ``pages`` pages is free. A spill the writer has started is never given up: it reads the
-        pages until its ``end_spill``."""
-        reads = self._spill_reads
-        for ikey in [k for k, c in reversed(self._spilling.items()) if id(c) not in reads]:
-            if self.pool.allocator.largest_free_run() >= pages:
-                return
-            chunk = self._spilling.pop(ikey)
-            self._spilling_bytes -= chunk.num_pages * self.pool.page_bytes
-            self.pool.free(chunk.start_page, chunk.num_pages)
-            self.dropped_spills += 1
-
-    def rescue_spilling(self, keys: Sequence[bytes], layout_id: str, *, namespace_id: str) -> int:
-        """Put the leading ``keys`` that were evicted but still wait for the tier writer back into
-        the index (their pages still hold the bytes; no I/O). Returns how many came back. A write
-        already started goes on (it still reads the pages: they stay in ``_spill_reads``, so no
-        eviction frees them before its ``end_spill``, which then leaves them to the index); a
-        write not started yet is skipped (``begin_spill`` says False)."""
-        admitted: list[bytes] = []
-        with self._lock:
-            for key in keys:
-                ikey = _index_key(namespace_id, key)
-                chunk = self._spilling.get(ikey)
-                if chunk is None or chunk.layout_id != layout_id or ikey in self._chunks:
-                    break
-                del self._spilling[ikey]
-                self._spilling_bytes -= chunk.num_pages * self.pool.page_bytes
-                self._chunks[ikey] = chunk
-                self.policy.on_insert(ikey)
-                admitted.append(key)
-            if admitted:
-                self.listener.on_admit(namespace_id, admitted)
-        return len(admitted)
-
-    def begin_spill(self, chunk: Chunk) -> bool:
-        """The writer is about to read ``chunk``'s pages; False if the cache took them back, or if
-        another write of this chunk is still reading them (it was queued twice: rescued before its
-        write started, then evicted again; one write of the same bytes is enough). From True until
-        :meth:`end_spill` the pages are never freed."""
-        ikey = _index_key(chunk.namespace_id, chunk.key)
-        with self._lock:
-            if self._spilling.get(ikey) is not chunk or id(chunk) in self._spill_reads:
-                return False
-            self._spill_reads[id(chunk)] = chunk
-            return True
-
-    def end_spill(self, chunk: Chunk) -> None:
-        """The writer is done with ``chunk`` (written or failed; after a :meth:`begin_spill` that
-        said True): free its pages, unless a rescue put it back into the index."""
-        ikey = _index_key(chunk.namespace_id, chunk.key)
-        with self._lock:
-            self._spill_reads.pop(id(chunk), None)
-            if self._spilling.get(ikey) is chunk:
-                del self._spilling[ikey]
-                self._spilling_bytes -= chunk.num_pages * self.pool.page_bytes
-                self.pool.free(chunk.start_page, chunk.num_pages)
-
     # ---- pending chunks (asynchronous promotion) -------------------------------------------
 
     def finish_pending(self, chunk: Chunk, checksum: bytes) -> None:
@@ -540,74 +456,20 @@ class ChunkCache:
             self._evict_locked(self.pool.capacity_bytes, spill=False)
             return before - len(self._chunks)
 
-    # ---- pins ----------------------------------------------------------------------------
+    # ---- pins (the request holds table, ``kvgrid.agent.holds``) ---------------------------
 
     def pin(
-        self,
-        owner: tuple[str, str],
-        keys: Sequence[bytes],
-        layout_id: str,
-        ttl_s: float,
-        *,
-        namespace_id: str,
+        self, owner: Owner, keys: Sequence[bytes], layout_id: str, ttl_s: float, *, namespace_id: str
     ) -> tuple[int, MissCause]:
-        """Pin ``namespace_id``'s leading hits for ``owner`` = (instance_id, request_id) until
-        unpinned or ``ttl_s`` passes. A second pin by the same owner replaces the first."""
-        with self._lock:
-            hits, cause = self.acquire_prefix(keys, layout_id, namespace_id=namespace_id)
-            self._unpin_locked(owner)
-            if hits:
-                deadline = self._clock() + ttl_s
-                self._pins[owner] = _Pin(hits, deadline)
-                self._next_deadline = min(self._next_deadline, deadline)
-            return len(hits), cause
+        """:meth:`RequestHolds.pin <kvgrid.agent.holds.RequestHolds.pin>` of :attr:`holds`."""
+        return self.holds.pin(owner, keys, layout_id, ttl_s, namespace_id=namespace_id)
 
-    def _unpin_locked(self, owner: tuple[str, str]) -> int:
-        pin = self._pins.pop(owner, None)
-        if pin is None:
-            return 0
-        for c in pin.chunks:
-            self._deref_locked(c)
-        return len(pin.chunks)
-
-    def unpin(self, owner: tuple[str, str]) -> int:
-        """Drop ``owner``'s pins; returns how many chunk pins went."""
-        with self._lock:
-            return self._unpin_locked(owner)
-
-    def take_ready_pins(self, owner: tuple[str, str]) -> list[Chunk] | None:
-        """``owner``'s pinned chunks with their references, no longer pins (no TTL): a lease holds
-        them now and gives them back with :meth:`release`. None, and the pins stay, when one of
-        them has bytes still being read from a lower tier (or whose read failed)."""
-        with self._lock:
-            pin = self._pins.get(owner)
-            if pin is None or any(
-                c.failed or (c.ready is not None and not c.ready.is_set()) for c in pin.chunks
-            ):
-                return None
-            del self._pins[owner]
-            return pin.chunks
-
-    def unpin_instance(self, instance_id: str) -> int:
-        with self._lock:
-            return sum(self._unpin_locked(o) for o in [o for o in self._pins if o[0] == instance_id])
-
-    def pins_of(self, instance_id: str) -> int:
-        with self._lock:
-            return sum(len(p.chunks) for o, p in self._pins.items() if o[0] == instance_id)
-
-    def _expire_pins_locked(self) -> int:
-        now = self._clock()
-        if now < self._next_deadline:
-            return 0
-        expired = [o for o, p in self._pins.items() if p.deadline <= now]
-        n = sum(self._unpin_locked(o) for o in expired)
-        self._next_deadline = min((p.deadline for p in self._pins.values()), default=float("inf"))
-        return n
+    def unpin(self, owner: Owner) -> int:
+        """Drop ``owner``'s pin; returns how many chunk pins went."""
+        return self.holds.unpin(owner)
 
     def expire_pins(self) -> int:
-        with self._lock:
-            return self._expire_pins_locked()
+        return self.holds.expire()
 
     # ---- snapshot / stats ----------------------------------------------------------------
 
@@ -625,7 +487,7 @@ class ChunkCache:
                 capacity_bytes=self.pool.capacity_bytes,
                 used_bytes=self.pool.used_bytes,
                 num_chunks=len(self._chunks),
-                num_pins=sum(len(p.chunks) for p in self._pins.values()),
+                num_pins=self.holds.pinned_chunks(),
                 evictions=self.evictions,
                 evicted_bytes=self.evicted_bytes,
                 allocation_failures=self.allocation_failures,

@@ -44,17 +44,19 @@ from kvgrid.agent.cache import ChunkCache
 from kvgrid.agent.config import AgentConfig
 from kvgrid.agent.core import AgentCore
 from kvgrid.agent.events import EventLog, EventPublisher
-from kvgrid.agent.hotpath import HotPathServer, hot_path_of
+from kvgrid.agent.hotpath import HotPathServer
 from kvgrid.agent.peers.dataplane.server import DataPlaneServer
 from kvgrid.agent.peers.guard import TcpGuard
 from kvgrid.agent.peers.sender import ChunkSender
-from kvgrid.agent.tensors import SharedFileCache, dtype_name, open_ipc_event, open_layer_tensor
+from kvgrid.agent.tensors import SharedFileCache, open_ipc_event, open_layer_tensor
 from kvgrid.agent.transfer import parse_layout_hints
 from kvgrid.api.v1 import agent_pb2, common_pb2, controller_pb2
 from kvgrid.common.authz import Authorizer, ChunkReaders, Policy, call_context, caller
 from kvgrid.common.errors import InvalidArgument, check_namespace_id, client_input
+from kvgrid.common.hotpath import hot_path_of
 from kvgrid.common.identity import PodIdentity
 from kvgrid.common.rpc import RpcMetrics, RpcServer, ServerOptions, is_loopback_host
+from kvgrid.common.tensor_wire import dtype_name
 from kvgrid.common.tls import ClientTls, server_credentials
 from kvgrid.common.wire import engine_group_infos_from_proto, key_namespace_from_proto, pod_identity_to_proto
 
@@ -204,7 +206,7 @@ class AgentServicer:
         )
 
     def Release(self, req: agent_pb2.ReleaseRequest) -> agent_pb2.ReleaseResponse:
-        pins, chunks = self.core.release_request(req.instance_id, req.request_id, req.lease_id)
+        pins, chunks = self.core.release(req.instance_id, req.request_id, req.lease_id)
         return agent_pb2.ReleaseResponse(released_pins=pins, released_chunks=chunks)
 
     def Snapshot(self, req: agent_pb2.SnapshotRequest) -> agent_pb2.SnapshotResponse:

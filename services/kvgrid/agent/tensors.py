@@ -1,167 +1,23 @@
-"""Layer tensors across the engine/agent process boundary.
+"""The engine's KV tensors opened in the agent (``RegisterKVCaches``'s ``layers`` and events).
 
-Engine side (:func:`export_layer_tensor`): describe a KV tensor as an ``agent_pb2.LayerTensor``:
-
-- a CUDA tensor by torch's CUDA IPC triple (the storage's IPC memory handle, its ref-counter
-  handle and event), plus the GPU's UUID so the agent can find the same device under its own
-  device numbering (``CUDA_VISIBLE_DEVICES`` may differ between containers);
-- a CPU tensor by the shared-memory file its storage lives in (the engine allocates the KV cache
-  with :func:`allocate_shared_tensor`), so CI and laptops run the same pipeline without a GPU.
-
-Agent side (:func:`open_layer_tensor`): map the handle back to a tensor that aliases the engine's
-memory (no copy), checking every size and bound first (a bad handle is a ValueError naming it).
+:func:`open_layer_tensor` maps the handle the engine sent (:mod:`kvgrid.engine.tensors`: a CUDA
+IPC handle, or a shared-memory file) back to a tensor that aliases the engine's memory (no copy),
+checking every size and bound first (a bad handle is a ValueError naming it); shared-memory files
+must lie under the allowed directories (``--shm-allowed-dirs``) and are mapped once each
+(:class:`SharedFileCache`). :func:`open_ipc_event` opens the engine's interprocess CUDA events.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from kvgrid.api.v1 import agent_pb2
+from kvgrid.common.tensor_wire import device_index_for_uuid, dtype_from_name
 
-__all__ = [
-    "DTYPES",
-    "SharedFileCache",
-    "allocate_shared_tensor",
-    "device_index_for_uuid",
-    "device_uuid",
-    "dtype_from_name",
-    "dtype_name",
-    "export_layer_tensor",
-    "open_ipc_event",
-    "open_layer_tensor",
-]
-
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r}: expected one of {sorted(DTYPES)}") from None
-
-
-def _normalize_uuid(uuid: str) -> str:
-    u = uuid.strip().lower()
-    return u.removeprefix("gpu-")
-
-
-def device_uuid(index: int) -> str:
-    """UUID of CUDA device ``index`` as nvidia-smi prints it (``GPU-...``)."""
-    return "GPU-" + _normalize_uuid(str(torch.cuda.get_device_properties(index).uuid))
-
-
-def device_index_for_uuid(uuid: str) -> int:
-    """This process's index of the GPU with ``uuid`` (with or without the ``GPU-`` prefix)."""
-    want = _normalize_uuid(uuid)
-    if not want:
-        raise ValueError("device_uuid='': expected the GPU's UUID (nvidia-smi -L)")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device_uuid={uuid!r}: this agent sees no CUDA device")
-    seen = []
-    for i in range(torch.cuda.device_count()):
-        got = _normalize_uuid(str(torch.cuda.get_device_properties(i).uuid))
-        if got == want:
-            return i
-        seen.append("GPU-" + got)
-    raise ValueError(f"device_uuid={uuid!r}: no such GPU visible to the agent (it sees {seen})")
-
-
-# ---- engine side -----------------------------------------------------------------------------
-
-
-def allocate_shared_tensor(
-    path: str | os.PathLike[str], shape: Sequence[int], dtype: torch.dtype
-) -> torch.Tensor:
-    """A zeroed CPU tensor whose storage is the file ``path`` (created, usually under /dev/shm).
-
-    The engine owns the file: it unlinks it when the KV cache goes away.
-    """
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    with open(path, "wb") as f:
-        f.truncate(nbytes)
-    flat = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-    return flat.view(dtype).view(*shape)
-
-
-def export_layer_tensor(
-    layer_index: int,
-    tensor: torch.Tensor,
-    *,
-    shm_path: str | os.PathLike[str] | None = None,
-    layout_hint: str = "",
-) -> agent_pb2.LayerTensor:
-    """Describe ``tensor`` for the agent. CPU tensors need ``shm_path``: the file their storage
-    maps (the storage must start at offset 0 of that file, as :func:`allocate_shared_tensor` does)."""
-    msg = agent_pb2.LayerTensor(
-        layer_index=layer_index,
-        shape=list(tensor.shape),
-        stride=list(tensor.stride()),
-        storage_offset=int(tensor.storage_offset()),
-        dtype=dtype_name(tensor.dtype),
-        layout_hint=layout_hint,
-    )
-    storage = tensor.untyped_storage()
-    if tensor.is_cuda:
-        (
-            _device,
-            handle,
-            size_bytes,
-            offset_bytes,
-            ref_handle,
-            ref_offset,
-            event_handle,
-            event_sync,
-        ) = storage._share_cuda_()
-        msg.cuda.CopyFrom(
-            agent_pb2.CudaIpcHandle(
-                device_uuid=device_uuid(tensor.device.index or 0),
-                handle=handle,
-                storage_size_bytes=size_bytes,
-                storage_offset_bytes=offset_bytes,
-                ref_counter_handle=ref_handle,
-                ref_counter_offset=ref_offset,
-                event_handle=event_handle or b"",
-                event_sync_required=bool(event_sync),
-            )
-        )
-        return msg
-    if tensor.device.type != "cpu":
-        raise ValueError(f"layer {layer_index}: tensor on {tensor.device}; expected a CUDA or CPU tensor")
-    if shm_path is None:
-        raise ValueError(
-            f"layer {layer_index}: a CPU tensor needs shm_path (allocate it with allocate_shared_tensor)"
-        )
-    msg.shm.CopyFrom(
-        agent_pb2.SharedMemoryHandle(path=str(shm_path), size_bytes=storage.nbytes(), offset_bytes=0)
-    )
-    return msg
-
-
-# ---- agent side ------------------------------------------------------------------------------
+__all__ = ["SharedFileCache", "open_ipc_event", "open_layer_tensor"]
 
 
 class SharedFileCache:

@@ -16,11 +16,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from kvgrid.agent.tensors import dtype_name
 from kvgrid.common.errors import InvalidArgument, client_input
 from kvgrid.common.groups import EngineGroupInfo, expand_engine_block_ids, num_engine_groups
 from kvgrid.common.layer_groups import KVLayerGroupsManager
 from kvgrid.common.layouts import KVFormat, block_view, detect_kv_format
+from kvgrid.common.tensor_wire import dtype_name
 from kvgrid_kernels import KernelGroupPages, TransferHandle, TransferPlan, page_view
 
 __all__ = [

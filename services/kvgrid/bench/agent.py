@@ -136,12 +136,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(cfg: AgentBenchConfig, tmp: Path) -> int:
     """One engine, one agent (or ``--peer``): the KV cache under ``tmp`` on cpu."""
-    from kvgrid.agent.client import AgentClient
-    from kvgrid.agent.tensors import allocate_shared_tensor
     from kvgrid.agent.transfer import kernel_group_pages
     from kvgrid.common.hashing import KeyNamespace, chunk_keys
     from kvgrid.common.layer_groups import KVLayerGroupsManager
     from kvgrid.common.layouts import detect_kv_format
+    from kvgrid.engine.client import AgentClient
+    from kvgrid.engine.tensors import allocate_shared_tensor
     from kvgrid_kernels import TransferPlan
 
     dtype = _DTYPES[cfg.dtype]
@@ -278,9 +278,9 @@ def _run_peer(
     """Peer fetch GB/s: Lookup on agent B fetching ``--chunks`` chunks that agent A holds."""
     import grpc
 
-    from kvgrid.agent.client import AgentClient
     from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
     from kvgrid.common.hashing import KeyNamespace, chunk_keys
+    from kvgrid.engine.client import AgentClient
 
     if paths is None:
         print("kvgrid bench agent: --peer runs with --device cpu (KV in shared memory)", file=sys.stderr)

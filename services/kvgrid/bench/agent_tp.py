@@ -57,9 +57,9 @@ class _Rank:
     """One engine rank: its KV cache (and shared-memory paths on cpu) and the block ids it moves."""
 
     def __init__(self, cfg: AgentBenchConfig, tmp: Path, rank: int) -> None:
-        from kvgrid.agent.tensors import allocate_shared_tensor
         from kvgrid.common.layer_groups import KVLayerGroupsManager
         from kvgrid.common.layouts import detect_kv_format
+        from kvgrid.engine.tensors import allocate_shared_tensor
 
         dtype = _DTYPES[cfg.dtype]
         num_blocks = cfg.tokens_per_chunk // cfg.block_size * cfg.chunks
@@ -139,9 +139,9 @@ def run_tp(cfg: AgentBenchConfig) -> int:
 
 
 def _measure(cfg: AgentBenchConfig, tmp: Path) -> dict[str, object]:
-    from kvgrid.agent.client import AgentClient
     from kvgrid.agent.transfer import kernel_group_pages
     from kvgrid.common.hashing import KeyNamespace, chunk_keys
+    from kvgrid.engine.client import AgentClient
     from kvgrid_kernels import TransferPlan
 
     n = cfg.engines

@@ -42,14 +42,14 @@ import grpc
 import msgspec
 import torch
 
-from kvgrid.agent.client import AgentClient
-from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.common.config import add_config_arguments, config_from_args
 from kvgrid.common.groups import EngineGroupInfo
 from kvgrid.common.hashing import KeyNamespace, chunk_keys
 from kvgrid.common.procs import free_port, wait_serving
 from kvgrid.common.wire import key_namespace_to_proto
+from kvgrid.engine.client import AgentClient
+from kvgrid.engine.tensors import allocate_shared_tensor
 
 __all__ = ["ENGINES", "DemoSettings", "add_arguments", "add_arguments_for_argv", "run", "run_demo"]
 

@@ -353,7 +353,7 @@ class EngineProc:
 
 
 def _agent_chunks(uds: str) -> int:
-    from kvgrid.agent.client import AgentClient
+    from kvgrid.engine.client import AgentClient
 
     with AgentClient(uds, timeout_s=10) as client:
         return int(client.health().num_chunks)
@@ -368,7 +368,7 @@ def _start_agent(
     ]  # fmt: skip
     with open(logs / "agent.log", "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=log, env=env)
-    from kvgrid.agent.client import AgentClient
+    from kvgrid.engine.client import AgentClient
 
     deadline = time.monotonic() + 60
     while not Path(uds).exists():

@@ -9,7 +9,7 @@ move either). Without it, a Retrieve with ``engine_copies`` takes the lease: a f
 here as the flow ``hot+retrieve``. This bench starts a real ``kvgrid agent`` (L1 shared, hot path
 on), registers a one-layer CPU KV cache and times each flow, median over ``--iters`` requests:
 
-* ``hot``: the lease flow over the hot path (``kvgrid.agent.hotpath``, a plain Unix socket;
+* ``hot``: the lease flow over the hot path (``kvgrid.common.hotpath``, a plain Unix socket;
   ``--spin-us``: the client polls for each reply that long before sleeping,
   ``AgentClient(hot_path_spin_us=...)``),
 * ``hot+retrieve``: Lookup, Retrieve, Release, Store over the hot path (``lease_at_lookup: false``),
@@ -46,7 +46,7 @@ from kvgrid.bench.agent_procs import AgentDidNotStart, bench_env, shm_scratch, s
 from kvgrid.common.config import add_config_arguments, config_from_args
 
 if TYPE_CHECKING:
-    from kvgrid.agent.client import AgentClient
+    from kvgrid.engine.client import AgentClient
 
 __all__ = ["HotPathBenchConfig", "add_arguments", "run"]
 
@@ -182,9 +182,9 @@ def _echo_rtt(tmp: Path, iters: int, nbytes: int, gap: float = 0.0) -> float:
 
 
 def measure(cfg: HotPathBenchConfig, tmp: Path) -> dict[str, object]:
-    from kvgrid.agent.client import AgentClient
-    from kvgrid.agent.tensors import allocate_shared_tensor
     from kvgrid.common.hashing import KeyNamespace, chunk_keys
+    from kvgrid.engine.client import AgentClient
+    from kvgrid.engine.tensors import allocate_shared_tensor
 
     block, tpc = 16, 64
     bpc = tpc // block

@@ -48,8 +48,8 @@ import msgspec
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvgrid.agent.client import AgentClient
     from kvgrid.common.hashing import KeyNamespace
+    from kvgrid.engine.client import AgentClient
 
 from kvgrid.bench.agent_procs import AgentDidNotStart, bench_env, shm_scratch, start_agent, stop_all
 from kvgrid.common.config import add_config_arguments, config_from_args
@@ -273,9 +273,9 @@ def _run(cfg: P2PBenchConfig, tmp: Path, modes: list[str], tls_dir: Path | None)
     (``--peers`` serving, one fetching) per mode in ``modes``."""
     import torch
 
-    from kvgrid.agent.client import AgentClient
-    from kvgrid.agent.tensors import allocate_shared_tensor
     from kvgrid.common.hashing import KeyNamespace
+    from kvgrid.engine.client import AgentClient
+    from kvgrid.engine.tensors import allocate_shared_tensor
 
     tokens_per_chunk, block = 256, 16
     bpc = tokens_per_chunk // block

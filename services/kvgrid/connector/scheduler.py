@@ -62,12 +62,12 @@ import grpc
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.common.hashing import chain_chunk_keys, chunk_keys, pack_token_ids
 from kvgrid.connector.chunk_policy import loadable_chunks, new_tokens_to_load, storable_chunks
 from kvgrid.connector.config import ConnectorIdentity, KVGridConnectorConfig
 from kvgrid.connector.metadata import KVGridConnectorMetadata, Lease, LoadOrder, StoreOrder
 from kvgrid.connector.tracing import agent_call_span
+from kvgrid.engine.client import AgentClient
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -1,10 +1,10 @@
 """CPU KV caches the agent can map: allocate them in shared-memory files, and find the file again.
 
-The agent reaches CPU KV caches by file (``kvgrid.agent.tensors.export_layer_tensor`` needs the
+The agent reaches CPU KV caches by file (``kvgrid.engine.tensors.export_layer_tensor`` needs the
 path). vLLM allocates its KV cache with one ``torch.zeros`` inside the connector's
 ``get_mem_pool_context()``; :class:`SharedMemoryAllocation` is that context for CPU engines: it
 turns large CPU ``torch.zeros``/``torch.empty`` calls made inside it into tensors backed by new
-files under a tmpfs (``kvgrid.agent.tensors.allocate_shared_tensor``), so stock vLLM needs no patch.
+files under a tmpfs (``kvgrid.engine.tensors.allocate_shared_tensor``), so stock vLLM needs no patch.
 
 A storage created with ``torch.from_file(path, shared=True)`` is an mmap of that file; the kernel's
 ``/proc/self/maps`` names the file behind every mapping, so :func:`shared_memory_file` reads the
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvgrid.agent.tensors import allocate_shared_tensor
+from kvgrid.engine.tensors import allocate_shared_tensor
 
 __all__ = ["SharedMemoryAllocation", "remove_stale_files", "shared_memory_file"]
 
@@ -145,7 +145,7 @@ def shared_memory_file(tensor: torch.Tensor, what: str = "tensor") -> str:
     found = _mapping_of(ptr)
     hint = (
         "expected a CPU KV cache allocated in a shared-memory file (e.g. under /dev/shm with "
-        "kvgrid.agent.tensors.allocate_shared_tensor) so the kvgrid agent can map it"
+        "kvgrid.engine.tensors.allocate_shared_tensor) so the kvgrid agent can map it"
     )
     if found is None or not found[3] or found[3].startswith("["):
         raise ValueError(f"{what}: its storage at 0x{ptr:x} is anonymous memory, not a file; {hint}")

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import grpc
 
-from kvgrid.agent.client import AgentClient
 from kvgrid.common.procs import free_port
+from kvgrid.engine.client import AgentClient
 
 __all__ = ["Cluster", "ClusterSpec", "TcpProxy", "seaweed_port_pair", "valkey_binary", "weed_binary"]
 

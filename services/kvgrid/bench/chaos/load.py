@@ -25,8 +25,6 @@ from pathlib import Path
 import grpc
 import torch
 
-from kvgrid.agent.client import AgentClient
-from kvgrid.agent.tensors import allocate_shared_tensor
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.bench.demo import (
     BLOCK_SIZE,
@@ -43,6 +41,8 @@ from kvgrid.bench.demo import (
 )
 from kvgrid.common.hashing import chunk_keys
 from kvgrid.common.wire import key_namespace_to_proto
+from kvgrid.engine.client import AgentClient
+from kvgrid.engine.tensors import allocate_shared_tensor
 
 __all__ = ["Load", "LoadStats", "chat_prompts"]
 

@@ -143,7 +143,7 @@ def kv_buffer(
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from kvgrid.agent.tensors import allocate_shared_tensor
+    from kvgrid.engine.tensors import allocate_shared_tensor
 
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=shape.kv_heads, head_size=shape.head_size, dtype=dtype

@@ -249,7 +249,7 @@ def _cpu_s(pid: int) -> float:
 
 def _agent_counts(agent: AgentProcess) -> tuple[int, int]:
     """(pinned, leased) chunks of the agent, once its release threads settled (at most 10 s)."""
-    from kvgrid.agent.client import AgentClient
+    from kvgrid.engine.client import AgentClient
 
     with AgentClient(agent.uds_path) as client:
         deadline = time.monotonic() + 10

@@ -1,4 +1,9 @@
-"""Results of the agent's operations, shared by the core (in-process) and the engine-side client."""
+"""Results of the agent's Lookup, Retrieve and Store, shared by the agent's core (which returns them
+in process) and the engine's client (:mod:`kvgrid.engine.client`, which rebuilds them from the wire).
+
+Invariant: :class:`MissCause`'s values are the wire's ``miss_cause`` text and the metric label; a
+cause this version does not know reads as ``not_found``.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The engine API (register, lookup, retrieve, store, release, health) is served on
 socket only; over TCP an agent serves just FetchChunks (to agent identities) and Snapshot (to the
 controller), so a ``host:port`` target is for those two -- with ``tls`` (the caller's certificate)
 when the agent requires mTLS. Results come back as the msgspec structs of
-:mod:`kvgrid.agent.results`; gRPC errors surface as ``grpc.RpcError`` (INVALID_ARGUMENT carries the
+:mod:`kvgrid.common.agent_results`; gRPC errors surface as ``grpc.RpcError`` (INVALID_ARGUMENT carries the
 agent's explanation; an engine method over TCP is UNIMPLEMENTED).
 """
 
@@ -16,15 +16,16 @@ from collections.abc import Iterator, Mapping, Sequence
 import grpc
 import torch
 
-from kvgrid.agent.hotpath import HOT_METHODS, HotPathAbsent, HotPathClient, hot_path_of
-from kvgrid.agent.results import LookupResult, MissCause, RetrieveResult, StoreResult
-from kvgrid.agent.tensors import export_layer_tensor
 from kvgrid.api.v1 import agent_pb2
+from kvgrid.common.agent_results import LookupResult, MissCause, RetrieveResult, StoreResult
 from kvgrid.common.groups import EngineGroupInfo, to_proto
 from kvgrid.common.hashing import KeyNamespace
+from kvgrid.common.hotpath import HOT_METHODS, hot_path_of
 from kvgrid.common.tls import AGENT_SERVER_NAME, ClientTls, make_channel
 from kvgrid.common.tracing import traced_channel
 from kvgrid.common.wire import block_ids_to_proto, key_namespace_to_proto
+from kvgrid.engine.hotpath import HotPathAbsent, HotPathClient
+from kvgrid.engine.tensors import export_layer_tensor
 
 __all__ = ["AgentClient", "agent_target"]
 
@@ -55,7 +56,7 @@ class AgentClient:
     ) -> None:
         """``tls``: mTLS credentials for a TCP target (ignored for a Unix socket, always plaintext).
         ``hot_path``: on a Unix socket, send Lookup/Retrieve/Store/Release over the agent's hot path
-        (``kvgrid.agent.hotpath``) whenever the agent serves it; gRPC otherwise.
+        (``kvgrid.engine.hotpath``) whenever the agent serves it; gRPC otherwise.
         ``hot_path_spin_us``: wait for a hot-path reply spinning up to this long before sleeping
         (``HotPathClient``'s ``spin_us``: faster replies for a core and the GIL meanwhile)."""
         self.target = agent_target(address)
@@ -120,7 +121,7 @@ class AgentClient:
         done_event: torch.cuda.Event | None = None,
     ) -> agent_pb2.RegisterKVCachesResponse:
         """Register one engine worker's KV tensors (layer i = ``tensors[i]``). CPU tensors need
-        ``shm_paths[i]``, the file each lives in (see ``tensors.allocate_shared_tensor``).
+        ``shm_paths[i]``, the file each lives in (see :func:`kvgrid.engine.tensors.allocate_shared_tensor`).
         ``fence_event``: an interprocess CUDA event the engine records before a transfer sent with
         ``after_fence`` (the agent's copy waits for it on the GPU instead of the engine's host);
         ``done_event``: one the agent records after the copies of a Retrieve with ``signal_done``."""
