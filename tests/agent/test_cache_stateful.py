@@ -41,7 +41,7 @@ evictions, l1-full stops, spills written and dropped, tier evictions, promotion 
 records, pin expiries, leases, rescues, and writes held mid-write, rescued and evicted again
 (printed with ``-s``). The derandomized run is the same in every process: Hypothesis would
 otherwise draw some integers from constants in the source of whichever modules the process loaded
-(:func:`_without_local_constants`). ``KVGRID_FUZZ_EXAMPLES=N`` runs N examples, randomized and
+(``tests/fixed_draws.py``). ``KVGRID_FUZZ_EXAMPLES=N`` runs N examples, randomized and
 shrunk, with ``KVGRID_FUZZ_STEPS`` steps each (``make fuzz``).
 """
 
@@ -78,6 +78,7 @@ from kvgrid.agent.tiers.base import HEADER_BYTES, BlobStore, record_name
 from kvgrid.agent.tiers.disk import DiskBlobStore
 from kvgrid.agent.tiers.tier import Tier, TierChain
 from kvgrid.common.checksum import chunk_checksum
+from tests.fixed_draws import without_local_constants
 
 FUZZ = int(os.environ.get("KVGRID_FUZZ_EXAMPLES", "0") or 0)
 FUZZ_STEPS = int(os.environ.get("KVGRID_FUZZ_STEPS", "100") or 100)
@@ -832,34 +833,13 @@ class CacheMachine(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _without_local_constants(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the derandomized run the same in every process: Hypothesis draws some integers from
-    constants it finds in the source of the non-test modules loaded in the process (here:
-    whichever ``kvgrid`` modules the other collected test files imported), and its swarm testing
-    draws each rule's chance of being left out of an example as such an integer (0-254), so which
-    examples the fixed run generated depended on the other modules loaded. Hash randomisation
-    plays no part (same run under any PYTHONHASHSEED). Private API: without it, no change."""
-    try:
-        from hypothesis.internal.conjecture import providers
-        from hypothesis.internal.constants_ast import Constants
-    except ImportError:
-        return
-    cache = getattr(providers, "CONSTANTS_CACHE", None)
-    if not hasattr(providers, "_get_local_constants") or not hasattr(cache, "_threadlocal"):
-        return
-    monkeypatch.setattr(providers, "_get_local_constants", Constants)  # an empty pool
-    # The constants each kind of draw may take, computed from the pool: empty for this test, and
-    # the process's cache back after it.
-    monkeypatch.setattr(providers.CONSTANTS_CACHE, "_threadlocal", threading.local())
-
-
 def test_cache_matches_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: Counter[str] = Counter()
     if FUZZ:
         opts = settings(max_examples=FUZZ, stateful_step_count=FUZZ_STEPS, derandomize=False)
     else:
         opts = settings(max_examples=80, stateful_step_count=60, derandomize=True)
-        _without_local_constants(monkeypatch)
+        without_local_constants(monkeypatch)
     run_state_machine_as_test(
         lambda: CacheMachine(seen),
         settings=settings(

@@ -8,10 +8,15 @@ strays nobody holds), replace, drop_holder, a crowd of up to 270 holders (mask w
 64/128/256 slots) and its departure (slot reuse), speculative entries -- and after every step
 compares every lookup form (lookup, lookup_one of bytes and of packed words, lookup_words,
 lookup_batch, lookup_packed) and the counters (num_entries, num_chunks, holders, holder_entries,
-holder_tier_entries, holder_keys) with the model. On MemoryIndex it also checks the table itself
-(full rows = num_chunks, full + tombstone rows = the used count, unique keys, no empty full row)
-and counts the rehashes it saw: the CI run asserts that growth, rebuilds at the same or a smaller
-capacity, rehashes moving an odd number of rows and mask words past 256 slots all happened.
+holder_tier_entries, holder_keys) with the model. On MemoryIndex it also checks the compact
+table itself (``tests/controller/memtable.py``: live rows = num_chunks, live + tombstone rows = the
+used count, unique keys, inline lanes canonical, a side row only where the lanes cannot hold the
+holders, the free side rows' list) and counts the rehashes and row-kind transitions it saw: the CI
+run asserts that growth, rebuilds at the same or a smaller capacity, rehashes moving an odd number
+of rows, mask words past 256 slots, rows spilled to side rows by a fifth holder and brought back
+by removals and by scans (drop, replace), inline holders cleared by scans, inserts and removals
+at every lane position (the ``few_holders`` rule) and rehashes of inline and side rows together
+all happened.
 
 Time: the index modules read ``time.monotonic()`` / ``time.time()`` (there is no injectable clock),
 so the tests put a settable clock in those modules' ``time`` name. Speculative TTLs are 10 minutes or
@@ -59,8 +64,10 @@ from kvgrid.controller.index.instrumented import InstrumentedIndex
 from kvgrid.controller.index.memory import NATIVE
 from kvgrid.controller.index.redis import RedisIndex
 from kvgrid.controller.index.redis_cluster import RedisClusterIndex
+from tests.controller.memtable import Transitions, check_table, decoded, record_transitions
 from tests.controller.support import unique_prefix
 from tests.controller.valkey_cluster import ValkeyCluster
+from tests.fixed_draws import without_local_constants
 
 TIERS = tuple(IndexTier)
 FUZZ = int(os.environ.get("KVGRID_FUZZ_EXAMPLES", "0") or 0)
@@ -241,6 +248,7 @@ class RehashStats:
 
     rehashes: list[tuple[int, int, int]] = field(default_factory=list)
     max_width: int = 0
+    rows: Transitions = field(default_factory=Transitions)
 
     def odd(self) -> int:
         return sum(1 for rows, _, _ in self.rehashes if rows % 2)
@@ -261,7 +269,7 @@ def _record_rehashes(mem: MemoryIndex, stats: RehashStats) -> None:
     rehash = mem._rehash
 
     def recording(need: int) -> None:
-        rows, cap = int(np.count_nonzero(mem._state == 1)), mem.capacity
+        rows, cap = mem.num_chunks(), mem.capacity
         rehash(need)
         stats.rehashes.append((rows, cap, mem.capacity))
 
@@ -311,6 +319,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.mem = _memory_of(self.idx)
         if self.mem is not None and backend.stats is not None:
             _record_rehashes(self.mem, backend.stats)
+            record_transitions(self.mem, backend.stats.rows)
         self.model = Model()
         self.recent: list[bytes] = []  # fresh keys in the order they were added (queries slice it)
         self.n_fresh = 0
@@ -399,6 +408,22 @@ class IndexMachine(RuleBasedStateMachine):
         self.idx.replace(holder, IndexTier(tier), keys)
         self.model.replace(holder, IndexTier(tier), keys)
         self._added(keys)
+
+    @rule(data=st.data())
+    def few_holders(self, data: st.DataObject) -> None:
+        """1-3 fresh keys gain 2-7 (holder, tier) entries, then lose some: a compact row's inline
+        lanes inserted into and cleared at every position, a fifth holder spilling it to a side
+        row and a removal bringing it back."""
+        keys = self._fresh(data.draw(st.integers(1, 3), label="keys"))
+        picks = data.draw(st.lists(st.tuples(HOLDER, TIER), min_size=2, max_size=7), label="adds")
+        for h, t in picks:
+            self.idx.add(h, IndexTier(t), keys)
+            self.model.add(h, IndexTier(t), keys)
+        self._added(keys)
+        order = data.draw(st.permutations(picks), label="removal order")
+        for h, t in order[: data.draw(st.integers(0, len(picks)), label="removes")]:
+            self.idx.remove(h, IndexTier(t), keys)
+            self.model.remove(h, IndexTier(t), keys)
 
     @rule(data=st.data())
     def drop_holder(self, data: st.DataObject) -> None:
@@ -570,18 +595,7 @@ class IndexMachine(RuleBasedStateMachine):
         mem = self.mem
         if mem is None:
             return
-        state = mem._state
-        full = state == 1
-        nfull, ntomb = int(np.count_nonzero(full)), int(np.count_nonzero(state == 2))
-        cap = mem.capacity
-        assert cap & (cap - 1) == 0 and cap >= 1024
-        assert nfull == mem.num_chunks(), f"{nfull} full rows, num_chunks {mem.num_chunks()}"
-        assert mem._used == nfull + ntomb, f"used {mem._used}, full + tombstones {nfull + ntomb}"
-        assert mem._used <= 0.75 * cap
-        rows = mem._tab[full]
-        assert rows[:, 2:].any(axis=1).all(), "a full row with no holder"
-        assert len(np.unique(rows[:, :2], axis=0)) == nfull, "a key in two full rows"
-        assert mem._tab.shape[1] == 2 + NUM_TIERS * (mem.width // 64)
+        check_table(mem)  # canonical lanes, side rows only where the lanes cannot hold the holders
         if self.backend.stats is not None:
             self.backend.stats.max_width = max(self.backend.stats.max_width, mem.width)
 
@@ -590,6 +604,13 @@ class IndexMachine(RuleBasedStateMachine):
 
 
 def _run(backend: Backend, clock: FakeTime) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        if not FUZZ:
+            without_local_constants(mp)  # the fixed run the same whatever else the process loaded
+        _run_machine(backend, clock)
+
+
+def _run_machine(backend: Backend, clock: FakeTime) -> None:
     if FUZZ:
         opts = settings(
             max_examples=max(1, FUZZ // backend.fuzz_share),
@@ -638,12 +659,16 @@ def test_memory_index_matches_the_model(native: bool, clock: FakeTime) -> None:
     print(
         f"rehashes {len(stats.rehashes)}: grown {stats.grown()}, rebuilt {stats.rebuilt()} ({shrunk} smaller)"
     )
-    print(f"odd row counts {stats.odd()}, widest mask {stats.max_width} slots")
+    print(f"odd row counts {stats.odd()}, widest mask {stats.max_width} slots; rows: {stats.rows}")
     if not FUZZ:  # the fixed run reaches what it is meant to (a guard against a weakened budget)
         assert stats.grown() >= 5, stats.rehashes
         assert stats.rebuilt() >= 5, stats.rehashes
         assert stats.odd() >= 5, stats.rehashes
         assert stats.max_width >= 512, stats.max_width
+        r = stats.rows  # inline -> side rows and back, by every path
+        assert r.spilled >= 100 and r.demoted_by_remove >= 20 and r.demoted_by_scan >= 50, r
+        assert r.inline_cleared_by_scan >= 500 and r.mixed_rehashes >= 5, r
+        assert min(r.inserted_at_lane) >= 20 and min(r.removed_at_lane) >= 20, r
 
 
 def test_instrumented_memory_index_matches_the_model(clock: FakeTime) -> None:
@@ -692,7 +717,7 @@ def test_redis_cluster_index_matches_the_model(cluster: ValkeyCluster, clock: Fa
 
 # --- the reported replay ------------------------------------------------------------------------
 def _rows_of(index: MemoryIndex) -> np.ndarray:
-    return np.unique(index._tab[index._state == 1], axis=0)
+    return decoded(index)
 
 
 @pytest.mark.skipif(not NATIVE, reason="the compiled extension is not built")

@@ -59,8 +59,19 @@ def test_bench_runs_small(capsys: pytest.CaptureFixture[str]) -> None:
         "kvgrid gRPC 1 packed query, compact, c=2",
         "kvgrid lean listener 1 packed query, compact, c=1",
         "kvgrid lean listener 1 packed query, compact, c=2",
+        "kvgrid lean listener mTLS 1 packed query, compact, c=1",
+        "kvgrid lean listener mTLS 1 packed query, compact, c=2",
         "kvgrid gRPC packed compact x8, c=1",
     } == set(rows)
+    # the vLLM ZMQ path: every chain's blocks, one GPU entry each, through one publisher per pod
+    vllm = out["vllm_ingest"]
+    chains = Workload(4, 2000).chains()
+    assert (
+        vllm["keys"]
+        == sum(len(k) for lst in chains.values() for _, k in lst)
+        == out["memory"]["chunk_pod_pairs"]
+    )
+    assert vllm["events"] == sum(map(len, chains.values())) and vllm["keys_s"] > 0
     for r in rows.values():
         assert r["queries_s"]["median"] > 0 and r["p50_ms"]["median"] <= r["p99_ms"]["median"]
     assert out["query_kinds"]["miss"] > 0 and out["peers"] == {}
@@ -74,6 +85,31 @@ def test_absent_peer_is_reported_not_measured(capsys: pytest.CaptureFixture[str]
     out = json.loads(capsys.readouterr().out)
     assert "No module named 'dynamo'" in out["peers"]["error"]
     assert not any("Dynamo" in name for name in out["rows"])
+
+
+def test_bench_stops_when_the_mtls_listener_answers_differently(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the mTLS listener (started as `kvgrid controller` starts it) alone answers one byte longer
+    from kvgrid.controller import lookup_server
+
+    answer = lookup_server.LookupServer._answer
+
+    def planted(self: lookup_server.LookupServer, method: int, body: bytes, denied: dict[int, str]) -> bytes:
+        out = answer(self, method, body, denied)
+        return lookup_server._frame(out[4], out[5:] + b"\x00") if self.tls else out
+
+    monkeypatch.setattr(lookup_server.LookupServer, "_answer", planted)
+    with pytest.raises(AssertionError, match="differ between the lean listener with and without mTLS"):
+        bench.run(_args())
+
+
+def test_bench_stops_when_the_vllm_event_path_misses_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every stored run names a parent block the engine never stored: its chunks cannot be keyed
+    from kvgrid.bench import lookup_peers
+
+    batch = lookup_peers._vllm_batch
+    monkeypatch.setattr(lookup_peers, "_vllm_batch", lambda seq, parent, keys: batch(seq, b"\x01" * 16, keys))
+    with pytest.raises(AssertionError, match=r"vLLM ZMQ ingest incomplete: 0 GPU entries of \d+ blocks"):
+        bench.run(_args())
 
 
 def test_bench_stops_when_answers_disagree(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ import pytest
 from kvgrid.controller.index import IndexTier, MemoryIndex
 from kvgrid.controller.index.memory import NATIVE
 from kvgrid.controller.matching import match_words
+from tests.controller.memtable import check_table, decoded
 from tests.controller.support import rand_keys
 
 L1, GPU, L2 = IndexTier.L1, IndexTier.GPU, IndexTier.L2
@@ -64,7 +65,8 @@ def test_tombstones_are_reused_and_cleaned() -> None:
 def test_probe_chains_longer_than_a_window() -> None:
     index = MemoryIndex()
     keys = _colliding(60)
-    home = index._home(*index._keys_array(keys))
+    k = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
+    home = (k[:, 0] ^ (k[:, 1] >> np.uint64(1))) >> np.uint64(index._shift)
     assert len(set(home.tolist())) == 1  # one chain of 60 rows
     index.add("a/1", L1, keys[:40])
     index.add("b/1", GPU, keys[20:50])
@@ -154,8 +156,11 @@ def test_compiled_and_python_loops_build_the_same_table() -> None:
     a, b = ix[True], ix[False]
     assert a.width == b.width == 512 and a.capacity == b.capacity
     # the same rows (key and masks); where they sit differs only by the rehash's placement order
-    rows = [np.unique(x._tab[x._state == 1], axis=0) for x in (a, b)]
+    rows = [decoded(x) for x in (a, b)]
     assert len(rows[0]) == a.num_chunks() and np.array_equal(rows[0], rows[1])
+    for x in (a, b):
+        check_table(x)
+    assert a.spilled_rows() == b.spilled_rows() > 0
     assert a.num_entries() == b.num_entries() and a.num_chunks() == b.num_chunks()
     for index in ix.values():
         index.add_speculative("pod3/1", pool[100:110], 60_000)
@@ -169,6 +174,87 @@ def test_compiled_and_python_loops_build_the_same_table() -> None:
         ones = (1 << 64 * wa.nwords) - 1
         x, y = match_words(wa.words, wa.nwords, ones), match_words(wa.words, wa.nwords, ones, native=False)
         assert x.query(0) == y.query(0)
+    # the batch gathers (compiled probe vs numpy probe and lane expansion) agree too
+    for lo in range(0, 200, 25):
+        assert np.array_equal(
+            a.lookup_batch(queries[lo : lo + 25]).words, b.lookup_batch(queries[lo : lo + 25]).words
+        )
+
+
+def _both() -> list[MemoryIndex]:
+    return [MemoryIndex(native=c) for c in ((True, False) if NATIVE else (False,))]
+
+
+def _x(index: MemoryIndex, key: bytes) -> tuple[int, int]:
+    """(state, x) of ``key``'s row."""
+    i = int(index._rows(key)[0])
+    return int(index._state[i]), int(index._tab[i, 2])
+
+
+def test_a_fifth_holder_spills_and_the_fourth_brings_the_row_back_inline() -> None:
+    for index in _both():
+        k = rand_keys(2)
+        for h, tier in ((7, L1), (2, GPU), (5, L2), (2, L1)):  # slots 0, 1, 2 (pod2 twice)
+            index.add(f"pod{h}/1", tier, k)
+        # lanes sorted by slot: pod7 (slot 0, L1), pod2 (slot 1, L1|GPU), pod5 (slot 2, L2)
+        assert _x(index, k[0]) == (1, (0 << 3 | 1) | (1 << 3 | 3) << 16 | (2 << 3 | 4) << 32)
+        index.add("pod9/1", GPU, k)  # slot 3: four lanes
+        index.add("pod8/1", L1, k[:1])  # slot 4: a fifth holder -> side row
+        assert _x(index, k[0])[0] == 3 and index.spilled_rows() == 1 and _x(index, k[1])[0] == 1
+        check_table(index)
+        view = index.lookup_one(k[:1])
+        assert (view.l1[0], view.gpu[0], view.l2[0]) == (0b10011, 0b1010, 0b100)
+        index.remove("pod2/1", L1, k)  # still five holders (pod2 keeps GPU)
+        assert _x(index, k[0])[0] == 3
+        index.remove("pod2/1", GPU, k)  # four: back inline, side row freed
+        assert _x(index, k[0]) == (
+            1,
+            (0 << 3 | 1) | (2 << 3 | 4) << 16 | (3 << 3 | 2) << 32 | (4 << 3 | 1) << 48,
+        )
+        assert index.spilled_rows() == 0
+        check_table(index)
+        index.add("pod2/1", GPU, k)  # spills again, into the freed side row
+        index.drop_holder("pod8/1")  # a drop brings it back too
+        assert _x(index, k[0])[0] == 1 and index.spilled_rows() == 0
+        check_table(index)
+
+
+def test_slots_past_the_lanes_spill_even_alone() -> None:
+    rows = []
+    k = rand_keys(3)
+    for index in _both():
+        index.add("first/1", L1, k[:1])
+        for h in range(8200):  # slots up to 8200: past the 13 bits of a lane
+            index.add_speculative(f"pod{h}/1", k[2:], 60_000)
+        index.add("pod8199/1", GPU, k[:2])  # slot 8200
+        assert _x(index, k[0])[0] == 3 and _x(index, k[1])[0] == 3
+        assert index.lookup_one(k[1:2]).gpu == [1 << 8200]
+        check_table(index)
+        index.remove("pod8199/1", GPU, k[1:2])  # its only holder: a tombstone, the side row freed
+        assert int(index._rows(k[1])[0]) == -1 and index.num_chunks() == 1
+        rows.append(decoded(index))
+        index.remove("pod8199/1", GPU, k[:1])  # back to one holder of slot 0: inline
+        assert _x(index, k[0])[0] == 1 and index.spilled_rows() == 0
+        check_table(index)
+    assert all(np.array_equal(r, rows[0]) for r in rows)
+
+
+def test_side_rows_grow_in_the_middle_of_one_insert() -> None:
+    rows = []
+    keys = rand_keys(300)
+    for index in _both():
+        for h in range(4):
+            index.add(f"pod{h}/1", L1, keys)
+        index.add("pod4/1", GPU, keys)  # 300 spills in one call: side rows 0 -> 64 -> ... -> 512
+        assert index.spilled_rows() == 300 and len(index._side) == 512
+        check_table(index)
+        assert index.holder_keys("pod4/1", GPU) == set(keys)
+        index.remove("pod4/1", GPU, keys[:100])
+        index.replace("pod3/1", L1, keys[200:])  # a scan demotes rows 100-199 and keeps 200-299 spilled
+        assert index.spilled_rows() == 100
+        check_table(index)
+        rows.append(decoded(index))
+    assert all(np.array_equal(r, rows[0]) for r in rows)
 
 
 @pytest.mark.parametrize("native", [True, False] if NATIVE else [False])

@@ -13,20 +13,29 @@ What is measured, in this order:
    messages/s, events/s and chunk keys/s, and the controller's CPU per key. The index this builds
    is the one every lookup below uses, and it is checked complete.
 2. **Memory**: RSS growth of the controller process over that ingest per (chunk, pod, tier) entry
-   and per (chunk, pod) pair (the unit a tier-less index stores), and ``tracemalloc`` of a second
-   build of the same index.
-3. **Answers**: the same queries through gRPC ``MatchPrefix``, the lean lookup listener
-   (:mod:`kvgrid.controller.lookup_server`), in-process, and packed batches must agree; with
+   and per (chunk, pod) pair (the unit a tier-less index stores), ``tracemalloc`` of a second
+   build of the same index, and the RSS growth of building it in a fresh process; with
+   ``--churn-rounds N`` that process then replaces every admitted key N times (each event's keys
+   re-admitted under new keys and the old ones removed, interleaved: tombstones, rehashes, side
+   rows spilled and freed) and reports its RSS growth again (allocator growth included).
+3. **Ingest through vLLM's KV events** (:func:`_vllm_ingest`): the messages the peer runner sends
+   Dynamo's indexer service, on one ZMQ PUB socket per pod, into a controller configured with one
+   ``vllm_sources`` entry per pod (its own process); events/s, keys/s and its CPU per key.
+4. **Answers**: the same queries through gRPC ``MatchPrefix``, the lean lookup listener
+   (:mod:`kvgrid.controller.lookup_server`; in plaintext, and with mTLS as ``kvgrid controller
+   --lookup-port`` starts it with the ``tls_*`` files of a throwaway CA: :func:`_mtls_listener`),
+   in-process, and packed batches must agree; with
    ``--peers`` every query's longest match must equal Dynamo's (in-process and service). Any
    difference stops the bench.
-4. ``--rounds`` interleaved rounds of ``--seconds`` each: one query per call in-process (kvgrid
+5. ``--rounds`` interleaved rounds of ``--seconds`` each: one query per call in-process (kvgrid
    ``Controller.match``; Dynamo ``RadixTree.find_matches``), one query per call over the network at
-   each ``--concurrency`` (kvgrid gRPC ``MatchPrefix``, kvgrid lean listener, Dynamo's indexer
-   service ``/query_by_hash``), and kvgrid packed compact batches of ``--batch``. Medians and
+   each ``--concurrency`` (kvgrid gRPC ``MatchPrefix``, kvgrid lean listener in plaintext and with
+   mTLS, Dynamo's indexer service ``/query_by_hash``), and kvgrid packed compact batches of
+   ``--batch``. Medians and
    [min-max] over the rounds, kvgrid/Dynamo ratios per round, server CPU per query (from /proc of
    the serving process), client CPU, and the machine's load average at start and end.
 
-``--transports`` replaces steps 2-4 with a comparison of the ways a router reaches the controller
+``--transports`` replaces steps 2-5 with a comparison of the ways a router reaches the controller
 for one query (one packed query per call, compact answer), on the same ingested index: the gRPC
 port, the lean listener in plaintext, and the listener with mTLS and authorization as ``kvgrid
 controller --lookup-port`` starts it with the ``tls_*`` files (a throwaway CA and certificates made
@@ -52,6 +61,7 @@ import importlib.util
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -63,11 +73,11 @@ from typing import Any
 
 import grpc
 import msgspec
+import numpy as np
 
 from kvgrid.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from kvgrid.bench import lookup_clients as clients
 from kvgrid.bench.lookup_workload import QUERY_MIX, Query, Workload
-from kvgrid.common.authz import Authorizer
 from kvgrid.common.tls import CONTROLLER_SERVER_NAME
 from kvgrid.controller.compact import read_compact
 from kvgrid.controller.config import ControllerConfig
@@ -77,9 +87,8 @@ from kvgrid.controller.lookup_server import (
     METHOD_BATCH_MATCH,
     LookupClient,
     LookupServer,
-    server_ssl_context,
 )
-from kvgrid.controller.service import POLICY, serve
+from kvgrid.controller.service import serve
 
 __all__ = ["add_arguments", "run"]
 
@@ -123,6 +132,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every measurement")
     parser.add_argument("--events-per-message", type=int, default=64, help="events per PublishEvents message")
     parser.add_argument("--streams", type=int, default=16, help="agents streaming at once during ingest")
+    parser.add_argument(
+        "--churn-rounds",
+        type=int,
+        default=0,
+        help="after the fresh-process build, replace every admitted key this many times and report "
+        "that process's RSS growth again (a long ingest: tombstones, rehashes, allocator growth)",
+    )
     parser.add_argument(
         "--peers", action="store_true", help="also run Dynamo's indexers on the same workload"
     )
@@ -249,6 +265,90 @@ def _ingest(addr: str, w: Workload, args: argparse.Namespace) -> dict[str, float
     }
 
 
+def _vllm_ingest(w: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """Ingest through the vLLM KV-event path (:mod:`kvgrid.controller.vllm_events`): one ZMQ PUB
+    socket per pod, as engines publish, feeding a controller in its own process subscribed to every
+    one (:func:`~kvgrid.bench.lookup_clients.vllm_controller`). The messages are the ones the peer
+    runner sends Dynamo's indexer service (vLLM's msgpack ``EventBatch``: one ``BlockStored`` per
+    stored run of a pod's chains, one block of 4 tokens per chunk). A probe per pod (an
+    ``AllBlocksCleared``, which adds nothing) is published until every subscriber has seen one;
+    then the clock runs from the first event to the moment every block is in the index as one
+    GPU-tier entry (the probes add none)."""
+    import multiprocessing as mp
+
+    import zmq
+
+    from kvgrid.bench.lookup_peers import BLOCK, _vllm_batch
+
+    chains = w.chains()
+    pods = sorted(chains)
+    zctx = zmq.Context()
+    zctx.set(zmq.MAX_SOCKETS, len(pods) + 64)  # the default, 1,023, is short of 1,024 pods
+    socks = []
+    for _ in pods:
+        sock = zctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        socks.append((sock, sock.bind_to_random_port("tcp://127.0.0.1")))
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    uids = [_pod_uid(p) for p in pods]
+    endpoints = [f"tcp://127.0.0.1:{port}" for _, port in socks]
+    proc = ctx.Process(target=clients.vllm_controller, args=(uids, endpoints, BLOCK, NS_ID, child_conn))
+    proc.start()
+    try:
+        _, pid = conn.recv()
+        seq = [0] * len(pods)
+        probe = msgspec.msgpack.encode([time.time(), [["AllBlocksCleared"]], 0])
+        pending = set(range(len(pods)))
+        counts: list[int] = []
+        deadline = time.monotonic() + 120
+        while pending:  # ZMQ subscribers connect asynchronously: what a PUB sends before is lost
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM event subscribers of {len(pending)} pods never connected")
+            for i in pending:
+                seq[i] += 1
+                socks[i][0].send_multipart([b"", seq[i].to_bytes(8, "big"), probe])
+            time.sleep(0.05)
+            conn.send(("counts",))
+            counts = conn.recv()
+            pending = {i for i in pending if not counts[i]}
+        msgs = []
+        for i, p in enumerate(pods):
+            for parent, keys in chains[p]:
+                seq[i] += 1
+                msgs.append((i, _vllm_batch(seq[i], parent, keys)))
+        n_keys = sum(len(k) for lst in chains.values() for _, k in lst)
+        cpu0 = clients.cpu_seconds(pid)
+        t0 = time.perf_counter()
+        for i, frames in msgs:
+            socks[i][0].send_multipart(frames)
+        conn.send(("wait", n_keys, sum(counts) + len(msgs), 600.0))
+        done, entries, unknown, errors = conn.recv()
+        cpu = clients.cpu_seconds(pid) - cpu0
+        conn.send(("quit",))
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        for sock, _ in socks:
+            sock.close(0)
+        zctx.term()
+    if done is None or entries != n_keys or unknown or errors:
+        raise AssertionError(
+            f"vLLM ZMQ ingest incomplete: {entries} GPU entries of {n_keys} blocks, {unknown} "
+            f"stored runs with an unknown parent, {errors} undecodable batches"
+        )
+    s = done - t0
+    return {
+        "events": len(msgs),
+        "keys": n_keys,
+        "seconds": s,
+        "events_s": len(msgs) / s,
+        "keys_s": n_keys / s,
+        "server_cpu_us_per_key": 1e6 * cpu / n_keys,
+    }
+
+
 def _tracemalloc_bytes(w: Workload) -> tuple[int, int]:
     """Bytes tracemalloc sees for a fresh build of the same index, and its entries."""
     evs = w.events()
@@ -263,7 +363,7 @@ def _tracemalloc_bytes(w: Workload) -> tuple[int, int]:
     return used, idx.num_entries()
 
 
-def _build_index(shape: tuple[int, ...], q: Any) -> None:
+def _build_index(shape: tuple[int, ...], churn: int, q: Any) -> None:
     w = Workload(*shape)
     evs = w.events()
     _trim()
@@ -274,6 +374,28 @@ def _build_index(shape: tuple[int, ...], q: Any) -> None:
             idx.add(f"{_pod_uid(p)}/1", IndexTier.L1 if tier == "l1" else IndexTier.GPU, keys)
     _trim()
     q.put(_rss() - rss0)
+    entries = idx.num_entries()
+    for r in range(churn):  # every event's keys re-admitted as round r + 1's, round r's removed
+        for p, lst in evs.items():
+            for tier, keys in lst:
+                t = IndexTier.L1 if tier == "l1" else IndexTier.GPU
+                idx.add(f"{_pod_uid(p)}/1", t, _round_keys(keys, r + 1))
+                idx.remove(f"{_pod_uid(p)}/1", t, _round_keys(keys, r))
+    if idx.num_entries() != entries:
+        raise AssertionError(f"churn changed the index: {idx.num_entries()} != {entries} entries")
+    _trim()
+    q.put(_rss() - rss0)
+
+
+def _round_keys(keys: list[bytes], r: int) -> list[bytes]:
+    """``keys`` as churn round ``r`` admits them (round 0: themselves): the first word XORed with a
+    constant of the round, so they stay uniform and distinct."""
+    if not r:
+        return keys
+    a = np.frombuffer(b"".join(keys), dtype="<u8").copy()
+    a[0::2] ^= np.uint64((0x9E3779B97F4A7C15 * r) & (2**64 - 1))
+    raw = a.tobytes()
+    return [raw[i : i + 16] for i in range(0, len(raw), 16)]
 
 
 def _trim() -> None:
@@ -284,19 +406,20 @@ def _trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _built_rss(args: argparse.Namespace) -> int:
+def _built_rss(args: argparse.Namespace) -> tuple[int, int]:
     """RSS growth of a fresh process over building the same index in-process (no gRPC, no ingest
-    buffers: comparable with a peer's in-process index)."""
+    buffers: comparable with a peer's in-process index), and after ``--churn-rounds`` on it."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     shape = (args.pods, args.chunks, args.prompts, args.prompt_chunks, args.turns, args.turn_chunks)
-    p = ctx.Process(target=_build_index, args=(shape, q))
+    p = ctx.Process(target=_build_index, args=(shape, args.churn_rounds, q))
     p.start()
-    out: int = q.get(timeout=1800)
+    built: int = q.get(timeout=1800)
+    churned: int = q.get(timeout=3600)
     p.join(30)
-    return out
+    return built, churned
 
 
 def _inproc(fn: Any, items: list[Any], seconds: float) -> dict[str, float]:
@@ -366,6 +489,7 @@ def run(args: argparse.Namespace) -> int:
     rss0 = _rss()
     srv = serve(cfg)
     lean: LookupServer | None = None
+    mtls: tuple[LookupServer, str] | None = None
     try:
         # 1-2. ingest through PublishEvents, RSS growth
         ingest = _ingest(srv.address, w, args)
@@ -380,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
         _trim()  # what the controller holds, not what ingest once allocated (both are reported)
         rss = _rss() - rss0
         traced, traced_entries = _tracemalloc_bytes(w)
-        built = _built_rss(args)
+        built, churned = _built_rss(args)
         memory = {
             "entries": entries,
             "chunk_pod_pairs": pairs,
@@ -393,6 +517,8 @@ def run(args: argparse.Namespace) -> int:
             "tracemalloc_per_pair": traced / pairs,
             "built_rss_per_entry": built / entries,
             "built_rss_per_pair": built / pairs,
+            "churn_rounds": args.churn_rounds,
+            "churned_rss_per_pair": churned / pairs,
         }
         say(_ingest_line(args, ingest))
         say(
@@ -404,8 +530,24 @@ def run(args: argparse.Namespace) -> int:
             f"tracemalloc {memory['tracemalloc_per_entry']:.1f} B/entry; index built in a fresh process: "
             f"RSS growth {memory['built_rss_per_entry']:.1f} B/entry, "
             f"{memory['built_rss_per_pair']:.1f} B/pair"
+            + (
+                f", after {args.churn_rounds} churn rounds {memory['churned_rss_per_pair']:.1f} B/pair"
+                if args.churn_rounds
+                else ""
+            )
+        )
+        vllm = _vllm_ingest(w, args)
+        say(
+            f"ingest through vLLM KV events (ZMQ, {args.pods} publishers): {vllm['events_s']:,.0f} "
+            f"events/s = {vllm['keys_s']:,.0f} keys/s; controller CPU {vllm['server_cpu_us_per_key']:.2f} "
+            "us/key"
         )
         lean = LookupServer(ctl, "127.0.0.1:0")
+        # the listener routers use in a cluster: mTLS, started by the code `kvgrid controller` runs
+        if importlib.util.find_spec("cryptography") is not None:
+            mtls = _mtls_listener(ctl, Path(tmp.name))
+        else:
+            say("lean listener mTLS: skipped (no cryptography package to make the throwaway certificates)")
 
         # 3. answers agree across paths (and with the peers)
         reqs = [_match_request(q) for q in queries]
@@ -423,9 +565,15 @@ def run(args: argparse.Namespace) -> int:
                 batched += read_compact(stub.BatchMatchPrefix(req))
         lc = LookupClient(lean.address)
         via_lean = [lc.match(r) for r in reqs[:CHECKED]]
+        lean_packed = [lc.call_raw(METHOD_BATCH_MATCH, b) for b in packed1[:CHECKED]]
         lc.close()
         if via_lean != via_grpc or batched != via_grpc:
             raise AssertionError("kvgrid answers differ between gRPC, the lean listener and packed batches")
+        if mtls is not None:
+            lc = clients.lean_client(mtls[0].address, mtls[1])
+            if [lc.call_raw(METHOD_BATCH_MATCH, b) for b in packed1[:CHECKED]] != lean_packed:
+                raise AssertionError("kvgrid answers differ between the lean listener with and without mTLS")
+            lc.close()
         best = [_best(r) for r in via_grpc]
         pairs_bk = list(zip(best, checked, strict=True))
         by_kind = {k: statistics.mean(b for b, q in pairs_bk if q.kind == k) for k, _ in QUERY_MIX
@@ -515,6 +663,10 @@ def run(args: argparse.Namespace) -> int:
                         BATCH_MATCH, packed1, c, me)  # fmt: skip
                 network(f"kvgrid lean listener 1 packed query, compact, c={c}", clients.lean_caller,
                         lean.address, METHOD_BATCH_MATCH, packed1, c, me)  # fmt: skip
+                if mtls is not None:
+                    network(f"kvgrid lean listener mTLS 1 packed query, compact, c={c}",
+                            functools.partial(clients.lean_caller, tls_dir=mtls[1]), mtls[0].address,
+                            METHOD_BATCH_MATCH, packed1, c, me)  # fmt: skip
                 if http_bodies and dyn_pid:
                     network(
                         f"Dynamo indexer service HTTP, c={c}",
@@ -531,6 +683,8 @@ def run(args: argparse.Namespace) -> int:
             peers.close()
         if lean is not None:
             lean.stop()
+        if mtls is not None:
+            mtls[0].stop()
         srv.stop(0)
         tmp.cleanup()
     load_end = os.getloadavg()
@@ -570,12 +724,25 @@ def run(args: argparse.Namespace) -> int:
         dyn = f"Dynamo indexer service HTTP, c={c}"
         ratio(f"network c={c}, gRPC", f"kvgrid gRPC 1 packed query, compact, c={c}", dyn)
         ratio(f"network c={c}, lean listener", f"kvgrid lean listener 1 packed query, compact, c={c}", dyn)
+        mtls_row = f"kvgrid lean listener mTLS 1 packed query, compact, c={c}"
+        ratio(f"network c={c}, lean listener mTLS", mtls_row, dyn)
     for name in ("dynamo_inproc", "dynamo_http"):
         info = peer_info.get(name, {})
         if "rss_per_pair" in info:
             # the service against the controller process, the in-process tree against a fresh build
             ours = memory["rss_per_pair" if name == "dynamo_http" else "built_rss_per_pair"]
             ratios[f"RSS per (chunk, pod) pair vs {name}"] = {"median": info["rss_per_pair"] / ours}
+            if name == "dynamo_inproc" and args.churn_rounds:
+                ratios[f"RSS per (chunk, pod) pair after churn vs {name}"] = {
+                    "median": info["rss_per_pair"] / memory["churned_rss_per_pair"]
+                }
+    dyn_ingest = peer_info.get("dynamo_http", {})
+    if "ingest_s" in dyn_ingest:  # the same vLLM event messages through each one's ZMQ path
+        dyn_events_s = dyn_ingest["events"] / dyn_ingest["ingest_s"]
+        ratios["ingest through vLLM KV events (ZMQ), events/s"] = {"median": vllm["events_s"] / dyn_events_s}
+        ratios["ingest through PublishEvents vs Dynamo's ZMQ path, keys/s"] = {
+            "median": ingest["keys_s"] / (vllm["keys"] / dyn_ingest["ingest_s"])
+        }
     result = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
@@ -588,6 +755,7 @@ def run(args: argparse.Namespace) -> int:
         "query_kinds": kinds,
         "ingest": ingest,
         "ingest_goal_ratio": ingest["keys_s"] / GOAL_INGEST_KEYS_S,
+        "vllm_ingest": vllm,
         "memory": memory,
         "peers": peer_info,
         "rows": table,
@@ -598,14 +766,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"load average (1 min) at start {load_start[0]:.2f}, at end {load_end[0]:.2f}")
     print(
-        f"{'measurement (' + str(args.rounds) + ' rounds: median [min-max])':<48} {'queries/s':>26} "
+        f"{'measurement (' + str(args.rounds) + ' rounds: median [min-max])':<56} {'queries/s':>26} "
         f"{'p50 ms':>8} {'p99 ms':>8} {'CPU us/q':>9}"
     )
     for name, t in table.items():
         qs, p50, p99 = t["queries_s"], t["p50_ms"], t["p99_ms"]
         cpu = t.get("server_cpu_us_per_query", t.get("cpu_us_per_query", {}).get("median"))
         print(
-            f"{name:<48} {qs['median']:>10,.0f} [{qs['min']:>6,.0f}-{qs['max']:>6,.0f}] "
+            f"{name:<56} {qs['median']:>10,.0f} [{qs['min']:>6,.0f}-{qs['max']:>6,.0f}] "
             f"{p50['median']:>8.3f} {p99['median']:>8.3f} {'' if cpu is None else f'{cpu:9.0f}'}"
         )
     if ratios:
@@ -688,6 +856,29 @@ def _throwaway_certificates(directory: Path) -> tuple[str, str]:
     return out[0], out[1]
 
 
+def _mtls_listener(ctl: Any, directory: Path) -> tuple[LookupServer, str]:
+    """The lean listener with mTLS serving ``ctl``, started by the function ``kvgrid controller``
+    calls (:func:`kvgrid.controller.cli.start_lookup_listener`) from a configuration with a
+    ``lookup_port`` and the ``tls_*`` files of a throwaway CA (:func:`_throwaway_certificates`);
+    returns it and the router's certificate directory for the callers."""
+    from kvgrid.controller.cli import start_lookup_listener
+
+    ctl_dir, router_dir = _throwaway_certificates(directory)
+    with socket.socket() as s:  # a free port: lookup_port 0 means "off"
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    cfg = ControllerConfig(
+        listen="127.0.0.1:0",
+        lookup_port=port,
+        tls_cert_file=f"{ctl_dir}/tls.crt",
+        tls_key_file=f"{ctl_dir}/tls.key",
+        tls_ca_file=f"{ctl_dir}/ca.crt",
+    )
+    listener = start_lookup_listener(cfg, ctl)
+    assert listener is not None and listener.tls
+    return listener, router_dir
+
+
 def _run_transports(args: argparse.Namespace) -> int:
     """``--transports``: ingest as in :func:`run`, check that every transport's answers are the gRPC
     port's byte for byte, then time one packed query per call over each (module docstring)."""
@@ -740,21 +931,8 @@ def _run_transports(args: argparse.Namespace) -> int:
                 listeners.append(LookupServer(ctl, "127.0.0.1:0"))
                 targets[name] = (clients.lean_caller, listeners[-1].address, METHOD_BATCH_MATCH, None)
             else:
-                ctl_dir, router_dir = _throwaway_certificates(Path(tmp.name))
-                tls_cfg = ControllerConfig(
-                    tls_cert_file=f"{ctl_dir}/tls.crt",
-                    tls_key_file=f"{ctl_dir}/tls.key",
-                    tls_ca_file=f"{ctl_dir}/ca.crt",
-                )
-                assert tls_cfg.tls is not None
-                listeners.append(
-                    LookupServer(
-                        ctl,
-                        "127.0.0.1:0",
-                        ssl_context=server_ssl_context(tls_cfg.tls),
-                        authorizer=Authorizer.for_settings(POLICY, tls_cfg),
-                    )
-                )
+                listener, router_dir = _mtls_listener(ctl, Path(tmp.name))
+                listeners.append(listener)
                 caller = functools.partial(clients.lean_caller, tls_dir=router_dir)
                 targets[name] = (caller, listeners[-1].address, METHOD_BATCH_MATCH, router_dir)
 

@@ -38,6 +38,7 @@ __all__ = [
     "json_body",
     "lean_caller",
     "lean_client",
+    "vllm_controller",
 ]
 
 Call = Callable[[bytes], object]
@@ -286,6 +287,59 @@ def ingest_messages(
             )  # fmt: skip
         out.append(msg.SerializeToString())
     return out
+
+
+# --- vLLM engines: KV events over ZMQ ------------------------------------------------------------
+
+
+def vllm_controller(
+    pods: list[str], endpoints: list[str], tokens_per_chunk: int, ns_id: str, conn: Any
+) -> None:
+    """A controller (no gRPC) subscribed to one vLLM KV-event publisher per pod, configured as
+    ``vllm_sources`` configures it (pod UID, ZMQ endpoint, key namespace), its pods registered;
+    driven over the pipe ``conn``: it sends ``("ready", pid)``, then answers ``("counts",)`` with
+    the events each subscriber applied so far, ``("wait", entries, events, timeout_s)`` with
+    ``(perf_counter when the index held ``entries`` entries, or None when it did not within
+    ``timeout_s``, or 10 s after ``events`` events were applied, index entries, stored runs with an
+    unknown parent, undecodable batches)``, and stops on ``("quit",)``. (Entries, not events, tell
+    the end: a probe still in flight when the run starts is one more event, never an entry.)"""
+    from kvgrid.common.hashing import KeyNamespace
+    from kvgrid.common.identity import PodIdentity
+    from kvgrid.controller.config import ControllerConfig, VllmEventSource
+    from kvgrid.controller.core import Controller
+
+    ns = KeyNamespace(model="bench", tokens_per_chunk=tokens_per_chunk)
+    sources = [
+        VllmEventSource(pod_uid=u, endpoint=e, namespace=ns) for u, e in zip(pods, endpoints, strict=True)
+    ]
+    ctl = Controller(ControllerConfig(listen="127.0.0.1:0", lease_ttl_ms=3_600_000, vllm_sources=sources))
+    ctl.start()
+    for u in pods:
+        ctl.register(PodIdentity(pod_uid=u, pod_name=u, node_name="bench", epoch=1), [ns_id], 0)
+    conn.send(("ready", os.getpid()))
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "counts":
+                conn.send([s.events for s in ctl.vllm])
+            elif cmd[0] == "wait":
+                _, total, events, timeout_s = cmd
+                end = time.monotonic() + timeout_s
+                done: float | None = None
+                while time.monotonic() < end:
+                    # the index's count takes its lock: read only once the events say it may be done
+                    if sum(s.events for s in ctl.vllm) >= events:
+                        if ctl.index.num_entries() >= total:
+                            done = time.perf_counter()
+                            break
+                        end = min(end, time.monotonic() + 10.0)  # the rest comes soon, or never
+                    time.sleep(0.002)
+                unknown = sum(s.mapper.unknown_parents for s in ctl.vllm)
+                conn.send((done, ctl.index.num_entries(), unknown, sum(s.errors for s in ctl.vllm)))
+            else:
+                return
+    finally:
+        ctl.stop()
 
 
 def json_body(obj: object) -> bytes:

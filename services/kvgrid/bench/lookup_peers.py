@@ -181,6 +181,7 @@ class Peers:
         self._wait(lambda: _get(self.http_addr, "/health") == 200, "dynamo indexer start", 60)
         rss0 = rss_bytes(self.http.pid)
         ctx = zmq.Context()
+        ctx.set(zmq.MAX_SOCKETS, len(self.chains) + 64)  # the default, 1,023, is short of 1,024 pods
         socks = {}
         for pod in self.chains:
             s = ctx.socket(zmq.PUB)

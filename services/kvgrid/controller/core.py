@@ -67,7 +67,7 @@ from kvgrid.controller.registry import (
 )
 from kvgrid.controller.scoring import Candidate, Estimate, ScoreParams, rank
 from kvgrid.controller.slots import SlotTable
-from kvgrid.controller.vllm_events import VllmEventSubscriber
+from kvgrid.controller.vllm_events import VllmEventSubscriber, subscriber_context
 
 if TYPE_CHECKING:
     from kvgrid.common.telemetry import Telemetry
@@ -268,7 +268,12 @@ class Controller:
         self.backend_available = True
         self.backend_losses = 0
         """Times the index backend was found to have lost its data (each one resynced every agent)."""
-        self.vllm = [VllmEventSubscriber(src, self.index, self._holder_of_uid) for src in cfg.vllm_sources]
+        # one context sized to the sources (the default one holds 1,023 sockets)
+        self._zmq = subscriber_context(len(cfg.vllm_sources)) if cfg.vllm_sources else None
+        self.vllm = [
+            VllmEventSubscriber(src, self.index, self._holder_of_uid, context=self._zmq)
+            for src in cfg.vllm_sources
+        ]
         self.metrics: ControllerMetrics | None = None
         if telemetry is not None:
             self.metrics = ControllerMetrics(
@@ -305,8 +310,12 @@ class Controller:
 
     def stop(self) -> None:
         self._stop.set()
+        for s in self.vllm:  # every one told first: each takes up to its poll interval to notice
+            s.stop(wait=False)
         for s in self.vllm:
             s.stop()
+        if self._zmq is not None and not any(s.running for s in self.vllm):
+            self._zmq.term()  # every socket is closed (term would wait for a running subscriber's)
         self.ingest.close()
         self.index.close()
         self.registry.close()

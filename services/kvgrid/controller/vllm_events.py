@@ -33,11 +33,13 @@ from kvgrid.controller.index import ChunkIndex, IndexTier
 
 __all__ = [
     "AllCleared",
+    "Block",
     "BlockMapper",
     "Removed",
     "Stored",
     "VllmEventSubscriber",
     "decode_batch",
+    "subscriber_context",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,38 +78,40 @@ def _hash(h: object) -> int:
     raise TypeError(f"block hash {h!r:.40}: expected int or bytes")
 
 
+_POSITIONAL = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+    "BlockRemoved": ("block_hashes", "medium"),
+}
+
+
+def _hashes(hs: Any) -> tuple[int, ...]:
+    # ints (vLLM's usual form) at C speed; anything else through _hash, which names a bad one
+    if type(hs) is list and all(type(h) is int for h in hs):
+        return tuple(h & _U64 for h in hs)
+    return tuple(_hash(h) for h in hs or ())
+
+
 def _decode_event(ev: Any) -> VllmEvent | None:
     if isinstance(ev, dict):
         kind = ev.get("type")
         get = ev.get
     elif isinstance(ev, list | tuple) and ev:
         kind = ev[0]
-        names = {
-            "BlockStored": (
-                "block_hashes",
-                "parent_block_hash",
-                "token_ids",
-                "block_size",
-                "lora_id",
-                "medium",
-            ),
-            "BlockRemoved": ("block_hashes", "medium"),
-        }.get(kind, ())
-        fields = dict(zip(names, ev[1:], strict=False))
+        fields = dict(zip(_POSITIONAL.get(kind, ()), ev[1:], strict=False))
         get = fields.get
     else:
         raise ValueError(f"KV event {ev!r:.60}: expected a tagged map or a positional array")
     if kind == "BlockStored":
         parent = get("parent_block_hash")
         return Stored(
-            block_hashes=tuple(_hash(h) for h in get("block_hashes") or ()),
+            block_hashes=_hashes(get("block_hashes")),
             parent=None if parent is None else _hash(parent),
             token_ids=tuple(get("token_ids") or ()),
             block_size=int(get("block_size") or 0),
             medium=get("medium"),
         )
     if kind == "BlockRemoved":
-        return Removed(block_hashes=tuple(_hash(h) for h in get("block_hashes") or ()), medium=get("medium"))
+        return Removed(block_hashes=_hashes(get("block_hashes")), medium=get("medium"))
     if kind == "AllBlocksCleared":
         return AllCleared()
     return None  # an event type this version does not know: skip it
@@ -129,14 +133,12 @@ def decode_batch(payload: bytes) -> list[VllmEvent]:
     return out
 
 
-class _Block:
-    __slots__ = ("completes", "media", "pending", "prev")
-
-    def __init__(self, prev: bytes, pending: bytes, completes: bytes | None) -> None:
-        self.prev = prev
-        self.pending = pending
-        self.completes = completes
-        self.media = 0
+Block = tuple[bytes, bytes, bytes | None, int]
+"""One engine block's state: (key of the last full chunk before its end, its tokens since that
+chunk boundary (packed), the chunk key it completes or None, the tiers holding it as bits). A plain
+tuple of bytes, ints and None: the garbage collector stops tracking such a tuple once it has seen it,
+so a controller holding millions of blocks does not scan them at every full collection (a class
+instance per block made the collections most of the vLLM event path's CPU)."""
 
 
 _MEDIA = {None: IndexTier.GPU, "GPU": IndexTier.GPU, "CPU": IndexTier.L1}
@@ -148,7 +150,7 @@ class BlockMapper:
     def __init__(self, namespace: KeyNamespace) -> None:
         self.ns = namespace
         self.seed = namespace.seed()
-        self.blocks: dict[int, _Block] = {}
+        self.blocks: dict[int, Block] = {}
         self.unknown_parents = 0
 
     def stored(self, ev: Stored) -> tuple[IndexTier, list[bytes]] | None:
@@ -158,22 +160,23 @@ class BlockMapper:
             return None
         bit = 1 << tier
         added: list[bytes] = []
+        blocks = self.blocks
         if not ev.token_ids:  # offload events may carry no tokens: only known blocks can be used
             for h in ev.block_hashes:
-                b = self.blocks.get(h)
+                b = blocks.get(h)
                 if b is not None:
-                    b.media |= bit
-                    if b.completes:
-                        added.append(b.completes)
+                    blocks[h] = (b[0], b[1], b[2], b[3] | bit)
+                    if b[2]:
+                        added.append(b[2])
             return tier, added
         if ev.parent is None:
             prev, pending = self.seed, b""
         else:
-            parent = self.blocks.get(ev.parent)
+            parent = blocks.get(ev.parent)
             if parent is None:
                 self.unknown_parents += 1
                 return None
-            prev, pending = parent.prev, parent.pending
+            prev, pending = parent[0], parent[1]
         bs = ev.block_size
         if bs <= 0 or len(ev.token_ids) < bs * len(ev.block_hashes):
             raise ValueError(
@@ -182,21 +185,30 @@ class BlockMapper:
             )
         tokens_per_chunk = self.ns.tokens_per_chunk
         step = tokens_per_chunk * TOKEN_ID_BYTES
-        packed = pack_token_ids(ev.token_ids[: bs * len(ev.block_hashes)])
-        for j, h in enumerate(ev.block_hashes):
-            pending += packed[j * bs * TOKEN_ID_BYTES : (j + 1) * bs * TOKEN_ID_BYTES]
+        block_bytes = bs * TOKEN_ID_BYTES
+        # the parent's tokens past its last chunk, then the run's: every chunk the run completes is
+        # keyed by one call; block j's state is where its end falls in that buffer
+        data = pending + pack_token_ids(ev.token_ids[: bs * len(ev.block_hashes)])
+        keys = chain_chunk_keys(prev, data, tokens_per_chunk)
+        end = len(pending)
+        done = 0  # chunks completed by the blocks before
+        for h in ev.block_hashes:
+            end += block_bytes
+            c = end // step  # chunks completed by this block's end
             completes = None
-            if len(pending) >= step:
-                keys = chain_chunk_keys(prev, pending, tokens_per_chunk)
-                completes = keys[-1]
-                prev = completes
-                pending = pending[len(keys) * step :]
-            b = self.blocks.get(h)
+            if c > done:
+                completes = keys[c - 1]
+                done = c
+            b = blocks.get(h)
             if b is None:
-                b = self.blocks[h] = _Block(prev, pending, completes)
-            b.media |= bit
-            if b.completes:
-                added.append(b.completes)
+                blocks[h] = (keys[c - 1] if c else prev, data[c * step : end], completes, bit)
+                if completes:
+                    added.append(completes)
+                continue
+            if not b[3] & bit:
+                blocks[h] = (b[0], b[1], b[2], b[3] | bit)
+            if b[2]:
+                added.append(b[2])
         return tier, added
 
     def removed(self, ev: Removed) -> tuple[IndexTier, list[bytes]] | None:
@@ -205,15 +217,18 @@ class BlockMapper:
             return None
         bit = 1 << tier
         gone: list[bytes] = []
+        blocks = self.blocks
         for h in ev.block_hashes:
-            b = self.blocks.get(h)
-            if b is None or not b.media & bit:
+            b = blocks.get(h)
+            if b is None or not b[3] & bit:
                 continue
-            b.media &= ~bit
-            if b.completes:
-                gone.append(b.completes)
-            if not b.media:
-                del self.blocks[h]
+            if b[2]:
+                gone.append(b[2])
+            media = b[3] & ~bit
+            if media:
+                blocks[h] = (b[0], b[1], b[2], media)
+            else:
+                del blocks[h]
         return tier, gone
 
     def cleared(self) -> None:
@@ -221,12 +236,21 @@ class BlockMapper:
 
     def held(self) -> dict[IndexTier, list[bytes]]:
         out: dict[IndexTier, list[bytes]] = {t: [] for t in IndexTier}
-        for b in self.blocks.values():
-            if b.completes:
+        for _, _, completes, media in self.blocks.values():
+            if completes:
                 for t in IndexTier:
-                    if b.media >> t & 1:
-                        out[t].append(b.completes)
+                    if media >> t & 1:
+                        out[t].append(completes)
         return out
+
+
+def subscriber_context(sources: int) -> zmq.Context:
+    """A ZMQ context with room for ``sources`` subscribers' sockets (a SUB each, and a DEALER while
+    it replays): libzmq allows 1,023 sockets per context by default, so one context for a
+    controller of 1,024 engines refused the last subscriber's socket ("Too many open files")."""
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, max(1024, 2 * sources + 16))  # before its first socket: fixed after
+    return ctx
 
 
 class VllmEventSubscriber:
@@ -259,9 +283,16 @@ class VllmEventSubscriber:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop the thread (it notices within 100 ms); ``wait``: until it ended (at most 2 s)."""
         self._stop.set()
-        self._thread.join(timeout=2)
+        if wait and self._thread.is_alive():
+            self._thread.join(timeout=2)
+
+    @property
+    def running(self) -> bool:
+        """Its thread is alive (it holds sockets of its context)."""
+        return self._thread.is_alive()
 
     # --- holder binding -----------------------------------------------------------------------
     def rebind(self, force: bool = False) -> None:

@@ -1,14 +1,20 @@
 /* Compiled hot loops of MemoryIndex (kvgrid/controller/index/memory.py): probing one query's keys,
- * inserting one event's keys and placing rows on a rehash in the open-addressing table, over the same numpy buffers the
- * Python code uses (the table layout is documented there; this file only walks it).
+ * inserting and removing one event's keys and placing rows on a rehash, over the same numpy
+ * buffers the Python code uses. The row format is documented in _rowloops.py (the Python twins of
+ * these loops, which must leave the same rows and give the same answers); in short:
  *
- * Row layout: key (2 words), then TIERS blocks of w mask words (L1, GPU, L2).
+ *   table row: lo, hi (the key), x; state byte: EMPTY, FULL (x = up to 4 inline holder lanes),
+ *              TOMB, SPILL (x = index of the row's side row: TIERS blocks of w mask words)
+ *   lane:      16 bits = slot << 3 | tier bits (L1 1, GPU 2, L2 4); 0 = unused
  *
  * Invariants: the caller holds the index lock (and the GIL: nothing here releases it), passes the
  * table's current buffers and shape, and made room before an insert (a free row always exists, so
- * every probe chain ends). Keys are 16-byte little-endian (lo, hi) pairs. Little-endian hosts only:
- * the module refuses to import elsewhere and memory.py falls back to its Python loops, which give
- * the same answers (tests/controller/test_memindex.py runs both).
+ * every probe chain ends). A FULL row's lanes are sorted by slot, used lanes first, no lane without
+ * a tier bit; a row is FULL exactly when its holders fit there (at most LANES holders, every slot
+ * < INLINE_SLOTS), else SPILL: the form is a function of the row's holders. Free side rows form a
+ * list through their word 0 (NIL ends it). Keys are 16-byte little-endian (lo, hi) pairs.
+ * Little-endian hosts only: the module refuses to import elsewhere and memory.py falls back to
+ * its Python loops (tests/controller/test_memindex.py runs both).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -17,12 +23,23 @@
 
 #define ST_EMPTY 0
 #define ST_FULL 1
+#define ST_TOMB 2
+#define ST_SPILL 3
+#define IS_LIVE(s) ((s) & 1) /* FULL or SPILL */
+#define ROW 3                /* words per table row: lo, hi, x */
+#define LANES 4
+#define INLINE_SLOTS 8192 /* 13 bits of slot per lane */
+#define NIL UINT64_MAX
+/* Mask blocks per side row: L1, GPU, L2 words (kvgrid.controller.index.base.NUM_TIERS; IndexTier order). */
+#define TIERS 3
 
 static inline uint64_t load_u64(const unsigned char *p) {
     uint64_t v;
     memcpy(&v, p, 8);
     return v;
 }
+
+static inline uint64_t lane_at(uint64_t x, int j) { return (x >> (16 * j)) & 0xFFFF; }
 
 /* masks(...) -> one Python int from w native little-endian words */
 static PyObject *mask_int(const uint64_t *words, Py_ssize_t w) {
@@ -31,23 +48,34 @@ static PyObject *mask_int(const uint64_t *words, Py_ssize_t w) {
 }
 
 typedef struct {
-    Py_buffer st, tab, keys;
+    Py_buffer st, tab, side, keys;
+    Py_ssize_t cap, nside, sw; /* table rows, side rows, words per side row */
 } bufs_t;
 
 static void release(bufs_t *b) {
     if (b->st.obj) PyBuffer_Release(&b->st);
     if (b->tab.obj) PyBuffer_Release(&b->tab);
+    if (b->side.obj) PyBuffer_Release(&b->side);
     if (b->keys.obj) PyBuffer_Release(&b->keys);
 }
 
-/* The table buffers match (stride, shift); ``item`` is the byte width of one element of ``keys``
- * (16 for a key, 8 * stride for place's whole rows). */
-static int check_shape(bufs_t *b, Py_ssize_t stride, int shift, Py_ssize_t item) {
+/* The buffers match (shift, w); ``item`` is the byte width of one element of ``keys`` (16 for a
+ * key, 8 * ROW for place's whole rows). */
+static int check_shape(bufs_t *b, int shift, Py_ssize_t w, Py_ssize_t item) {
     Py_ssize_t cap = b->st.len;
-    if (cap <= 0 || (cap & (cap - 1)) || stride < 3 || b->tab.len != cap * stride * 8 || shift < 1 ||
-        shift > 63 || ((uint64_t)1 << (64 - shift)) != (uint64_t)cap) {
+    if (cap <= 0 || (cap & (cap - 1)) || b->tab.len != cap * ROW * 8 || shift < 1 || shift > 63 ||
+        ((uint64_t)1 << (64 - shift)) != (uint64_t)cap) {
         PyErr_SetString(PyExc_ValueError, "_probe: buffers do not match the table shape");
         return -1;
+    }
+    b->cap = cap;
+    if (b->side.obj) {
+        if (w < 1 || (w & (w - 1)) || b->side.len % (8 * TIERS * w)) {
+            PyErr_SetString(PyExc_ValueError, "_probe: mask words not a power of two, or side rows that do not match them");
+            return -1;
+        }
+        b->sw = TIERS * w;
+        b->nside = b->side.len / (8 * b->sw);
     }
     if (b->keys.len % item) {
         PyErr_Format(PyExc_ValueError, "_probe: %zd bytes of keys or rows are not whole items of %zd bytes",
@@ -57,81 +85,172 @@ static int check_shape(bufs_t *b, Py_ssize_t stride, int shift, Py_ssize_t item)
     return 0;
 }
 
-/* Mask blocks per row: L1, GPU, L2 words (kvgrid.controller.index.base.NUM_TIERS; IndexTier order). */
-#define TIERS 3
-
-/* The row of key (lo, hi), or NULL: one linear probe chain, ending at the key or an empty row. */
-static inline const uint64_t *find_row(const uint8_t *st, const uint64_t *tab, Py_ssize_t stride, int shift,
-                                       uint64_t mask, uint64_t lo, uint64_t hi) {
+/* The row of key (lo, hi), or -1: one linear probe chain, ending at the key or an empty row. */
+static inline int64_t find_row(const uint8_t *st, const uint64_t *tab, int shift, uint64_t mask, uint64_t lo,
+                               uint64_t hi) {
     uint64_t i = (lo ^ (hi >> 1)) >> shift;
     for (;;) {
         uint8_t s = st[i];
-        if (s == ST_FULL) {
-            const uint64_t *r = tab + i * stride;
-            if (r[0] == lo && r[1] == hi) return r;
+        if (IS_LIVE(s)) {
+            const uint64_t *r = tab + i * ROW;
+            if (r[0] == lo && r[1] == hi) return (int64_t)i;
         } else if (s == ST_EMPTY) {
-            return NULL;
+            return -1;
         }
         i = (i + 1) & mask;
     }
 }
 
 /* Request every key's home row before any is read: the cache misses overlap. */
-static inline void prefetch_homes(const uint8_t *st, const uint64_t *tab, Py_ssize_t stride, int shift,
-                                  const unsigned char *k, Py_ssize_t n, int write) {
+static inline void prefetch_homes(const uint8_t *st, const uint64_t *tab, int shift, const unsigned char *k,
+                                  Py_ssize_t n, int write) {
     for (Py_ssize_t q = 0; q < n; q++) {
         uint64_t i = (load_u64(k + 16 * q) ^ (load_u64(k + 16 * q + 8) >> 1)) >> shift;
         if (write) {
             __builtin_prefetch(st + i, 1);
-            __builtin_prefetch(tab + i * stride, 1);
+            __builtin_prefetch(tab + i * ROW, 1);
         } else {
             __builtin_prefetch(st + i);
-            __builtin_prefetch(tab + i * stride);
+            __builtin_prefetch(tab + i * ROW);
         }
     }
 }
 
-/* Parse the (state, tab, stride, shift, w, keys, stop) arguments of probe / probe_words. */
-static int probe_args(PyObject *args, bufs_t *b, Py_ssize_t *stride, int *shift, Py_ssize_t *w, int *stop) {
-    if (!PyArg_ParseTuple(args, "y*y*nily*p", &b->st, &b->tab, stride, shift, w, &b->keys, stop)) return -1;
-    if (check_shape(b, *stride, *shift, 16) < 0) return -1;
-    if (*w < 1 || 2 + TIERS * *w > *stride) {
-        PyErr_SetString(PyExc_ValueError, "_probe: mask words do not fit the row");
-        return -1;
+/* Row i's masks as TIERS * w words into dst; -1 (ValueError) on a side index past the side rows. */
+static inline int row_words(const bufs_t *b, uint8_t s, const uint64_t *r, Py_ssize_t w, uint64_t *dst) {
+    const Py_ssize_t rw = TIERS * w;
+    if (s == ST_SPILL) {
+        if (r[2] >= (uint64_t)b->nside) {
+            PyErr_SetString(PyExc_ValueError, "_probe: a side index past the side rows");
+            return -1;
+        }
+        const uint64_t *sr = (const uint64_t *)b->side.buf + r[2] * rw;
+        for (Py_ssize_t k = 0; k < rw; k++) dst[k] = sr[k];
+        return 0;
+    }
+    uint64_t x = r[2];
+    if (w == 1) { /* up to 64 slots: in registers; most rows have one lane (one pod, any tiers) */
+        uint64_t a = 0, g = 0, d = 0;
+        for (; x; x >>= 16) {
+            uint64_t lane = x & 0xFFFF, bit = (uint64_t)1 << ((lane >> 3) & 63);
+            a |= bit & (0 - (lane & 1)); /* branchless per tier */
+            g |= bit & (0 - ((lane >> 1) & 1));
+            d |= bit & (0 - ((lane >> 2) & 1));
+        }
+        dst[0] = a;
+        dst[1] = g;
+        dst[2] = d;
+        return 0;
+    }
+    memset(dst, 0, 8 * (size_t)rw);
+    for (; x; x >>= 16) {
+        /* w is a power of two: the word index stays inside the row whatever the lane says */
+        uint64_t lane = x & 0xFFFF, slot = lane >> 3, bit = (uint64_t)1 << (slot & 63);
+        Py_ssize_t word = (Py_ssize_t)(slot >> 6) & (w - 1);
+        if (lane & 1) dst[word] |= bit;
+        if (lane & 2) dst[w + word] |= bit;
+        if (lane & 4) dst[2 * w + word] |= bit;
     }
     return 0;
 }
 
-/* probe(state, tab, stride, shift, w, keys, stop) -> (l1 list, gpu list, l2 list)
+/* Set tier bit ``tb`` of ``slot`` in the lanes *x: 1 set, 0 already set, -1 it does not fit (spill). */
+static inline int lanes_set(uint64_t *x, uint64_t slot, uint64_t tb) {
+    uint64_t v = *x;
+    int j = 0;
+    for (; j < LANES; j++) {
+        uint64_t lane = lane_at(v, j);
+        if (!lane || (lane >> 3) > slot) break;
+        if ((lane >> 3) == slot) {
+            if (lane & tb) return 0;
+            *x = v | (tb << (16 * j));
+            return 1;
+        }
+    }
+    if (lane_at(v, LANES - 1) || slot >= INLINE_SLOTS) return -1;
+    /* insert at j, the lanes from j move up one */
+    uint64_t low = j ? v & (((uint64_t)1 << (16 * j)) - 1) : 0;
+    uint64_t high = j < LANES - 1 ? (v >> (16 * j)) << (16 * (j + 1)) : 0; /* the top lane was free */
+    *x = low | ((slot << 3 | tb) << (16 * j)) | high;
+    return 1;
+}
+
+/* Clear tier bit ``tb`` of ``slot`` in the lanes *x (a lane left without tiers goes, the lanes
+ * above it move down): 1 cleared, 0 it was not set. */
+static inline int lanes_clear(uint64_t *x, uint64_t slot, uint64_t tb) {
+    uint64_t v = *x;
+    for (int j = 0; j < LANES; j++) {
+        uint64_t lane = lane_at(v, j);
+        if (!lane || (lane >> 3) > slot) return 0;
+        if ((lane >> 3) != slot) continue;
+        if (!(lane & tb)) return 0;
+        if (lane & 7 & ~tb) {
+            *x = v & ~(tb << (16 * j));
+        } else {
+            uint64_t low = j ? v & (((uint64_t)1 << (16 * j)) - 1) : 0;
+            uint64_t high = j < LANES - 1 ? (v >> (16 * (j + 1))) << (16 * j) : 0;
+            *x = low | high;
+        }
+        return 1;
+    }
+    return 0;
+}
+
+/* The lanes of side row ``sr`` (TIERS blocks of w words) when its holders fit inline, else -1. */
+static inline int demote(const uint64_t *sr, Py_ssize_t w, uint64_t *x) {
+    uint64_t out = 0;
+    int n = 0;
+    for (Py_ssize_t k = 0; k < w; k++) {
+        uint64_t u = sr[k] | sr[w + k] | sr[2 * w + k];
+        if (!u) continue;
+        if (k >= INLINE_SLOTS / 64 || n + __builtin_popcountll(u) > LANES) return -1;
+        while (u) {
+            int b = __builtin_ctzll(u);
+            uint64_t tiers = 0;
+            for (int t = 0; t < TIERS; t++) tiers |= ((sr[t * w + k] >> b) & 1) << t;
+            out |= ((uint64_t)(64 * k + b) << 3 | tiers) << (16 * n++);
+            u &= u - 1;
+        }
+    }
+    *x = out;
+    return 0;
+}
+
+/* Parse the (state, tab, shift, side, w, keys, stop) arguments of probe / probe_words. */
+static int probe_args(PyObject *args, bufs_t *b, int *shift, Py_ssize_t *w, int *stop) {
+    if (!PyArg_ParseTuple(args, "y*y*iy*ny*p", &b->st, &b->tab, shift, &b->side, w, &b->keys, stop)) return -1;
+    return check_shape(b, *shift, *w, 16);
+}
+
+/* probe(state, tab, shift, side, w, keys, stop) -> (l1 list, gpu list, l2 list)
  * Per key the L1, GPU and L2 holder masks (Python ints); with stop, the lists end before the first
- * key that is absent or has empty masks (a prefix cannot continue past it). */
+ * key that is absent (a prefix cannot continue past it). */
 static PyObject *probe(PyObject *Py_UNUSED(self), PyObject *args) {
     bufs_t b = {0};
-    Py_ssize_t stride, w;
+    Py_ssize_t w;
     int shift, stop;
     PyObject *lists[TIERS] = {NULL}, *out = NULL;
-    if (probe_args(args, &b, &stride, &shift, &w, &stop) < 0) goto done;
+    uint64_t *buf = NULL;
+    if (probe_args(args, &b, &shift, &w, &stop) < 0) goto done;
     const uint8_t *st = b.st.buf;
     const uint64_t *tab = b.tab.buf;
     const unsigned char *k = b.keys.buf;
-    const uint64_t mask = (uint64_t)b.st.len - 1;
+    const uint64_t mask = (uint64_t)b.cap - 1;
     const Py_ssize_t n = b.keys.len / 16;
-    static const uint64_t zeros[1] = {0};
+    if (!(buf = PyMem_Malloc(8 * TIERS * w))) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (int t = 0; t < TIERS; t++)
         if (!(lists[t] = PyList_New(0))) goto done;
-    prefetch_homes(st, tab, stride, shift, k, n, 0);
+    prefetch_homes(st, tab, shift, k, n, 0);
     for (Py_ssize_t q = 0; q < n; q++) {
-        const uint64_t *row = find_row(st, tab, stride, shift, mask, load_u64(k + 16 * q), load_u64(k + 16 * q + 8));
-        int empty = 1;
-        for (Py_ssize_t x = 0; row && x < TIERS * w; x++) {
-            if (row[2 + x]) {
-                empty = 0;
-                break;
-            }
-        }
-        if (empty && stop) break;
+        int64_t i = find_row(st, tab, shift, mask, load_u64(k + 16 * q), load_u64(k + 16 * q + 8));
+        if (i < 0 && stop) break;
+        if (i < 0) memset(buf, 0, 8 * TIERS * w);
+        else if (row_words(&b, st[i], tab + i * ROW, w, buf) < 0) goto done;
         for (int t = 0; t < TIERS; t++) {
-            PyObject *m = row ? mask_int(row + 2 + t * w, w) : mask_int(zeros, 1);
+            PyObject *m = mask_int(buf + t * w, w);
             if (!m || PyList_Append(lists[t], m) < 0) {
                 Py_XDECREF(m);
                 goto done;
@@ -142,42 +261,94 @@ static PyObject *probe(PyObject *Py_UNUSED(self), PyObject *args) {
     out = PyTuple_Pack(TIERS, lists[0], lists[1], lists[2]);
 done:
     for (int t = 0; t < TIERS; t++) Py_XDECREF(lists[t]);
+    PyMem_Free(buf);
     release(&b);
     return out;
 }
 
-/* insert(state, tab, stride, shift, off, bit, keys) -> (new rows, rows taken from empty, bits set)
- * Sets ``bit`` in word ``off`` of every key's row, inserting absent keys (the first tombstone on a
- * chain is reused, as MemoryIndex.add does). */
+/* probe_words(state, tab, shift, side, w, keys, stop) -> bytes
+ * As probe, but the masks as raw rows: per key TIERS * w native uint64 words (L1 words, then GPU
+ * words, then L2 words), zeros where absent; with stop, the rows end before the first absent key. */
+static PyObject *probe_words(PyObject *Py_UNUSED(self), PyObject *args) {
+    bufs_t b = {0};
+    Py_ssize_t w;
+    int shift, stop;
+    PyObject *out = NULL;
+    if (probe_args(args, &b, &shift, &w, &stop) < 0) goto done;
+    const uint8_t *st = b.st.buf;
+    const uint64_t *tab = b.tab.buf;
+    const unsigned char *k = b.keys.buf;
+    const uint64_t mask = (uint64_t)b.cap - 1;
+    const Py_ssize_t n = b.keys.len / 16, rw = TIERS * w;
+    prefetch_homes(st, tab, shift, k, n, 0);
+    out = PyBytes_FromStringAndSize(NULL, n * 8 * rw);
+    if (!out) goto done;
+    uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
+    Py_ssize_t rows = 0;
+    for (Py_ssize_t q = 0; q < n; q++) {
+        int64_t i = find_row(st, tab, shift, mask, load_u64(k + 16 * q), load_u64(k + 16 * q + 8));
+        if (i < 0 && stop) break;
+        if (i < 0) memset(dst + rows * rw, 0, 8 * (size_t)rw);
+        else if (row_words(&b, st[i], tab + i * ROW, w, dst + rows * rw) < 0) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        rows++;
+    }
+    if (rows < n) _PyBytes_Resize(&out, rows * 8 * rw);
+done:
+    release(&b);
+    return out;
+}
+
+/* Parse the (state, tab, shift, side, w, head, slot, tier, keys) arguments of insert / remove. */
+static int write_args(PyObject *args, bufs_t *b, int *shift, Py_ssize_t *w, uint64_t *head, Py_ssize_t *slot,
+                      int *tier) {
+    unsigned long long h;
+    if (!PyArg_ParseTuple(args, "w*w*iw*nKniy*", &b->st, &b->tab, shift, &b->side, w, &h, slot, tier, &b->keys))
+        return -1;
+    *head = h;
+    if (check_shape(b, *shift, *w, 16) < 0) return -1;
+    if (*slot < 0 || *slot >= 64 * *w || *tier < 0 || *tier >= TIERS) {
+        PyErr_SetString(PyExc_ValueError, "_probe: slot or tier outside the mask words");
+        return -1;
+    }
+    if (*head != NIL && *head >= (uint64_t)b->nside) {
+        PyErr_SetString(PyExc_ValueError, "_probe: free side row past the side rows");
+        return -1;
+    }
+    return 0;
+}
+
+/* insert(state, tab, shift, side, w, head, slot, tier, keys)
+ *   -> (keys done, new rows, rows taken from empty, bits set, free head, rows spilled)
+ * Sets (slot, tier) on every key's row, inserting absent keys (the first tombstone on a chain is
+ * reused). A row whose holders outgrow its lanes moves them to the free side row ``head``; with no
+ * free side row left it stops before that key (keys done < keys: the caller adds side rows and
+ * calls again with the rest). */
 static PyObject *insert(PyObject *Py_UNUSED(self), PyObject *args) {
     bufs_t b = {0};
-    Py_ssize_t stride, off;
-    int shift;
-    unsigned long long bit;
+    Py_ssize_t w, slot;
+    int shift, tier;
+    uint64_t head;
     PyObject *out = NULL;
-    if (!PyArg_ParseTuple(args, "w*w*ninKy*", &b.st, &b.tab, &stride, &shift, &off, &bit, &b.keys))
-        return NULL;
-    if (check_shape(&b, stride, shift, 16) < 0) goto done;
-    if (off < 2 || off >= stride) {
-        PyErr_SetString(PyExc_ValueError, "_probe: word offset outside the row");
-        goto done;
-    }
+    if (write_args(args, &b, &shift, &w, &head, &slot, &tier) < 0) goto done;
     uint8_t *st = b.st.buf;
-    uint64_t *tab = b.tab.buf;
+    uint64_t *tab = b.tab.buf, *side = b.side.buf;
     const unsigned char *k = b.keys.buf;
-    const uint64_t mask = (uint64_t)b.st.len - 1;
-    const Py_ssize_t n = b.keys.len / 16;
-    Py_ssize_t added = 0, fresh = 0, used = 0;
-    prefetch_homes(st, tab, stride, shift, k, n, 1);
-    for (Py_ssize_t q = 0; q < n; q++) {
+    const uint64_t mask = (uint64_t)b.cap - 1, tb = (uint64_t)1 << tier, bit = (uint64_t)1 << (slot & 63);
+    const Py_ssize_t n = b.keys.len / 16, sw = b.sw, col = tier * w + (slot >> 6);
+    Py_ssize_t q = 0, added = 0, fresh = 0, used = 0, spilled = 0;
+    prefetch_homes(st, tab, shift, k, n, 1);
+    for (; q < n; q++) {
         uint64_t lo = load_u64(k + 16 * q), hi = load_u64(k + 16 * q + 8);
         uint64_t i = (lo ^ (hi >> 1)) >> shift;
         int64_t tomb = -1;
         uint8_t s;
         for (;;) {
             s = st[i];
-            if (s == ST_FULL) {
-                if (tab[i * stride] == lo && tab[i * stride + 1] == hi) break;
+            if (IS_LIVE(s)) {
+                if (tab[i * ROW] == lo && tab[i * ROW + 1] == hi) break;
             } else if (s == ST_EMPTY) {
                 break;
             } else if (tomb < 0) {
@@ -185,61 +356,105 @@ static PyObject *insert(PyObject *Py_UNUSED(self), PyObject *args) {
             }
             i = (i + 1) & mask;
         }
-        uint64_t *r;
+        if (s == ST_SPILL) {
+            uint64_t *wd = side + tab[i * ROW + 2] * sw + col;
+            if (!(*wd & bit)) {
+                *wd |= bit;
+                added++;
+            }
+            continue;
+        }
+        uint64_t x = s == ST_FULL ? tab[i * ROW + 2] : 0;
+        int rc = lanes_set(&x, (uint64_t)slot, tb);
+        if (rc < 0 && head == NIL) break; /* no free side row: the caller adds some */
         if (s != ST_FULL) {
             if (tomb >= 0)
                 i = (uint64_t)tomb;
             else
                 used++;
+            tab[i * ROW] = lo;
+            tab[i * ROW + 1] = hi;
             st[i] = ST_FULL;
-            r = tab + i * stride;
-            memset(r + 2, 0, 8 * (size_t)(stride - 2)); /* a reused tombstone keeps zero masks */
-            r[0] = lo;
-            r[1] = hi;
             fresh++;
+        }
+        uint64_t *r = tab + i * ROW;
+        if (rc < 0) { /* spill: the lanes and the new bit into a fresh side row */
+            uint64_t j = head;
+            if (j >= (uint64_t)b.nside) {
+                PyErr_SetString(PyExc_ValueError, "_probe: free side row past the side rows");
+                goto done;
+            }
+            uint64_t *sr = side + j * sw;
+            head = sr[0];
+            memset(sr, 0, 8 * (size_t)sw);
+            for (uint64_t v = s == ST_FULL ? r[2] : 0; v; v >>= 16) {
+                uint64_t lane = v & 0xFFFF, ls = lane >> 3;
+                for (int t = 0; t < TIERS; t++)
+                    if ((lane >> t) & 1) sr[t * w + (ls >> 6)] |= (uint64_t)1 << (ls & 63);
+            }
+            sr[col] |= bit;
+            r[2] = j;
+            st[i] = ST_SPILL;
+            spilled++;
+            rc = 1;
         } else {
-            r = tab + i * stride;
+            r[2] = x;
         }
-        if (!(r[off] & bit)) {
-            r[off] |= bit;
-            added++;
-        }
+        added += rc;
     }
-    out = Py_BuildValue("nnn", fresh, used, added);
+    out = Py_BuildValue("nnnnKn", q, fresh, used, added, (unsigned long long)head, spilled);
 done:
     release(&b);
     return out;
 }
 
-
-/* probe_words(state, tab, stride, shift, w, keys, stop) -> bytes
- * As probe, but the masks as raw rows: per key TIERS * w native uint64 words (L1 words, then GPU
- * words, then L2 words), zeros where absent; with stop, the rows end before the first key with no
- * holder. */
-static PyObject *probe_words(PyObject *Py_UNUSED(self), PyObject *args) {
+/* remove(state, tab, shift, side, w, head, slot, tier, keys)
+ *   -> (bits cleared, rows emptied, free head, side rows freed)
+ * Clears (slot, tier) on every key's row; a row left without holders becomes a tombstone, and a
+ * side row whose holders fit the lanes again goes back to them (its side row to the free list). */
+static PyObject *remove_keys(PyObject *Py_UNUSED(self), PyObject *args) {
     bufs_t b = {0};
-    Py_ssize_t stride, w;
-    int shift, stop;
+    Py_ssize_t w, slot;
+    int shift, tier;
+    uint64_t head;
     PyObject *out = NULL;
-    if (probe_args(args, &b, &stride, &shift, &w, &stop) < 0) goto done;
-    const uint8_t *st = b.st.buf;
-    const uint64_t *tab = b.tab.buf;
+    if (write_args(args, &b, &shift, &w, &head, &slot, &tier) < 0) goto done;
+    uint8_t *st = b.st.buf;
+    uint64_t *tab = b.tab.buf, *side = b.side.buf;
     const unsigned char *k = b.keys.buf;
-    const uint64_t mask = (uint64_t)b.st.len - 1;
-    const Py_ssize_t n = b.keys.len / 16, rw = TIERS * w;
-    prefetch_homes(st, tab, stride, shift, k, n, 0);
-    out = PyBytes_FromStringAndSize(NULL, n * 8 * rw);
-    if (!out) goto done;
-    uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
-    Py_ssize_t rows = 0;
+    const uint64_t mask = (uint64_t)b.cap - 1, tb = (uint64_t)1 << tier, bit = (uint64_t)1 << (slot & 63);
+    const Py_ssize_t n = b.keys.len / 16, sw = b.sw, col = tier * w + (slot >> 6);
+    Py_ssize_t removed = 0, killed = 0, freed = 0;
+    prefetch_homes(st, tab, shift, k, n, 1);
     for (Py_ssize_t q = 0; q < n; q++) {
-        const uint64_t *row = find_row(st, tab, stride, shift, mask, load_u64(k + 16 * q), load_u64(k + 16 * q + 8));
-        uint64_t *d = dst + rows * rw, any = 0;
-        for (Py_ssize_t x = 0; x < rw; x++) any |= d[x] = row ? row[2 + x] : 0;
-        if (!any && stop) break;
-        rows++;
+        int64_t i = find_row(st, tab, shift, mask, load_u64(k + 16 * q), load_u64(k + 16 * q + 8));
+        if (i < 0) continue;
+        uint64_t *r = tab + i * ROW;
+        if (st[i] == ST_FULL) {
+            if (!lanes_clear(&r[2], (uint64_t)slot, tb)) continue;
+        } else {
+            if (r[2] >= (uint64_t)b.nside) {
+                PyErr_SetString(PyExc_ValueError, "_probe: a side index past the side rows");
+                goto done;
+            }
+            uint64_t *sr = side + r[2] * sw, x;
+            if (!(sr[col] & bit)) continue;
+            sr[col] &= ~bit;
+            if (demote(sr, w, &x) == 0) { /* fits the lanes again: free the side row */
+                sr[0] = head;
+                head = r[2];
+                r[2] = x;
+                st[i] = ST_FULL;
+                freed++;
+            }
+        }
+        removed++;
+        if (st[i] == ST_FULL && !r[2]) {
+            st[i] = ST_TOMB; /* the key stays in the row; the state says it is gone */
+            killed++;
+        }
     }
-    if (rows < n) _PyBytes_Resize(&out, rows * 8 * rw);
+    out = Py_BuildValue("nnKn", removed, killed, (unsigned long long)head, freed);
 done:
     release(&b);
     return out;
@@ -382,37 +597,50 @@ done:
     return out;
 }
 
-/* place(state, tab, stride, shift, rows) -> None
- * Insert whole rows (``rows``: [m, stride] uint64, keys distinct and absent) into a table without
- * tombstones (a rehash): each at the first empty row of its chain. */
+/* place(state, tab, shift, rows, states) -> None
+ * Insert whole rows (``rows``: [m, ROW] uint64, keys distinct and absent; ``states``: m bytes, each
+ * FULL or SPILL) into a table without tombstones (a rehash): each at the first empty row of its chain. */
 static PyObject *place(PyObject *Py_UNUSED(self), PyObject *args) {
     bufs_t b = {0};
-    Py_ssize_t stride;
+    Py_buffer rs = {0};
     int shift;
     PyObject *out = NULL;
-    if (!PyArg_ParseTuple(args, "w*w*niy*", &b.st, &b.tab, &stride, &shift, &b.keys)) return NULL;
-    if (check_shape(&b, stride, shift, 8 * stride) < 0) goto done;
+    if (!PyArg_ParseTuple(args, "w*w*iy*y*", &b.st, &b.tab, &shift, &b.keys, &rs)) return NULL;
+    if (check_shape(&b, shift, 1, 8 * ROW) < 0) goto done;
     uint8_t *st = b.st.buf;
     uint64_t *tab = b.tab.buf;
-    const uint64_t *rows = b.keys.buf, mask = (uint64_t)b.st.len - 1;
-    const Py_ssize_t m = b.keys.len / (8 * stride);
+    const uint64_t *rows = b.keys.buf, mask = (uint64_t)b.cap - 1;
+    const uint8_t *states = rs.buf;
+    const Py_ssize_t m = b.keys.len / (8 * ROW);
+    if (rs.len != m) {
+        PyErr_SetString(PyExc_ValueError, "_probe.place: one state per row expected");
+        goto done;
+    }
     for (Py_ssize_t r = 0; r < m; r++) {
-        const uint64_t *row = rows + r * stride;
+        if (!IS_LIVE(states[r])) {
+            PyErr_SetString(PyExc_ValueError, "_probe.place: a row that is not live");
+            goto done;
+        }
+    }
+    for (Py_ssize_t r = 0; r < m; r++) {
+        const uint64_t *row = rows + r * ROW;
         uint64_t i = (row[0] ^ (row[1] >> 1)) >> shift;
         while (st[i] != ST_EMPTY) i = (i + 1) & mask;
-        st[i] = ST_FULL;
-        memcpy(tab + i * stride, row, 8 * (size_t)stride);
+        st[i] = states[r];
+        memcpy(tab + i * ROW, row, 8 * ROW);
     }
     out = Py_None;
     Py_INCREF(out);
 done:
+    if (rs.obj) PyBuffer_Release(&rs);
     release(&b);
     return out;
 }
 
 static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, "Holder masks of one query's keys (see the module comment)."},
-    {"insert", insert, METH_VARARGS, "Set one holder bit on one event's keys, inserting absent ones."},
+    {"insert", insert, METH_VARARGS, "Set one (slot, tier) on one event's keys, inserting absent ones."},
+    {"remove", remove_keys, METH_VARARGS, "Clear one (slot, tier) on one event's keys."},
     {"place", place, METH_VARARGS, "Insert whole rows into a table without tombstones (rehash)."},
     {"probe_words", probe_words, METH_VARARGS, "One query's mask rows as bytes (see above)."},
     {"match_words", match_words, METH_VARARGS, "One query's match from its mask rows (see above)."},

@@ -1,24 +1,30 @@
 """In-memory backend of :class:`~kvgrid.controller.index.base.ChunkIndex` (the default).
 
-One process, no dependencies: an open-addressing hash table over flat numpy arrays whose rows are
-already in the :class:`~kvgrid.controller.index.base.BatchView` layout, so a batch lookup is a few
-vectorized gathers (see :class:`MemoryIndex`). The per-key loops (one query's probe, one event's
-insert, a rehash's placement) run in C (``_probe.c``) where the optional extension was built, else
-in Python over memoryviews; both leave the same rows and give the same answers (tested).
+One process, no dependencies: an open-addressing hash table over flat numpy arrays with *compact
+rows*: a key and one word that holds up to four (slot, tiers) holders inline, or, for a chunk with
+more holders (a system prompt), the index of a side row of full mask words in the
+:class:`~kvgrid.controller.index.base.BatchView` layout. A row costs 25 bytes whatever the number
+of pods. The format and its invariants are in ``_rowloops.py``. The per-key loops (one query's
+probe, one event's insert or removal, a rehash's placement) run in C (``_probe.c``) where the
+optional extension was built, else in Python (``_rowloops.py``, the same functions); both leave the
+same rows and give the same answers (tested). Whole-table scans are numpy (``_rowscans.py``).
 """
 
 from __future__ import annotations
 
 import heapq
-import struct
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from itertools import chain, repeat
+from types import ModuleType
 
 import numpy as np
 
 from kvgrid.common.hashing import CHUNK_KEY_BYTES
+from kvgrid.controller.index import _rowloops, _rowscans
+from kvgrid.controller.index._rowloops import NIL, ROW
+from kvgrid.controller.index._slots import Slots
 from kvgrid.controller.index.base import (
     NUM_TIERS,
     BatchView,
@@ -30,9 +36,9 @@ from kvgrid.controller.index.base import (
     check_keys,
 )
 
-try:  # the compiled probe/insert loops (_probe.c), built by `pip install` where a C compiler exists
+try:  # the compiled per-key loops (_probe.c), built by `pip install` where a C compiler exists
     import kvgrid.controller.index._probe as _native
-except ImportError:  # no compiler at install time, or a big-endian host: the Python loops below
+except ImportError:  # no compiler at install time, or a big-endian host: _rowloops serves
     _native = None  # type: ignore[assignment]
 
 __all__ = ["NATIVE", "MemoryIndex"]
@@ -41,63 +47,26 @@ NATIVE = _native is not None
 """The compiled loops are importable (``MemoryIndex(native=None)`` then uses them)."""
 
 
-class _Slots:
-    """Holder id <-> small slot number; freed slots are reused (lowest first)."""
-
-    def __init__(self) -> None:
-        self.by_holder: dict[str, int] = {}
-        self.by_slot: dict[int, str] = {}
-        self._free: list[int] = []
-        self.version = 0  # bumped on every change of the table (callers cache per version)
-
-    def get_or_assign(self, holder: str) -> int:
-        slot = self.by_holder.get(holder)
-        if slot is None:
-            if self._free:
-                self._free.sort()
-                slot = self._free.pop(0)
-            else:
-                slot = len(self.by_holder)
-            self.by_holder[holder] = slot
-            self.by_slot[slot] = holder
-            self.version += 1
-        return slot
-
-    def release(self, holder: str) -> int | None:
-        slot = self.by_holder.pop(holder, None)
-        if slot is not None:
-            del self.by_slot[slot]
-            self._free.append(slot)
-            self.version += 1
-        return slot
-
-
-_EMPTY, _FULL, _TOMB = 0, 1, 2  # row states of the open-addressing table
 _MIN_CAP = 1024
-_MAX_LOAD = 0.75  # (full + tombstone) rows / capacity before a rehash
+_MAX_LOAD = 0.75  # (live + tombstone) rows / capacity before a rehash
 _PAD = bytes(CHUNK_KEY_BYTES)  # stands in for missing chunks of short queries (masked out after)
-_KEY = struct.Struct("<QQ")
 _KEY_LEN = {CHUNK_KEY_BYTES}
-_WINDOW = 16  # rows probed at once per key after the home row
 
 
 class MemoryIndex(ChunkIndex):
-    """In-process index: an open-addressing hash table in flat numpy arrays.
+    """In-process index: an open-addressing hash table of compact rows in flat numpy arrays.
 
-    Row ``i`` of the table (``_tab[i]``, uint64) holds a key as two words, then ``3 * W`` mask words
-    (``_words`` is a view of them): the L1 holders' slots in words ``[0, W)``, the GPU holders' in
-    ``[W, 2W)``, the L2 holders' in ``[2W, 3W)`` (slot ``s`` is bit ``s % 64`` of word ``s // 64``;
-    ``W`` doubles when slots outgrow it), i.e. the :class:`BatchView` layout. ``_state`` says per row
-    empty, full or tombstone. The capacity is a power of two; a key's home row is the top bits of
-    ``lo ^ (hi >> 1)`` (keys are cryptographic hashes; structured keys still work, with longer
-    chains); collisions probe linearly. Past 3/4 full-or-tombstone rows the table is rebuilt
-    without tombstones at load <= 1/2.
+    ``_tab`` (uint64 ``[capacity, 3]``) holds per row a key (two words) and ``x``; ``_state``
+    (uint8) says empty, full (``x`` = up to four inline holders), tombstone, or spill (``x`` = a
+    row of ``_side``: ``3 * W`` mask words, L1, GPU then L2, slot ``s`` bit ``s % 64`` of word
+    ``s // 64``; ``W`` doubles when slots outgrow it). The capacity is a power of two; a key's home
+    row is the top bits of ``lo ^ (hi >> 1)`` (keys are cryptographic hashes; structured keys still
+    work, with longer chains); collisions probe linearly. Past 3/4 live-or-tombstone rows the table
+    is rebuilt without tombstones at load <= 1/2, and the side rows are compacted with it.
 
-    A batch lookup takes every key's home row at once (one cache miss per key, overlapped across
-    the batch, unlike per-key dict lookups), then windows of ``_WINDOW`` rows for the few keys not
-    settled there. Writes of a few keys (event batches) probe per key (in C, or in Python through
-    memoryviews); scans (drop a holder, replace, holder_keys) are vectorized over one mask column.
-    41 B per row with up to 64 slots (``kvgrid bench lookup`` measures bytes per entry).
+    Lookups return mask words (the :class:`BatchView` layout) expanded from the rows; writes of a
+    few keys (event batches) probe per key (in C, or in Python); scans (drop a holder, replace,
+    holder_keys) are vectorized over the inline words and the side rows.
     """
 
     backend = "memory"
@@ -107,10 +76,11 @@ class MemoryIndex(ChunkIndex):
             raise ValueError(f"width={width}: expected a power of two >= 1")
         if native and _native is None:
             raise ValueError("native=True: the compiled _probe extension is not built here")
-        # the single-query probe and the event insert in C (same answers as the Python loops)
-        self._c = _native if native is not False else None
-        self._w = max(1, width // 64)  # mask words per tier
-        self._slots = _Slots()
+        # the per-key loops: compiled, or their Python twins (same functions, same rows and answers)
+        self._c: ModuleType | None = _native if native is not False else None
+        self._k: ModuleType = self._c if self._c is not None else _rowloops
+        self._w = max(1, width // 64)  # mask words per tier (side rows)
+        self._slots = Slots()
         self._counts: dict[tuple[int, IndexTier], int] = {}
         self._spec: dict[bytes, dict[int, float]] = {}  # key -> slot -> deadline (monotonic s)
         # Invariants: every (key, slot) in _spec is in _spec_keys[slot], and has a heap entry with its
@@ -120,7 +90,10 @@ class MemoryIndex(ChunkIndex):
         self._spec_keys: dict[int, set[bytes]] = {}
         self._spec_due: list[tuple[float, bytes, int]] = []
         self._lock = threading.RLock()
-        self._n = 0  # full rows (distinct chunks)
+        self._n = 0  # live rows (distinct chunks)
+        self._side = np.zeros((0, NUM_TIERS * self._w), dtype=np.uint64)
+        self._head = NIL  # first free side row
+        self._spilled = 0  # side rows in use
         self._holders_copy: tuple[int, dict[int, str]] = (-1, {})  # (slots version, by_slot copy)
         self._alloc(_MIN_CAP)
 
@@ -136,72 +109,10 @@ class MemoryIndex(ChunkIndex):
 
     # --- table --------------------------------------------------------------------------------
     def _alloc(self, cap: int) -> None:
-        state, tab, shift = self._fresh(cap)
-        self._swap(state, tab, shift, used=0)
-
-    def _fresh(self, cap: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """Empty (state, table, shift) of ``cap`` rows at the current mask width."""
-        state = np.zeros(cap, dtype=np.uint8)
-        tab = np.zeros((cap, 2 + NUM_TIERS * self._w), dtype=np.uint64)
-        return state, tab, 64 - (cap.bit_length() - 1)
-
-    def _swap(self, state: np.ndarray, tab: np.ndarray, shift: int, used: int) -> None:
-        self._state = state
-        self._shift = shift
-        self._used = used  # full + tombstone rows
-        self._set_tab(tab)
-
-    def _set_tab(self, tab: np.ndarray) -> None:
-        self._tab = tab
-        self._klo, self._khi, self._words = tab[:, 0], tab[:, 1], tab[:, 2:]
-        self._stride = tab.shape[1]
-        # memoryviews give Python ints per element at a fraction of numpy's scalar indexing cost
-        self._mt = tab.reshape(-1).data.cast("B").cast("Q")
-        self._mst = self._state.data.cast("B")
-
-    @staticmethod
-    def _home_of(lo: np.ndarray, hi: np.ndarray, shift: int) -> np.ndarray:
-        # keys are cryptographic hashes: their top bits are already uniform (any key still works,
-        # structured ones only probe longer)
-        return ((lo ^ (hi >> np.uint64(1))) >> np.uint64(shift)).astype(np.intp)
-
-    def _home(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        return self._home_of(lo, hi, self._shift)
-
-    def _probe(self, lo: np.ndarray, hi: np.ndarray, words: np.ndarray | None = None) -> np.ndarray:
-        """Row of every key (``lo``/``hi`` arrays), -1 where absent; with ``words`` (zeros,
-        ``[len(lo), 3W]``) also copies the found masks. Vectorized over all keys: one round at the
-        home rows (most keys end there), then windows of the next ``_WINDOW`` rows per unfinished key
-        (a chain ends at its key or at an empty row). ``np.take`` of whole rows: key and masks share
-        a cache line, and take is several times faster than fancy indexing of a 2-D array."""
-        mask = len(self._state) - 1
-        state, tab = self._state, self._tab
-        out = np.full(len(lo), -1, dtype=np.intp)
-        pos = self._home(lo, hi)
-        st = state.take(pos)
-        rows = tab.take(pos, axis=0)
-        hit = (st == _FULL) & (rows[:, 0] == lo) & (rows[:, 1] == hi)
-        out[hit] = pos[hit]
-        if words is not None:
-            words[hit] = rows[hit, 2:]
-        todo = np.flatnonzero((st != _EMPTY) & ~hit)
-        step = np.arange(1, _WINDOW + 1)
-        while len(todo):
-            m = len(todo)
-            p = (pos[todo, None] + step) & mask  # [m, window]
-            st = state.take(p)
-            rows = tab.take(p.reshape(-1), axis=0).reshape(m, _WINDOW, -1)
-            match = (st == _FULL) & (rows[:, :, 0] == lo[todo, None]) & (rows[:, :, 1] == hi[todo, None])
-            stop = match | (st == _EMPTY)
-            first = stop.argmax(axis=1)
-            r = np.arange(m)
-            found = match[r, first]  # the chain reached the key before any empty row
-            out[todo[found]] = p[r, first][found]
-            if words is not None:
-                words[todo[found]] = rows[r[found], first[found], 2:]
-            todo = todo[~stop[r, first]]  # no stop in the window: probe the next one
-            pos[todo] = (pos[todo] + _WINDOW) & mask
-        return out
+        self._state = np.zeros(cap, dtype=np.uint8)
+        self._tab = np.zeros((cap, ROW), dtype=np.uint64)
+        self._shift = 64 - (cap.bit_length() - 1)
+        self._used = 0  # live + tombstone rows
 
     def _rehash(self, need: int) -> None:
         """Rebuild the table without tombstones, at load <= 1/2 with ``need`` more keys.
@@ -212,44 +123,22 @@ class MemoryIndex(ChunkIndex):
         cap = _MIN_CAP
         while 2 * (self._n + need) > cap:
             cap *= 2
-        rows = np.ascontiguousarray(self._tab[self._state == _FULL])
-        state, tab, shift = self._fresh(cap)
-        self._place(state, tab, shift, rows)
-        self._swap(state, tab, shift, used=len(rows))
-
-    def _place(self, state: np.ndarray, tab: np.ndarray, shift: int, rows: np.ndarray) -> None:
-        """Insert whole ``rows`` (keys distinct) into the empty table ``state``/``tab``: in C one
-        row after another, else vectorized rounds (each free row taken by one key per round)."""
-        if self._c is not None:
-            self._c.place(state, tab, tab.shape[1], shift, rows)
-            return
-        mask = len(state) - 1
-        pos = self._home_of(rows[:, 0], rows[:, 1], shift)
-        todo = np.arange(len(rows))
-        while len(todo):
-            p = pos[todo]
-            free = state[p] == _EMPTY
-            _, first = np.unique(p[free], return_index=True)  # one winner per free row per round
-            win = todo[free][first]
-            wp = pos[win]
-            state[wp] = _FULL
-            tab[wp] = rows[win]
-            lost = np.ones(len(todo), dtype=bool)
-            lost[np.flatnonzero(free)[first]] = False
-            todo = todo[lost]
-            pos[todo] = (pos[todo] + 1) & mask
+        rows, states, side, head = _rowscans.compact_side(self._state, self._tab, self._side)
+        state = np.zeros(cap, dtype=np.uint8)
+        tab = np.zeros((cap, ROW), dtype=np.uint64)
+        shift = 64 - (cap.bit_length() - 1)
+        self._k.place(state, tab, shift, rows, states)
+        self._state, self._tab, self._shift, self._used = state, tab, shift, len(rows)
+        self._side, self._head = side, head
 
     def _grow_words(self, need_slots: int) -> None:
-        w = self._w
-        nw = w
+        w = nw = self._w
         while 64 * nw < need_slots:
             nw *= 2
-        tab = np.zeros((len(self._state), 2 + NUM_TIERS * nw), dtype=np.uint64)
-        tab[:, :2] = self._tab[:, :2]
+        side = np.zeros((len(self._side), NUM_TIERS * nw), dtype=np.uint64)
         for t in range(NUM_TIERS):  # each tier's words move to the start of its wider block
-            tab[:, 2 + t * nw : 2 + t * nw + w] = self._tab[:, 2 + t * w : 2 + (t + 1) * w]
-        self._w = nw
-        self._set_tab(tab)
+            side[:, t * nw : t * nw + w] = self._side[:, t * w : (t + 1) * w]
+        self._w, self._side = nw, side  # word 0 (the free list's link) stays word 0
 
     def _slot(self, holder: str) -> int:
         slot = self._slots.get_or_assign(holder)
@@ -257,153 +146,57 @@ class MemoryIndex(ChunkIndex):
             self._grow_words(slot + 1)
         return slot
 
-    def _col(self, slot: int, tier: IndexTier) -> tuple[int, int]:
-        """(word column, bit) of ``slot`` in ``tier``."""
-        return int(tier) * self._w + (slot >> 6), 1 << (slot & 63)
-
-    def _row(self, key: bytes) -> int:
-        """Row of ``key``, or -1 (one probe chain in Python)."""
-        lo, hi = _KEY.unpack(key)
-        mask = len(self._state) - 1
-        i = (lo ^ hi >> 1) >> self._shift
-        st, mt, stride = self._mst, self._mt, self._stride
-        while True:
-            s = st[i]
-            if s == _EMPTY:
-                return -1
-            if s == _FULL and mt[i * stride] == lo and mt[i * stride + 1] == hi:
-                return i
-            i = (i + 1) & mask
-
-    def _insert_rows(self, keys: Iterable[bytes]) -> list[int]:
-        """Row of every key, inserting absent ones (masks zero); caller made room and holds the lock.
-
-        One probe chain per key in Python over memoryviews (event batches are a few keys: numpy's
-        per-call cost would dominate); the first tombstone on a chain is reused.
-        """
-        mask = len(self._state) - 1
-        shift = self._shift
-        st, mt, stride = self._mst, self._mt, self._stride
-        unpack = _KEY.unpack
-        out = []
-        for k in keys:
-            lo, hi = unpack(k)
-            i = (lo ^ hi >> 1) >> shift
-            tomb = -1
-            while True:
-                s = st[i]
-                if s == _EMPTY:
-                    break
-                if s == _FULL:
-                    if mt[i * stride] == lo and mt[i * stride + 1] == hi:
-                        break
-                elif tomb < 0:
-                    tomb = i
-                i = (i + 1) & mask
-            if s != _FULL:
-                if tomb >= 0:
-                    i = tomb
-                else:
-                    self._used += 1
-                st[i] = _FULL
-                mt[i * stride] = lo
-                mt[i * stride + 1] = hi
-                self._n += 1
-            out.append(i)
-        return out
-
     def _room(self, n: int) -> None:
         if self._used + n > _MAX_LOAD * len(self._state):
             self._rehash(n)
 
-    def _kill(self, rows: np.ndarray) -> None:
-        """Turn rows whose masks became all zero into tombstones."""
-        if len(rows):
-            dead = rows[~self._words[rows].any(axis=1)]
-            self._state[dead] = _TOMB
-            self._n -= len(dead)
-
     def _count(self, slot: int, tier: IndexTier, delta: int) -> None:
         self._counts[(slot, tier)] = self._counts.get((slot, tier), 0) + delta
 
+    def _insert(self, slot: int, tier: IndexTier, raw: bytes) -> int:
+        """Set (slot, tier) on the keys of ``raw``, adding side rows whenever the free ones run out;
+        returns the bits set. Caller holds the lock and made room for the keys."""
+        total = 0
+        while True:
+            done, fresh, used, added, self._head, spilled = self._k.insert(
+                self._state, self._tab, self._shift, self._side, self._w, self._head, slot, int(tier), raw
+            )
+            self._n += fresh
+            self._used += used
+            self._spilled += spilled
+            total += added
+            if 16 * done == len(raw):
+                return total
+            raw = raw[16 * done :]
+            self._side, self._head = _rowscans.grow_side(self._side, self._head)
+
+    def _clear(self, slot: int, tbits: int, keep: np.ndarray | None = None) -> None:
+        """Clear ``slot`` in the tiers ``tbits`` on every row but ``keep``; caller holds the lock."""
+        killed, self._head, freed = _rowscans.clear_slot(
+            self._state, self._tab, self._side, self._w, self._head, slot, tbits, keep
+        )
+        self._n -= killed
+        self._spilled -= freed
+
     # --- writes -------------------------------------------------------------------------------
     def add(self, holder: str, tier: IndexTier, keys: Sequence[bytes]) -> None:
-        raw = self._joined(keys) if self._c is not None else None
-        if raw is None:
-            check_keys(keys)
+        raw = self._joined(keys)
         with self._lock:
             slot = self._slot(holder)
-            col, bit = self._col(slot, tier)
             self._room(len(keys))
-            if self._c is not None and raw is not None:
-                new, used, added = self._c.insert(
-                    self._state, self._tab, self._stride, self._shift, 2 + col, bit, raw
-                )
-                self._n += new
-                self._used += used
-                self._count(slot, tier, added)
-                return
-            # _insert_rows inlined: this loop is the ingest rate
-            mask, shift = len(self._state) - 1, self._shift
-            st, mt, stride = self._mst, self._mt, self._stride
-            off = 2 + col
-            words = iter(struct.unpack(f"<{2 * len(keys)}Q", b"".join(keys)))  # one call per event
-            added = new = used = 0
-            for lo, hi in zip(words, words, strict=True):
-                i = (lo ^ hi >> 1) >> shift
-                tomb = -1
-                while True:
-                    s = st[i]
-                    if s == _FULL:
-                        j = i * stride
-                        if mt[j] == lo and mt[j + 1] == hi:
-                            break
-                    elif s == _EMPTY:
-                        break
-                    elif tomb < 0:
-                        tomb = i
-                    i = (i + 1) & mask
-                if s != _FULL:
-                    if tomb >= 0:
-                        i = tomb  # reuse the first tombstone on the chain
-                    else:
-                        used += 1
-                    st[i] = _FULL
-                    j = i * stride
-                    mt[j] = lo
-                    mt[j + 1] = hi
-                    new += 1
-                j = i * stride + off
-                v = mt[j]
-                if not v & bit:
-                    mt[j] = v | bit
-                    added += 1
-            self._n += new
-            self._used += used
-            self._count(slot, tier, added)
+            self._count(slot, tier, self._insert(slot, tier, raw))
 
     def remove(self, holder: str, tier: IndexTier, keys: Sequence[bytes]) -> None:
-        check_keys(keys)
+        raw = self._joined(keys)
         with self._lock:
             slot = self._slots.by_holder.get(holder)
             if slot is None:
                 return
-            col, bit = self._col(slot, tier)
-            stride, off = self._stride, 2 + col
-            mt, st = self._mt, self._mst
-            removed = 0
-            for k in keys:
-                i = self._row(k)
-                if i < 0:
-                    continue
-                j = i * stride + off
-                v = mt[j]
-                if v & bit:
-                    mt[j] = v & ~bit
-                    removed += 1
-                    if not any(mt[i * stride + 2 : (i + 1) * stride]):
-                        st[i] = _TOMB  # the key stays in the row; the state says it is gone
-                        self._n -= 1
+            removed, killed, self._head, freed = self._k.remove(
+                self._state, self._tab, self._shift, self._side, self._w, self._head, slot, int(tier), raw
+            )
+            self._n -= killed
+            self._spilled -= freed
             self._count(slot, tier, -removed)
 
     @staticmethod
@@ -417,35 +210,17 @@ class MemoryIndex(ChunkIndex):
             check_keys(keys)
         return raw
 
-    def _keys_array(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        a = np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)
-        return a[:, 0].astype(np.uint64), a[:, 1].astype(np.uint64)
-
-    def _clear_column(self, col: int, bit: int, keep: np.ndarray | None = None) -> int:
-        """Clear ``bit`` in column ``col`` of every full row (except rows in ``keep``)."""
-        c = self._words[:, col]
-        hit = (c & np.uint64(bit)) != 0
-        if keep is not None and len(keep):
-            hit[keep] = False
-        rows = np.flatnonzero(hit)
-        self._words[rows, col] = c[rows] & ~np.uint64(bit)
-        self._kill(rows)
-        return len(rows)
-
     def replace(self, holder: str, tier: IndexTier, keys: Iterable[bytes]) -> None:
         new = list(set(keys))
         check_keys(new)
+        raw = b"".join(new)
         with self._lock:
             slot = self._slot(holder)
-            col, bit = self._col(slot, tier)
             if self._counts.get((slot, tier), 0):
-                keep = self._probe(*self._keys_array(new)) if new else None
-                self._clear_column(col, bit, None if keep is None else keep[keep >= 0])
+                keep = self._rows(raw) if new else None
+                self._clear(slot, 1 << tier, None if keep is None else keep[keep >= 0])
             self._room(len(new))
-            stride, off = self._stride, 2 + col
-            mt = self._mt
-            for i in self._insert_rows(new):
-                mt[i * stride + off] |= bit
+            self._insert(slot, tier, raw)
             self._counts[(slot, tier)] = len(new)
 
     def drop_holder(self, holder: str) -> int:
@@ -455,8 +230,7 @@ class MemoryIndex(ChunkIndex):
                 return 0
             n = sum(self._counts.pop((slot, tier), 0) for tier in IndexTier)
             if n:
-                for tier in IndexTier:
-                    self._clear_column(*self._col(slot, tier))
+                self._clear(slot, (1 << NUM_TIERS) - 1)
             for k in self._spec_keys.pop(slot, ()):
                 d = self._spec[k]
                 del d[slot]
@@ -493,21 +267,38 @@ class MemoryIndex(ChunkIndex):
                 del spec[k]
 
     # --- reads --------------------------------------------------------------------------------
-    def _gather(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Mask words ``[len(lo), 3W]`` of the keys ``lo``/``hi`` (zeros where absent); caller holds
-        the lock."""
-        out = np.zeros((len(lo), NUM_TIERS * self._w), dtype=np.uint64)
-        if len(lo):
-            self._probe(lo, hi, out)
-        return out
+    def _rows(self, raw: bytes) -> np.ndarray:
+        """Row of every key of ``raw`` (-1 where absent), vectorized; caller holds the lock."""
+        k = np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
+        lo, hi = k[:, 0].astype(np.uint64), k[:, 1].astype(np.uint64)
+        return _rowscans.probe_rows(self._state, self._tab, self._shift, lo, hi)
+
+    def _gather(self, raw: bytes) -> np.ndarray:
+        """Mask words ``[keys, 3W]`` of the keys of ``raw`` (zeros where absent), writable; caller
+        holds the lock. Compiled: one prefetched probe per key; else a vectorized probe."""
+        n, w = len(raw) // CHUNK_KEY_BYTES, self._w
+        if not n:
+            return np.zeros((0, NUM_TIERS * w), dtype=np.uint64)
+        if self._c is not None:
+            out = self._c.probe_words(self._state, self._tab, self._shift, self._side, w, raw, False)
+            return np.frombuffer(out, dtype=np.uint64).reshape(n, NUM_TIERS * w).copy()
+        return _rowscans.expand(self._state, self._tab, self._side, w, self._rows(raw))
+
+    def _holders(self) -> tuple[int, dict[int, str]]:
+        """(slots version, slot -> holder) as a copy kept per version; caller holds the lock."""
+        version = self._slots.version
+        if self._holders_copy[0] != version:
+            self._holders_copy = (version, dict(self._slots.by_slot))
+        return version, self._holders_copy[1]
 
     def lookup(self, keys: Sequence[bytes]) -> PrefixView:
+        raw = self._joined(keys)
         l1: list[int] = []
         gpu: list[int] = []
         l2: list[int] = []
         with self._lock:
             w = self._w
-            words = self._gather(*self._keys_array(keys))
+            words = self._gather(raw)
             if self._spec:
                 self._fold_speculative(keys, words, time.monotonic(), len(keys), 1)
             union = 0
@@ -533,68 +324,15 @@ class MemoryIndex(ChunkIndex):
     def lookup_one(self, keys: Sequence[bytes] | np.ndarray) -> MaskView:
         # One query: one probe chain per key (numpy's per-call cost is most of a single query's
         # lookup), stopping at the first chunk nobody holds; in C when built, else in Python.
-        if self._c is not None:
-            return self._lookup_one_c(keys)
-        n = len(keys)
-        if isinstance(keys, np.ndarray):
-            words = iter(keys.reshape(-1).tolist())
-        else:
-            check_keys(keys)
-            words = iter(struct.unpack(f"<{2 * n}Q", b"".join(keys)))
-        l1: list[int] = []
-        gpu: list[int] = []
-        l2: list[int] = []
-        with self._lock:
-            mask, shift, w = len(self._state) - 1, self._shift, self._w
-            st, mt, stride = self._mst, self._mt, self._stride
-            spec, now = self._spec, time.monotonic()
-            for lo, hi in zip(words, words, strict=True):
-                i = (lo ^ hi >> 1) >> shift
-                m = g = d = 0
-                while True:
-                    s = st[i]
-                    if s == _FULL:
-                        j = i * stride
-                        if mt[j] == lo and mt[j + 1] == hi:
-                            if w == 1:
-                                m, g, d = mt[j + 2], mt[j + 3], mt[j + 4]
-                            else:
-                                for k in range(w):
-                                    m |= mt[j + 2 + k] << (64 * k)
-                                    g |= mt[j + 2 + w + k] << (64 * k)
-                                    d |= mt[j + 2 + 2 * w + k] << (64 * k)
-                            break
-                    elif s == _EMPTY:
-                        break
-                    i = (i + 1) & mask
-                if spec:
-                    sp = spec.get(_KEY.pack(lo, hi))
-                    if sp:
-                        for slot, t in sp.items():
-                            if t > now:
-                                g |= 1 << slot
-                if not m and not g and not d:
-                    break
-                l1.append(m)
-                gpu.append(g)
-                l2.append(d)
-            version = self._slots.version
-            if self._holders_copy[0] != version:
-                self._holders_copy = (version, dict(self._slots.by_slot))
-            holders = self._holders_copy[1]
-        return MaskView(l1=l1, gpu=gpu, holders=holders, slots_version=version, nwords=w, l2=l2)
-
-    def _lookup_one_c(self, keys: Sequence[bytes] | np.ndarray) -> MaskView:
         if isinstance(keys, np.ndarray):
             raw = np.ascontiguousarray(keys, dtype="<u8").tobytes()
         else:
             check_keys(keys)
             raw = b"".join(keys)
-        assert self._c is not None
         with self._lock:
             w, spec = self._w, self._spec
             # with speculative entries every key's masks come back, folded here, then cut
-            l1, gpu, l2 = self._c.probe(self._state, self._tab, self._stride, self._shift, w, raw, not spec)
+            l1, gpu, l2 = self._k.probe(self._state, self._tab, self._shift, self._side, w, raw, not spec)
             if spec:
                 now = time.monotonic()
                 for i in range(len(l1)):
@@ -606,29 +344,22 @@ class MemoryIndex(ChunkIndex):
                     if not l1[i] and not gpu[i] and not l2[i]:
                         del l1[i:], gpu[i:], l2[i:]
                         break
-            version = self._slots.version
-            if self._holders_copy[0] != version:
-                self._holders_copy = (version, dict(self._slots.by_slot))
-            holders = self._holders_copy[1]
+            version, holders = self._holders()
         return MaskView(l1=l1, gpu=gpu, holders=holders, slots_version=version, nwords=w, l2=l2)
 
     def lookup_words(self, keys: Sequence[bytes] | np.ndarray) -> WordsView:
-        if self._c is None:
-            return super().lookup_words(keys)
-        if isinstance(keys, np.ndarray):
-            raw = np.ascontiguousarray(keys, dtype="<u8").tobytes()
-        else:
-            raw = self._joined(keys)
+        raw = (
+            np.ascontiguousarray(keys, dtype="<u8").tobytes()
+            if isinstance(keys, np.ndarray)
+            else self._joined(keys)
+        )
         with self._lock:
             w, spec = self._w, self._spec
             # with speculative entries every key's row comes back (a zero row may gain a holder)
-            words = self._c.probe_words(self._state, self._tab, self._stride, self._shift, w, raw, not spec)
+            words = self._k.probe_words(self._state, self._tab, self._shift, self._side, w, raw, not spec)
             if spec:
                 words = self._fold_words(raw, words, w)
-            version = self._slots.version
-            if self._holders_copy[0] != version:
-                self._holders_copy = (version, dict(self._slots.by_slot))
-            holders = self._holders_copy[1]
+            version, holders = self._holders()
         return WordsView(words=words, holders=holders, slots_version=version, nwords=w)
 
     def _fold_words(self, raw: bytes, words: bytes, w: int) -> bytes:
@@ -656,9 +387,9 @@ class MemoryIndex(ChunkIndex):
         else:
             keys = list(chain.from_iterable(queries))
         k = np.frombuffer(b"".join(keys), dtype="<u8").reshape(nq, n, 2).transpose(1, 0, 2)
-        lo, hi = k[:, :, 0].astype(np.uint64).reshape(-1), k[:, :, 1].astype(np.uint64).reshape(-1)
+        raw = np.ascontiguousarray(k).tobytes()
         with self._lock:
-            words = self._gather(lo, hi)
+            words = self._gather(raw)
             if self._spec:
                 self._fold_speculative(keys, words, time.monotonic(), n, nq)
             holders = dict(self._slots.by_slot)
@@ -681,13 +412,12 @@ class MemoryIndex(ChunkIndex):
         else:
             pad = None
             k = keys.reshape(nq, n, 2)
-        lo = np.ascontiguousarray(k[:, :, 0].T).reshape(-1)
-        hi = np.ascontiguousarray(k[:, :, 1].T).reshape(-1)
+        raw = np.ascontiguousarray(k.transpose(1, 0, 2), dtype="<u8").tobytes()
         with self._lock:
-            words = self._gather(lo, hi)
+            words = self._gather(raw)
             if self._spec:
-                raw = k.astype("<u8").tobytes()
-                qkeys = [raw[i : i + CHUNK_KEY_BYTES] for i in range(0, len(raw), CHUNK_KEY_BYTES)]
+                qraw = k.astype("<u8").tobytes()
+                qkeys = [qraw[i : i + CHUNK_KEY_BYTES] for i in range(0, len(qraw), CHUNK_KEY_BYTES)]
                 self._fold_speculative(qkeys, words, time.monotonic(), n, nq)
             holders = dict(self._slots.by_slot)
             version = self._slots.version
@@ -714,9 +444,8 @@ class MemoryIndex(ChunkIndex):
             slot = self._slots.by_holder.get(holder)
             if slot is None:
                 return set()
-            col, bit = self._col(slot, tier)
-            rows = np.flatnonzero(self._words[:, col] & np.uint64(bit))
-            raw = np.stack([self._klo[rows], self._khi[rows]], axis=1).astype("<u8").tobytes()
+            rows = _rowscans.slot_rows(self._state, self._tab, self._side, self._w, slot, int(tier))
+            raw = np.ascontiguousarray(self._tab[rows, :2]).astype("<u8").tobytes()
         b = CHUNK_KEY_BYTES
         return {raw[i : i + b] for i in range(0, len(raw), b)}
 
@@ -742,3 +471,7 @@ class MemoryIndex(ChunkIndex):
 
     def num_chunks(self) -> int:
         return self._n
+
+    def spilled_rows(self) -> int:
+        """Chunks whose holders live in side rows (more than four, or a slot past the lanes)."""
+        return self._spilled
