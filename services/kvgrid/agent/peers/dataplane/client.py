@@ -17,6 +17,7 @@ import socket
 import ssl
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -86,9 +87,9 @@ def fetch_streams(
     if security in ("mac", "aead"):
         tls = None  # plaintext TCP: the key protects the bytes
     conns = _Streams(
-        host,
-        port,
-        ticket,
+        host=host,
+        port=port,
+        ticket=ticket,
         streams=streams,
         num_chunks=num_chunks,
         chunk_bytes=chunk_bytes,
@@ -110,32 +111,25 @@ def fetch_streams(
     return conns.got
 
 
+@dataclass
 class _Streams:
     """One :func:`fetch_streams` call's connections: what they received, the flag that stops them
     all, and their sockets (shut down on the first failure, which wakes streams blocked in recv)."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        ticket: bytes,
-        *,
-        streams: int,
-        num_chunks: int,
-        chunk_bytes: int,
-        targets: dict[int, np.ndarray],
-        deadline: float,
-        tls: ssl.SSLContext | None,
-        security: str,
-        keys: TicketKeys | None,
-    ) -> None:
-        self.host, self.port, self.ticket = host, port, ticket
-        self.streams, self.num_chunks, self.chunk_bytes = streams, num_chunks, chunk_bytes
-        self.targets, self.deadline, self.tls = targets, deadline, tls
-        self.security, self.keys = security, keys
-        self.got = Received()
-        self.stop = threading.Event()
-        self.socks: list[socket.socket] = []
+    host: str
+    port: int
+    ticket: bytes
+    streams: int
+    num_chunks: int
+    chunk_bytes: int
+    targets: dict[int, np.ndarray]
+    deadline: float
+    tls: ssl.SSLContext | None
+    security: str
+    keys: TicketKeys | None
+    got: Received = field(default_factory=Received)
+    stop: threading.Event = field(default_factory=threading.Event)
+    socks: list[socket.socket] = field(default_factory=list)
 
     def fail(self, e: StreamFailure) -> None:
         got = self.got
